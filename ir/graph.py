@@ -1,0 +1,202 @@
+"""The autopar IR: an immutable DAG of ops over tensor values, lowered from a jaxpr.
+
+Identity: ops and values are referred to by integer id, never by object identity, so that plans
+that name them can be saved to disk. Ids are global across the whole graph, nested regions
+included: a scan body's values have ids distinct from the enclosing graph's.
+
+Structure:
+  * ``Graph.values[v]`` is the ``TensorType`` of value ``v`` (every value, nested ones too).
+  * ``Graph.ops`` holds the top-level ops in topological order. An op with a loop or branch
+    (``scan``, ``while``, ``cond``) keeps its body as ``Region``s, each again a topologically ordered
+    tuple of ops; a scan body is *not* unrolled: its costs count ``trip_count`` times.
+  * ``jit`` calls are inlined. ``remat2``, ``custom_jvp_call`` and ``custom_vjp_call`` are inlined
+    too, with the marker kept in each inlined op's ``scope``.
+  * ``origin`` of an op is the path of equation indices that leads to it from the top-level jaxpr
+    (``(12, 3)``: equation 3 of the jaxpr called by top-level equation 12). Codegen uses it to find
+    the equation again when it re-evaluates the jaxpr.
+
+A pass returns a new Graph; nothing here is edited in place.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorType:
+    """Shape and dtype of one value."""
+
+    shape: tuple[int, ...]
+    dtype: str  # numpy dtype name: "float32", "bfloat16", "int32", "bool", ...
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        if self.dtype == "bfloat16":
+            return 2
+        if self.dtype.startswith("float8"):
+            return 1
+        return np.dtype(self.dtype).itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.itemsize
+
+    def __str__(self) -> str:
+        return f"{self.dtype}[{','.join(map(str, self.shape))}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """A nested body (scan/while body, a cond branch): its ops and boundary value ids.
+
+    ``inputs`` are the body's parameters in jaxpr order; ``outputs`` its results in order.
+    """
+
+    ops: tuple["Op", ...]
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One primitive application.
+
+    Attributes:
+      id: unique op id in the graph.
+      prim: primitive name (``"dot_general"``, ``"scan"``, ...).
+      ins: input value ids (a literal constant is a value too; see ``Graph.literals``).
+      outs: output value ids.
+      params: the primitive's parameters, reduced to hashable plain data (ints, strs, tuples);
+        sub-jaxprs are dropped (they live in ``regions``).
+      flops: floating-point operations of one execution (a scan's op: body flops x trip count).
+      bytes_accessed: bytes read plus written by one execution (same multiplication rule).
+      source: the user's source location, ``"file.py:123 (function)"``, or ``""``.
+      name: the name stack (flax module path and transforms), e.g. ``"jvp(GPT)/layer_0/mlp/fc1"``.
+      scope: markers of inlined wrappers, outermost first, e.g. ``("remat2",)``.
+      origin: equation-index path from the top-level jaxpr (see module docstring).
+      regions: nested bodies (scan/while: ``(body,)``; while also its cond as the 2nd; cond: branches).
+      trip_count: how often the regions run per execution of this op (scan length; 1 if unknown).
+      layer: index into ``Graph.layers`` or ``None``.
+    """
+
+    id: int
+    prim: str
+    ins: tuple[int, ...]
+    outs: tuple[int, ...]
+    params: tuple[tuple[str, Any], ...] = ()
+    flops: float = 0.0
+    bytes_accessed: float = 0.0
+    source: str = ""
+    name: str = ""
+    scope: tuple[str, ...] = ()
+    origin: tuple[int, ...] = ()
+    regions: tuple[Region, ...] = ()
+    trip_count: int = 1
+    layer: int | None = None
+
+    def param(self, key: str, default: Any = None) -> Any:
+        for k, v in self.params:
+            if k == key:
+                return v
+        return default
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """A repeated block. Layers with equal ``signature`` are structurally identical and list their
+    op ids in corresponding order, so ``a.op_ids[j]`` plays the role of ``b.op_ids[j]``.
+    A scan body is one layer (``kind="scan"``, ``repeats`` = trip count)."""
+
+    index: int
+    name: str
+    op_ids: tuple[int, ...]
+    signature: str
+    kind: str = "unrolled"  # "unrolled" | "scan"
+    repeats: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Graph:
+    """An immutable DAG of ops. See the module docstring for the id conventions."""
+
+    ops: tuple[Op, ...]
+    values: tuple[TensorType, ...]
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    input_paths: tuple[str, ...]         # pytree path of each input, e.g. "[0]['params']['wte']['embedding']"
+    output_paths: tuple[str, ...]
+    donated: tuple[bool, ...]            # per input
+    literals: tuple[tuple[int, Any], ...] = ()   # (value id, python scalar) for literal constants
+    consts: tuple[int, ...] = ()         # value ids of closed-over constants (not user inputs)
+    layers: tuple[Layer, ...] = ()
+    # Not part of identity: the traced jaxpr and pytree structure, for codegen. Never serialised.
+    jaxpr: Any = dataclasses.field(default=None, compare=False, repr=False, hash=False)
+    in_tree: Any = dataclasses.field(default=None, compare=False, repr=False, hash=False)
+    out_tree: Any = dataclasses.field(default=None, compare=False, repr=False, hash=False)
+
+    # ---- navigation -------------------------------------------------------------------------
+    def all_ops(self) -> tuple[Op, ...]:
+        """Every op, nested ones included, in a pre-order walk (a region op before its body)."""
+        out: list[Op] = []
+
+        def walk(ops: tuple[Op, ...]) -> None:
+            for op in ops:
+                out.append(op)
+                for r in op.regions:
+                    walk(r.ops)
+
+        walk(self.ops)
+        return tuple(out)
+
+    def op(self, op_id: int) -> Op:
+        return self._op_index()[op_id]
+
+    def producer(self, value_id: int) -> Op | None:
+        return self._producer_index().get(value_id)
+
+    def type(self, value_id: int) -> TensorType:
+        return self.values[value_id]
+
+    def _op_index(self) -> Mapping[int, Op]:
+        cache = self.__dict__.get("_op_idx")
+        if cache is None:
+            cache = {op.id: op for op in self.all_ops()}
+            object.__setattr__(self, "_op_idx", cache)
+        return cache
+
+    def _producer_index(self) -> Mapping[int, Op]:
+        cache = self.__dict__.get("_prod_idx")
+        if cache is None:
+            cache = {v: op for op in self.all_ops() for v in op.outs}
+            object.__setattr__(self, "_prod_idx", cache)
+        return cache
+
+    # ---- totals -----------------------------------------------------------------------------
+    @property
+    def total_flops(self) -> float:
+        return float(sum(op.flops for op in self.ops))
+
+    @property
+    def input_bytes(self) -> int:
+        return sum(self.values[v].nbytes for v in self.inputs)
+
+    def fingerprint(self) -> str:
+        """A stable hash of the graph's structure (prims, shapes, wiring), for plan matching."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for op in self.all_ops():
+            h.update(f"{op.id}:{op.prim}:{op.ins}:{op.outs}:{op.trip_count};".encode())
+        for v in self.values:
+            h.update(f"{v};".encode())
+        h.update(repr((self.inputs, self.outputs, self.input_paths)).encode())
+        return h.hexdigest()[:16]

@@ -1,0 +1,23 @@
+"""Test set-up: 8 emulated CPU devices, requested before jax is imported anywhere."""
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("AUTOPAR_CHECKS", "1")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_enable_x64", False)
+
+
+@pytest.fixture(scope="session")
+def mesh_8():
+    return jax.sharding.Mesh(jax.devices()[:8], ("x",))
+
+
+@pytest.fixture(scope="session")
+def mesh_2x4():
+    import numpy as np
+
+    return jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
