@@ -1,4 +1,7 @@
 """ir: lowers a JAX function into autopar's immutable op graph (see ``ir.graph``)."""
+from ir.errors import IRError, UnsupportedPrimitiveError
+from ir.from_jaxpr import trace
 from ir.graph import Graph, Layer, Op, Region, TensorType
 
-__all__ = ["Graph", "Layer", "Op", "Region", "TensorType"]
+__all__ = ["Graph", "IRError", "Layer", "Op", "Region", "TensorType", "UnsupportedPrimitiveError",
+           "trace"]

@@ -44,6 +44,10 @@ class TensorType:
             return 2
         if self.dtype.startswith("float8"):
             return 1
+        if self.dtype.startswith("key<"):  # a PRNG key: threefry keys are 2 x uint32
+            return 8
+        if self.dtype == "token":
+            return 0
         return np.dtype(self.dtype).itemsize
 
     @property
@@ -78,6 +82,7 @@ class Op:
       params: the primitive's parameters, reduced to hashable plain data (ints, strs, tuples);
         sub-jaxprs are dropped (they live in ``regions``).
       flops: floating-point operations of one execution (a scan's op: body flops x trip count).
+      transcendentals: exp/log/tanh/sqrt/... evaluations, which XLA counts apart from flops.
       bytes_accessed: bytes read plus written by one execution (same multiplication rule).
       source: the user's source location, ``"file.py:123 (function)"``, or ``""``.
       name: the name stack (flax module path and transforms), e.g. ``"jvp(GPT)/layer_0/mlp/fc1"``.
@@ -102,6 +107,7 @@ class Op:
     regions: tuple[Region, ...] = ()
     trip_count: int = 1
     layer: int | None = None
+    transcendentals: float = 0.0
 
     def param(self, key: str, default: Any = None) -> Any:
         for k, v in self.params:
