@@ -1,0 +1,66 @@
+"""Readable views of a plan: the text summary and the notebook HTML."""
+from __future__ import annotations
+
+import html as _html
+from collections import defaultdict
+
+from autopar.planner.sharding import to_spec
+
+
+def _bytes_per_device(plan, k: int) -> float:
+    import math
+
+    import numpy as np
+
+    mesh = dict(plan.mesh)
+    shape = plan.input_shapes[k]
+    div = math.prod(mesh[a] for d in plan.input_shardings[k] for a in d)
+    return float(np.prod(shape, dtype=float)) / div
+
+
+def param_rows(plan):
+    """(path, shape, spec) per input, in argument order."""
+    return [(p, tuple(s), str(to_spec(sh)))
+            for p, s, sh in zip(plan.input_paths, plan.input_shapes, plan.input_shardings)]
+
+
+def collective_rows(plan):
+    """(kind, axes, count, total time) aggregated."""
+    agg = defaultdict(lambda: [0, 0.0])
+    for c in plan.collectives:
+        key = (c.kind, ",".join(c.axes))
+        agg[key][0] += 1
+        agg[key][1] += c.time_s
+    return sorted(((k, a, n, t) for (k, a), (n, t) in agg.items()), key=lambda r: -r[3])
+
+
+def summary(plan, max_rows: int = 40) -> str:
+    lines = [f"autopar plan  strategy={plan.strategy}  mesh={dict(plan.mesh)}  "
+             f"hardware={plan.hardware}",
+             f"predicted: {plan.cost}",
+             f"solver: {plan.solver.status}, gap {plan.solver.gap:.2%}, {plan.solver.num_groups} "
+             f"decision groups, trace {plan.solver.trace_s:.2f}s + build {plan.solver.build_s:.2f}s"
+             f" + solve {plan.solver.solve_s:.2f}s", "",
+             f"{'input':<64} {'shape':<22} spec"]
+    rows = param_rows(plan)
+    for p, s, spec in rows[:max_rows]:
+        lines.append(f"{p[:64]:<64} {str(s):<22} {spec}")
+    if len(rows) > max_rows:
+        lines.append(f"... {len(rows) - max_rows} more inputs")
+    lines += ["", f"{'collective':<16} {'axes':<14} {'count':>6} {'time':>12}"]
+    for kind, axes, n, t in collective_rows(plan):
+        lines.append(f"{kind:<16} {axes:<14} {n:>6} {t * 1e3:>9.3f} ms")
+    return "\n".join(lines)
+
+
+def html(plan) -> str:
+    esc = _html.escape
+    rows = "".join(f"<tr><td><code>{esc(p)}</code></td><td>{s}</td><td><code>{esc(spec)}</code>"
+                   f"</td></tr>" for p, s, spec in param_rows(plan))
+    coll = "".join(f"<tr><td>{k}</td><td>{a}</td><td>{n}</td><td>{t * 1e3:.3f} ms</td></tr>"
+                   for k, a, n, t in collective_rows(plan))
+    return (f"<div><b>autopar plan</b> strategy={esc(plan.strategy)} mesh={dict(plan.mesh)} "
+            f"hardware={esc(plan.hardware)}<br>{esc(str(plan.cost))}<br>"
+            f"<table><tr><th>input</th><th>shape</th><th>spec</th></tr>{rows}</table>"
+            f"<table><tr><th>collective</th><th>axes</th><th>count</th><th>time</th></tr>{coll}"
+            f"</table></div>")

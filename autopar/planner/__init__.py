@@ -1,0 +1,127 @@
+"""The intra-operator planner: ``ir.Graph`` -> ``autopar.Plan``.
+
+Stages (each a pure function): ``problem.build`` (strategies from ``rules``, costs from
+``cost_models``, groups and edges) -> ``ilp.solve`` -> ``assemble`` (the Plan).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+from ir import Graph
+
+from autopar.errors import ShardingError
+from autopar.plan import Collective, CostBreakdown, Plan, SolverStats
+from autopar.planner import ilp, problem
+from autopar.planner.reshard import reshard_plan
+from autopar.planner.sharding import Sharding, fmt
+
+__all__ = ["make_plan"]
+
+# Ops whose chosen layout codegen pins with a sharding constraint.
+PINNED_PRIMS = {"dot_general", "conv_general_dilated", "gather", "scatter-add", "scatter_add"}
+
+
+def _allowed(prob: problem.Problem, fixed: Mapping[int, Sharding]) -> dict[int, set[int]]:
+    """Restrict fixed inputs to their given layout; a layout the planner does not offer is an error."""
+    allowed = {}
+    for k, want in fixed.items():
+        grp = prob.groups[prob.input_group[k]]
+        ok = {i for i, s in enumerate(grp.strategies) if s.outs[0] == want}
+        if not ok:
+            t = prob.graph.values[prob.graph.inputs[k]]
+            raise ShardingError(
+                f"input {prob.graph.input_paths[k]} with shape {t.shape} cannot take layout "
+                f"{fmt(want)} on mesh {dict(prob.mesh)}: every split dim must divide by its axes' "
+                f"sizes and a dim holds at most two axes. Pick a layout whose axes divide the shape.")
+        allowed[prob.input_group[k]] = ok
+    return allowed
+
+
+def make_plan(graph: Graph, mesh: Mapping[str, int], cost_model, *, hardware_name: str,
+              strategy: str = "auto", memory_budget: float | None = None,
+              fixed_inputs: Mapping[int, Sharding] | None = None, time_limit_s: float = 30.0,
+              trace_s: float = 0.0, hint: Mapping[int, int] | None = None) -> Plan:
+    t0 = time.perf_counter()
+    prob = problem.build(graph, mesh, cost_model)
+    allowed = _allowed(prob, fixed_inputs or {})
+    build_s = time.perf_counter() - t0
+    sol = ilp.solve(prob, cost_model, memory_budget, time_limit_s, allowed, hint)
+    stats = SolverStats(sol.status, sol.gap, sol.solve_s, build_s, trace_s, len(prob.groups),
+                        sol.num_vars, sol.num_constraints)
+    return assemble(prob, sol.choice, cost_model, hardware_name, strategy, memory_budget, stats)
+
+
+def _layout(prob: problem.Problem, choice, v: int) -> Sharding:
+    g = prob.group_of_value.get(v)
+    if g is None:
+        return ((),) * len(prob.graph.values[v].shape)
+    return prob.groups[g].shard[v][choice[g]]
+
+
+def _collectives(prob: problem.Problem, choice, cm) -> tuple[list[Collective], float, float, float]:
+    out: list[Collective] = []
+    compute = comm = 0.0
+    for g in prob.groups:
+        i = choice[g.id]
+        compute += g.compute_s[i]
+        comm += g.comm_s[i]
+        for op_id, per_i in g.members.items():
+            for c in per_i[i].comms:
+                mult = g.mults.get(op_id, 1.0)
+                out.append(Collective(_where(prob, op_id), c.kind, c.axes, c.nbytes,
+                                      mult * cm.collective_time_s(c.kind, c.nbytes, c.axes)))
+    transition = 0.0
+    for e in prob.edges:
+        src = prob.groups[e.src].shard[e.value][choice[e.src]]
+        need = e.need[choice[e.dst]]
+        if src == need:
+            continue
+        t = prob.graph.values[e.value]
+        cost = e.mult * problem.reshard_s(cm, t, src, need, prob.mesh)
+        transition += cost
+        gather, a2a = reshard_plan(src, need)
+        for kind, axes in (("all-gather", gather), ("all-to-all", a2a)):
+            if axes:
+                out.append(Collective(f"edge {e.where} {fmt(src)}->{fmt(need)}", kind, axes,
+                                      float(t.nbytes), cost))
+    return out, compute, comm, transition
+
+
+def _where(prob: problem.Problem, op_id: int) -> str:
+    if op_id < 0:
+        return "input"
+    op = prob.graph.op(op_id)
+    return f"op{op_id} {op.prim}" + (f" @ {op.source}" if op.source else "")
+
+
+def _pins(prob: problem.Problem, choice) -> tuple:
+    pins = []
+    for op in prob.graph.ops:  # top level only: codegen re-evaluates these equations
+        if op.prim in PINNED_PRIMS and not op.scope and op.id in prob.group_of_op:
+            for k, v in enumerate(op.outs):
+                pins.append((tuple(op.origin), k, _layout(prob, choice, v)))
+    return tuple(pins)
+
+
+def assemble(prob: problem.Problem, choice, cm, hardware_name: str, strategy: str,
+             memory_budget: float | None, stats: SolverStats) -> Plan:
+    g = prob.graph
+    colls, compute, comm, transition = _collectives(prob, choice, cm)
+    by_kind: dict[str, float] = {}
+    for c in colls:
+        by_kind[c.kind] = by_kind.get(c.kind, 0.0) + c.time_s
+    cost = CostBreakdown(compute + comm + transition, compute, comm, transition,
+                         ilp.memory_of(prob, choice), memory_budget,
+                         tuple(sorted(by_kind.items(), key=lambda kv: -kv[1])))
+    in_layout = tuple(prob.groups[prob.input_group[k]].shard[v][choice[prob.input_group[k]]]
+                      for k, v in enumerate(g.inputs))
+    out_layout = tuple(in_layout[prob.output_pairs[j]] if j in prob.output_pairs
+                       else _layout(prob, choice, v) for j, v in enumerate(g.outputs))
+    choices = tuple((grp.leader, g.op(grp.leader).prim, g.op(grp.leader).source,
+                     grp.strategies[choice[grp.id]].name)
+                    for grp in prob.groups if grp.leader >= 0)
+    return Plan(tuple(prob.mesh.items()), hardware_name, strategy, g.fingerprint(),
+                g.input_paths, g.output_paths, tuple(g.values[v].shape for v in g.inputs),
+                in_layout, out_layout, _pins(prob, choice), choices, tuple(colls), cost, stats,
+                in_tree=g.in_tree, out_tree=g.out_tree)

@@ -1,0 +1,227 @@
+"""The sharding ILP, solved with OR-tools CP-SAT.
+
+Variables
+  x[g, i] ∈ {0,1}   group g (see ``problem.py``) runs its strategy i; Σ_i x[g, i] = 1  (``pick:g``).
+                    Tied groups (repeated layers) share the variables of their representative.
+  y[e, o, r] ∈ {0,1} edge e moves its value from distinct source layout o to needed layout r.
+                    Σ_r y[e,o,r] = Σ_{i: layout_i = o} x[src, i]          (``flow-out:e:o``)
+                    Σ_o y[e,o,r] = Σ_{j: need_j = r} x[dst, j]            (``flow-in:e:r``)
+                    (an edge with one source or one needed layout needs no y: its cost is linear)
+
+Objective  min Σ_g Σ_i (compute_s + comm_s)[g,i]·x[g,i] + Σ_e Σ_{o,r} mult_e·reshard_s(o→r)·y[e,o,r]
+
+Memory     for each check point p of the schedule (``mem:p``):
+           Σ_{v always live or live at p} bytes_v(i)·x[g(v), i] ≤ budget
+
+Costs are scaled to integer picoseconds and bytes stay bytes. One worker and a deterministic time
+limit keep the answer the same from run to run.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections import defaultdict
+from collections.abc import Mapping
+
+import numpy as np
+from ortools.sat.python import cp_model
+
+from autopar.errors import PlanError
+from autopar.planner.problem import Problem, value_bytes
+from autopar.planner.reshard import reshard_s
+
+PS = 1e12
+
+
+@dataclasses.dataclass(frozen=True)
+class Solution:
+    choice: tuple[int, ...]          # per group: strategy index
+    objective_s: float
+    bound_s: float
+    status: str
+    solve_s: float
+    num_vars: int
+    num_constraints: int
+
+    @property
+    def gap(self) -> float:
+        return 0.0 if self.objective_s <= 0 else max(0.0, (self.objective_s - self.bound_s) / self.objective_s)
+
+
+class _Model:
+    def __init__(self, p: Problem, cost_model):
+        self.p, self.cm = p, cost_model
+        self.m = cp_model.CpModel()
+        self.x: dict[int, list] = {}
+        self.obj: list = []
+        self.root = {g.id: self._root(g.id) for g in p.groups}
+        for g in p.groups:
+            if self.root[g.id] == g.id:
+                self.x[g.id] = [self.m.NewBoolVar(f"x{g.id}_{i}") for i in range(g.n)]
+                self.m.AddExactlyOne(self.x[g.id]).WithName(f"pick:{g.id}")
+        self.reshard = functools.lru_cache(maxsize=None)(self._reshard)
+
+    def _root(self, g: int) -> int:
+        while g in self.p.ties:
+            g = self.p.ties[g]
+        return g
+
+    def xs(self, g: int) -> list:
+        return self.x[self.root[g]]
+
+    def _reshard(self, v: int, src, dst) -> float:
+        return reshard_s(self.cm, self.p.graph.values[v], src, dst, self.p.mesh)
+
+    def add_group_costs(self) -> None:
+        for g in self.p.groups:
+            cost = g.compute_s + g.comm_s
+            self.obj += [(int(round(c * PS)), x) for c, x in zip(cost, self.xs(g.id)) if c > 0]
+
+    def add_edges(self) -> None:
+        for k, e in enumerate(self.p.edges):
+            self.add_edge(k, e)
+
+    def add_edge(self, k: int, e) -> None:
+        have = self.p.groups[e.src].shard[e.value]
+        xs, xd = self.xs(e.src), self.xs(e.dst)
+        if self.root[e.src] == self.root[e.dst]:
+            for i, x in enumerate(xs):
+                c = e.mult * self.reshard(e.value, have[i], e.need[i])
+                if c > 0:
+                    self.obj.append((int(round(c * PS)), x))
+            return
+        outs, needs = _distinct(have), _distinct(e.need)
+        cost = {(o, r): e.mult * self.reshard(e.value, o, r) for o in outs for r in needs}
+        if not any(c > 0 for c in cost.values()):
+            return
+        if len(outs) == 1 or len(needs) == 1:
+            for i, x in enumerate(xs if len(needs) == 1 else xd):
+                c = cost[(have[i], e.need[0])] if len(needs) == 1 else cost[(have[0], e.need[i])]
+                if c > 0:
+                    self.obj.append((int(round(c * PS)), x))
+            return
+        y = {(o, r): self.m.NewBoolVar(f"y{k}") for o in outs for r in needs}
+        for o in outs:
+            self.m.Add(sum(y[o, r] for r in needs) == sum(x for x, h in zip(xs, have) if h == o)
+                       ).WithName(f"flow-out:{k}")
+        for r in needs:
+            self.m.Add(sum(y[o, r] for o in outs) == sum(x for x, n in zip(xd, e.need) if n == r)
+                       ).WithName(f"flow-in:{k}")
+        self.obj += [(int(round(c * PS)), y[key]) for key, c in cost.items() if c > 0]
+
+    def memory_exprs(self) -> list:
+        """One linear expression of per-device bytes per check point."""
+        always = self._bytes_terms(self.p.const_values)
+        exprs = []
+        for live in self.p.mem_points or [[]]:
+            terms = dict(always)
+            for key, c in self._bytes_terms(live).items():
+                terms[key] = terms.get(key, 0) + c
+            exprs.append(sum(c * self.xs(g)[i] for (g, i), c in terms.items() if c))
+        return exprs
+
+    def _bytes_terms(self, values) -> dict[tuple[int, int], int]:
+        terms: dict[tuple[int, int], int] = defaultdict(int)
+        for v in values:
+            if v not in self.p.group_of_value:
+                continue
+            g = self.root[self.p.group_of_value[v]]
+            for i, b in enumerate(value_bytes(self.p, v)):
+                terms[(g, i)] += int(b)
+        return terms
+
+    def restrict(self, allowed: Mapping[int, set[int]]) -> None:
+        for g, ok in allowed.items():
+            for i, x in enumerate(self.xs(g)):
+                if i not in ok:
+                    self.m.Add(x == 0).WithName(f"fixed:{g}:{i}")
+
+    def hint(self, choice: Mapping[int, int]) -> None:
+        for g, xs in self.x.items():
+            if g in choice:
+                for i, x in enumerate(xs):
+                    self.m.AddHint(x, i == choice[g])
+
+
+def _distinct(layouts) -> list:
+    seen = {}
+    for s in layouts:
+        seen.setdefault(s, None)
+    return list(seen)
+
+
+def _solver(time_limit_s: float) -> cp_model.CpSolver:
+    s = cp_model.CpSolver()
+    s.parameters.num_workers = 1
+    s.parameters.random_seed = 0
+    s.parameters.max_deterministic_time = float(time_limit_s)
+    return s
+
+
+def local_best(p: Problem) -> dict[int, int]:
+    """A starting point: each group's cheapest strategy on its own."""
+    return {g.id: int(np.argmin(g.compute_s + g.comm_s)) for g in p.groups}
+
+
+def solve(p: Problem, cost_model, memory_budget: float | None = None, time_limit_s: float = 30.0,
+          allowed: Mapping[int, set[int]] | None = None,
+          hint: Mapping[int, int] | None = None) -> Solution:
+    import time
+
+    mdl = _Model(p, cost_model)
+    mdl.add_group_costs()
+    mdl.add_edges()
+    if allowed:
+        mdl.restrict(allowed)
+    if memory_budget is not None:
+        for k, expr in enumerate(mdl.memory_exprs()):
+            mdl.m.Add(expr <= int(memory_budget)).WithName(f"mem:{k}")
+    mdl.hint(hint or local_best(p))
+    mdl.m.Minimize(sum(c * x for c, x in mdl.obj))
+    solver = _solver(time_limit_s)
+    t0 = time.perf_counter()
+    status = solver.Solve(mdl.m)
+    dt = time.perf_counter() - t0
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        if status == cp_model.INFEASIBLE and memory_budget is not None:
+            raise _memory_error(p, cost_model, memory_budget, allowed)
+        raise PlanError(f"the sharding ILP found no plan (solver status "
+                        f"{solver.StatusName(status)} after {dt:.1f}s): raise time_limit_s or "
+                        f"relax the fixed shardings")
+    choice = tuple(next(i for i, x in enumerate(mdl.xs(g.id)) if solver.Value(x))
+                   for g in p.groups)
+    proto = mdl.m.Proto()
+    return Solution(choice, solver.ObjectiveValue() / PS, solver.BestObjectiveBound() / PS,
+                    solver.StatusName(status), dt, len(proto.variables), len(proto.constraints))
+
+
+def min_memory_bytes(p: Problem, cost_model, allowed=None, time_limit_s: float = 10.0) -> float:
+    """The smallest peak per-device memory any plan reaches (the least budget that fits)."""
+    mdl = _Model(p, cost_model)
+    if allowed:
+        mdl.restrict(allowed)
+    peak = mdl.m.NewIntVar(0, 2 ** 62, "peak")
+    for expr in mdl.memory_exprs():
+        mdl.m.Add(peak >= expr)
+    mdl.m.Minimize(peak)
+    solver = _solver(time_limit_s)
+    solver.Solve(mdl.m)
+    return float(solver.BestObjectiveBound())
+
+
+def _memory_error(p: Problem, cost_model, budget: float, allowed) -> PlanError:
+    need = min_memory_bytes(p, cost_model, allowed)
+    return PlanError(
+        f"no plan fits a memory budget of {budget / 2**30:.3f} GiB per device on mesh "
+        f"{dict(p.mesh)}: the smallest peak any plan reaches is {need / 2**30:.3f} GiB "
+        f"({int(need)} bytes). Raise memory_budget to at least that, use a larger mesh, or shrink "
+        f"the batch.")
+
+
+def memory_of(p: Problem, choice) -> float:
+    """Predicted peak per-device bytes of a chosen plan (same model as the constraints)."""
+    def total(values):
+        return sum(value_bytes(p, v)[choice[p.group_of_value[v]]] for v in values
+                   if v in p.group_of_value)
+    base = total(p.const_values)
+    return float(base + max((total(live) for live in p.mem_points), default=0.0))

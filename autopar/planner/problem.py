@@ -1,0 +1,310 @@
+"""Build the planning problem from an ``ir.Graph``: decision groups, resharding edges, memory.
+
+Notation (used by ``ilp.py`` too):
+  g        a *group*: one decision op (dot_general, an input, ...) plus every op merged into it
+           because it can only follow its operand (``rules.Follow``). ``x[g, i]`` = 1 when the
+           group runs under its i-th strategy.
+  cost[g]  per strategy: compute + the group's own collectives, each times its op's multiplier
+           (a scan body op runs ``trip_count`` times).
+  e        an *edge*: value ``v`` made by group ``src`` and read by group ``dst``, which under its
+           strategy j needs ``v`` in sharding ``need[j]``; resharding costs
+           ``reshard_s(shard[src][v][i] -> need[j])``.
+  memory   per-device bytes of inputs plus the live intermediates at a few check points of the
+           schedule (the points where the replicated live size is largest).
+
+Regions: a scan body is planned once, not unrolled. Its inputs follow the scan's operands (xs lose
+their leading axis), its outputs feed the scan's results (ys gain it), and a loop-carried value
+pays an edge from the body's carry-out back to its carry-in, ``trip_count`` times.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from ir import Graph, Op
+
+from autopar.planner import rules
+from autopar.planner.reshard import reshard_s
+from autopar.planner.rules import Choices, Follow, RuleContext, Strategy
+from autopar.planner.sharding import Sharding, replicated, shard_factor
+
+
+@dataclasses.dataclass
+class Group:
+    id: int
+    leader: int                                   # op id (or -1 - input index for an input)
+    strategies: tuple[Strategy, ...]              # the leader's
+    compute_s: np.ndarray
+    comm_s: np.ndarray
+    members: dict[int, list[Strategy]] = dataclasses.field(default_factory=dict)
+    shard: dict[int, list[Sharding]] = dataclasses.field(default_factory=dict)  # value -> per i
+    mults: dict[int, float] = dataclasses.field(default_factory=dict)  # member op -> multiplier
+
+    @property
+    def n(self) -> int:
+        return len(self.strategies)
+
+
+@dataclasses.dataclass(frozen=True)
+class Edge:
+    src: int
+    dst: int
+    value: int
+    need: tuple[Sharding, ...]                    # per dst strategy
+    mult: float
+    where: str                                    # "op12:arg1", for explanations
+
+
+@dataclasses.dataclass
+class Problem:
+    graph: Graph
+    mesh: Mapping[str, int]
+    groups: list[Group]
+    edges: list[Edge]
+    group_of_value: dict[int, int]
+    group_of_op: dict[int, int]
+    input_group: list[int]                        # per graph input
+    ties: dict[int, int]                          # group -> representative group (layer tying)
+    output_pairs: dict[int, int]                  # output index -> input index it replaces
+    mem_points: list[list[int]]                   # per check point: live intermediate value ids
+    const_values: list[int]                       # values always live (inputs, consts)
+
+
+class _Builder:
+    def __init__(self, graph: Graph, mesh: Mapping[str, int], cost_model, max_strategies: int):
+        self.g = graph
+        self.mesh = dict(mesh)
+        self.cm = cost_model
+        lit = frozenset(v for v, _ in graph.literals)
+        producers = {v: op.prim for op in graph.all_ops() for v in op.outs}
+        self.ctx = RuleContext(graph.values, lit, producers, self.mesh, max_strategies)
+        self.groups: list[Group] = []
+        self.edges: list[Edge] = []
+        self.gv: dict[int, int] = {}
+        self.gop: dict[int, int] = {}
+
+    # -- groups -----------------------------------------------------------------------------
+    def new_group(self, leader: int, strategies: Sequence[Strategy], op: Op | None,
+                  mult: float) -> Group:
+        n = len(strategies)
+        grp = Group(len(self.groups), leader, tuple(strategies), np.zeros(n), np.zeros(n))
+        self.groups.append(grp)
+        outs = op.outs if op is not None else ()
+        grp.members[leader] = list(strategies)
+        grp.mults[leader] = mult
+        for k, v in enumerate(outs):
+            grp.shard[v] = [s.outs[k] for s in strategies]
+            self.gv[v] = grp.id
+        if op is not None:
+            self.add_costs(grp, op, list(strategies), mult)
+        return grp
+
+    def add_costs(self, grp: Group, op: Op, per_i: list[Strategy], mult: float) -> None:
+        for i, st in enumerate(per_i):
+            if op.flops or op.bytes_accessed:
+                grp.compute_s[i] += mult * self.cm.op_time_s(op, st.compute_div)
+            for c in st.comms:
+                grp.comm_s[i] += mult * self.cm.collective_time_s(c.kind, c.nbytes, c.axes)
+
+    def follow(self, op: Op, operand_value: int, derive, mult: float,
+               out_values: Sequence[int] | None = None) -> Group:
+        grp = self.groups[self.gv[operand_value]]
+        per_i = [derive(s) for s in grp.shard[operand_value]]
+        if op.prim != "alias":
+            grp.members[op.id] = per_i
+            grp.mults[op.id] = mult
+        self.add_costs(grp, op, per_i, mult)
+        outs = op.outs if out_values is None else out_values
+        for k, v in enumerate(outs):
+            grp.shard[v] = [st.outs[k] for st in per_i]
+            self.gv[v] = grp.id
+        return grp
+
+    def link_inputs(self, op: Op, grp: Group, per_i: Sequence[Strategy], skip: int | None,
+                    mult: float) -> None:
+        """Edges for every non-literal input the op reads, except the one it follows."""
+        for k, v in enumerate(op.ins):
+            if k == skip or v in self.ctx.literals or v not in self.gv:
+                continue
+            need = tuple(st.ins[k] if k < len(st.ins) and st.ins[k] is not None
+                         else replicated(len(self.g.values[v].shape)) for st in per_i)
+            self.add_edge(self.gv[v], grp.id, v, need, mult, f"op{op.id}:arg{k}")
+
+    def add_edge(self, src: int, dst: int, v: int, need: tuple[Sharding, ...], mult: float,
+                 where: str) -> None:
+        if src == dst:  # both ends decided by one variable: a per-strategy cost
+            grp = self.groups[src]
+            have = grp.shard[v]
+            for i in range(grp.n):
+                grp.comm_s[i] += mult * reshard_s(self.cm, self.g.values[v], have[i], need[i],
+                                                  self.mesh)
+            return
+        self.edges.append(Edge(src, dst, v, need, mult, where))
+
+    # -- walking the graph ------------------------------------------------------------------
+    def add_inputs(self) -> list[int]:
+        out = []
+        for k, v in enumerate(self.g.inputs):
+            shape = self.g.values[v].shape
+            grp = self.new_group(-1 - k, rules.input_choices(shape, self.mesh), None, 1.0)
+            grp.shard[v] = [s.outs[0] for s in grp.strategies]
+            self.gv[v] = grp.id
+            out.append(grp.id)
+        for v in self.g.consts:
+            grp = self.new_group(-1000 - v, (Strategy("R", (), (replicated(len(self.g.values[v].shape)),)),), None, 1.0)
+            grp.shard[v] = [replicated(len(self.g.values[v].shape))]
+            self.gv[v] = grp.id
+        return out
+
+    def walk(self, ops: Sequence[Op], mult: float) -> None:
+        for op in ops:
+            if op.prim == "scan" and op.regions:
+                self.walk_scan(op, mult)
+            else:
+                self.add_op(op, mult)
+
+    def add_op(self, op: Op, mult: float) -> None:
+        if op.regions:  # while / cond: opaque, replicated
+            rule = rules.fallback_rule(op, self.ctx)
+        else:
+            rule = rules.rule_for(op, self.ctx)
+        if isinstance(rule, Follow) and op.ins[rule.operand] in self.gv:
+            grp = self.follow(op, op.ins[rule.operand], rule.derive, mult)
+            self.link_inputs(op, grp, grp.members[op.id], rule.operand, mult)
+        else:
+            choices = rule if isinstance(rule, Choices) else rules.fallback_rule(op, self.ctx)
+            grp = self.new_group(op.id, choices.strategies, op, mult)
+            self.link_inputs(op, grp, list(choices.strategies), None, mult)
+        self.gop[op.id] = grp.id
+
+    def walk_scan(self, op: Op, mult: float) -> None:
+        body = op.regions[0]
+        nc, ncarry = op.param("num_consts", 0), op.param("num_carry", 0)
+        trip = float(op.trip_count)
+        for k, (outer, inner) in enumerate(zip(op.ins, body.inputs)):
+            if outer in self.ctx.literals or outer not in self.gv:
+                self.new_group(-2000 - inner, (Strategy("R", (), (replicated(len(self.g.values[inner].shape)),)),), None, 1.0)
+                self.gv[inner] = self.groups[-1].id
+                self.groups[-1].shard[inner] = [replicated(len(self.g.values[inner].shape))]
+                continue
+            derive = (_alias_drop0(self.ctx, outer) if k >= nc + ncarry else _alias_same)
+            self.follow(_alias_op(op, outer, inner), outer, derive, mult, (inner,))
+        self.walk(body.ops, mult * trip)
+        for k in range(ncarry):  # loop-carried: carry-out must come back as carry-in
+            cin, cout = body.inputs[nc + k], body.outputs[k]
+            if cout in self.gv and cin in self.gv:
+                need = tuple(self.groups[self.gv[cin]].shard[cin])
+                self.add_edge(self.gv[cout], self.gv[cin], cout, need, mult * trip,
+                              f"op{op.id}:carry{k}")
+        for k, (inner, outer) in enumerate(zip(body.outputs, op.outs)):
+            if inner not in self.gv:
+                continue
+            derive = _alias_same if k < ncarry else _alias_add0
+            self.follow(_alias_op(op, inner, outer), inner, derive, mult, (outer,))
+        self.gop[op.id] = self.gv.get(op.outs[0], -1) if op.outs else -1
+
+
+def _alias_op(op: Op, src: int, dst: int) -> Op:
+    return Op(id=op.id, prim="alias", ins=(src,), outs=(dst,))
+
+
+def _alias_same(s: Sharding) -> Strategy:
+    return Strategy("alias", (s,), (s,))
+
+
+def _alias_drop0(ctx: RuleContext, outer: int):
+    """A scanned-over operand: the body sees one slice, so its loop axis must be whole."""
+
+    def derive(s: Sharding) -> Strategy:
+        keep = ((),) + s[1:]
+        comms = ()
+        if s[0]:
+            comms = (rules.Comm("all-gather", ctx.per_device_bytes(outer, keep), s[0]),)
+        return Strategy("slice0", (s,), (s[1:],), 1, comms)
+
+    return derive
+
+
+def _alias_add0(s: Sharding) -> Strategy:
+    return Strategy("stack0", (s,), (((),) + s,))
+
+
+def _output_pairs(graph: Graph) -> dict[int, int]:
+    """Outputs that replace an input (same pytree path, shape and dtype): new params for old."""
+    by_path = {p: k for k, p in enumerate(graph.input_paths)}
+    pairs = {}
+    for j, p in enumerate(graph.output_paths):
+        k = by_path.get(p)
+        if k is not None and graph.values[graph.inputs[k]] == graph.values[graph.outputs[j]]:
+            pairs[j] = k
+    return pairs
+
+
+def _ties(graph: Graph, b: _Builder) -> dict[int, int]:
+    """Groups of structurally equal layers share the ILP variables of the first such layer."""
+    ties: dict[int, int] = {}
+    first: dict[str, tuple[int, ...]] = {}
+    for layer in graph.layers:
+        if layer.kind != "unrolled":
+            continue
+        ref = first.setdefault(layer.signature, layer.op_ids)
+        if ref is layer.op_ids or len(ref) != len(layer.op_ids):
+            continue
+        for a, r in zip(layer.op_ids, ref):
+            ga, gr = b.gop.get(a), b.gop.get(r)
+            if ga is None or gr is None or ga == gr or ga < 0 or gr < 0:
+                continue
+            A, R = b.groups[ga], b.groups[gr]
+            if A.leader == a and R.leader == r and [s.name for s in A.strategies] == [
+                    s.name for s in R.strategies]:
+                ties[ga] = gr
+        # inputs read by the layer's decision ops: tie parameters too
+    return ties
+
+
+def _memory_points(graph: Graph, pairs: Mapping[int, int], n_points: int) -> list[list[int]]:
+    """Live intermediate values at the ``n_points`` schedule positions with most live bytes."""
+    ops = graph.ops
+    pos = {}
+    last_use: dict[int, int] = {}
+    for t, op in enumerate(ops):
+        for v in op.outs:
+            pos[v] = t
+        for v in op.ins:
+            last_use[v] = t
+    replaced = {graph.outputs[j] for j in pairs}
+    for v in graph.outputs:
+        if v not in replaced:
+            last_use[v] = len(ops)
+    intervals = [(v, pos[v], last_use.get(v, pos[v])) for v in pos]
+    live_bytes = np.zeros(len(ops) + 1)
+    for v, a, b in intervals:
+        live_bytes[a: b + 1] += graph.values[v].nbytes
+    points = np.argsort(-live_bytes, kind="stable")[:n_points]
+    return [[v for v, a, b in intervals if a <= t <= b] for t in sorted(points)]
+
+
+def build(graph: Graph, mesh: Mapping[str, int], cost_model, max_strategies: int = 96,
+          memory_points: int = 6) -> Problem:
+    b = _Builder(graph, mesh, cost_model, max_strategies)
+    input_group = b.add_inputs()
+    b.walk(graph.ops, 1.0)
+    pairs = _output_pairs(graph)
+    for j, k in pairs.items():  # donated state: the new value lands in the old one's layout
+        v_out, v_in = graph.outputs[j], graph.inputs[k]
+        if v_out == v_in or v_out not in b.gv:
+            continue
+        need = tuple(b.groups[input_group[k]].shard[v_in])
+        b.add_edge(b.gv[v_out], input_group[k], v_out, need, 1.0, f"output{j}->input{k}")
+    ties = _ties(graph, b)
+    return Problem(graph, dict(mesh), b.groups, b.edges, b.gv, b.gop, input_group, ties, pairs,
+                   _memory_points(graph, pairs, memory_points), list(graph.inputs) + list(graph.consts))
+
+
+def value_bytes(problem: Problem, v: int) -> np.ndarray:
+    """Per-device bytes of value ``v`` under each strategy of its group."""
+    grp = problem.groups[problem.group_of_value[v]]
+    t = problem.graph.values[v]
+    return np.array([t.nbytes / shard_factor(s, problem.mesh) for s in grp.shard[v]])

@@ -1,0 +1,567 @@
+"""Per-primitive sharding rules: what shardings an op can run under, and what each one costs.
+
+A rule sees one ``ir.Op`` and the mesh and returns one of two answers:
+
+* ``Choices(strategies)`` — the op is a *decision*: the ILP picks one of its strategies
+  (dot_general, convolution, gather/scatter, graph inputs, the replicate-only fallback).
+* ``Follow(operand, derive)`` — the op has no choice of its own: given the sharding of input
+  ``operand`` it runs one way, ``derive(sharding) -> Strategy`` (elementwise ops, reductions,
+  reshape/transpose/broadcast, slices...). The planner merges it into its operand's decision, so
+  it costs no ILP variable ("graph simplification").
+
+A ``Strategy`` lists the sharding it needs of each input (``None``: any, for literals), the
+sharding of each output, the factor its compute is divided by, and the collectives the op itself
+issues (a sharded contraction's all-reduce, a reduction over a sharded dim...). Resharding between
+ops is costed on edges, in ``problem.py``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Callable, Mapping, Sequence
+
+from ir import Op, TensorType
+
+from autopar.planner.sharding import (
+    Sharding,
+    divides,
+    drop_axes,
+    enumerate_shardings,
+    fmt,
+    replicated,
+    shard_factor,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Comm:
+    """A collective an op issues: kind, bytes (see cost_models conventions) and mesh axes."""
+
+    kind: str
+    nbytes: float
+    axes: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    name: str
+    ins: tuple[Sharding | None, ...]
+    outs: tuple[Sharding, ...]
+    compute_div: int = 1
+    comms: tuple[Comm, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Choices:
+    strategies: tuple[Strategy, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Follow:
+    operand: int
+    derive: Callable[[Sharding], Strategy]
+
+
+Rule = Callable[[Op, "RuleContext"], "Choices | Follow"]
+RULES: dict[str, Rule] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class RuleContext:
+    types: Sequence[TensorType]          # graph.values
+    literals: frozenset[int]             # value ids that are literal constants
+    producers: Mapping[int, str]         # value id -> producing primitive (absent for inputs)
+    mesh: Mapping[str, int]
+    max_strategies: int = 96
+
+    def t(self, v: int) -> TensorType:
+        return self.types[v]
+
+    def per_device_bytes(self, v: int, s: Sharding) -> float:
+        return self.types[v].nbytes / shard_factor(s, self.mesh)
+
+
+def strategy_rule(*prims: str) -> Callable[[Rule], Rule]:
+    def register(fn: Rule) -> Rule:
+        for p in prims:
+            RULES[p] = fn
+        return fn
+
+    return register
+
+
+def rule_for(op: Op, ctx: RuleContext) -> Choices | Follow:
+    rule = RULES.get(op.prim, fallback_rule)
+    return rule(op, ctx)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decisions without structure
+# ---------------------------------------------------------------------------------------------
+def fallback_rule(op: Op, ctx: RuleContext) -> Choices:
+    """Anything unknown runs replicated: every input gathered, every output whole."""
+    ins = tuple(None if v in ctx.literals else replicated(len(ctx.t(v).shape)) for v in op.ins)
+    outs = tuple(replicated(len(ctx.t(v).shape)) for v in op.outs)
+    return Choices((Strategy("replicated", ins, outs),))
+
+
+def source_choices(op: Op, ctx: RuleContext) -> Choices:
+    """Ops that make a value from nothing sharded (iota, a broadcast scalar): any layout, no comm."""
+    out_t = ctx.t(op.outs[0])
+    ins = tuple(None if v in ctx.literals or not ctx.t(v).shape else replicated(len(ctx.t(v).shape))
+                for v in op.ins)
+    strategies = []
+    for s in enumerate_shardings(out_t.shape, ctx.mesh):
+        outs = tuple(s if ctx.t(v).shape == out_t.shape else replicated(len(ctx.t(v).shape))
+                     for v in op.outs)
+        strategies.append(Strategy(fmt(s), ins, outs, shard_factor(s, ctx.mesh)))
+    return Choices(tuple(strategies))
+
+
+strategy_rule("iota", "random_bits", "random_seed", "random_wrap", "random_unwrap",
+              "threefry2x32", "rng_bit_generator", "rng_uniform")(fallback_rule)
+strategy_rule("iota")(source_choices)
+
+
+def input_choices(shape: Sequence[int], mesh: Mapping[str, int]) -> tuple[Strategy, ...]:
+    """A graph input may arrive in any layout that divides its shape."""
+    return tuple(Strategy(fmt(s), (), (s,), 1) for s in enumerate_shardings(shape, mesh))
+
+
+# ---------------------------------------------------------------------------------------------
+# Elementwise
+# ---------------------------------------------------------------------------------------------
+ELEMENTWISE = (
+    "add", "sub", "mul", "div", "rem", "pow", "max", "min", "neg", "exp", "exp2", "log", "log1p",
+    "expm1", "tanh", "logistic", "sqrt", "rsqrt", "cbrt", "abs", "sign", "integer_pow", "square",
+    "select_n", "convert_element_type", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not",
+    "xor", "is_finite", "stop_gradient", "add_any", "erf", "erfc", "erf_inv", "sin", "cos", "tan",
+    "atan2", "floor", "ceil", "round", "clamp", "nextafter", "copy", "copy_p", "real", "imag",
+    "reduce_precision", "shift_left", "shift_right_logical", "shift_right_arithmetic",
+    "population_count", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh",
+    "lgamma", "digamma", "igamma", "bessel_i0e", "bessel_i1e", "conj", "optimization_barrier",
+)
+_WEAK_PRODUCERS = {"broadcast_in_dim", "iota", None}
+
+
+@strategy_rule(*ELEMENTWISE)
+def elementwise_rule(op: Op, ctx: RuleContext) -> Choices | Follow:
+    out_shape = ctx.t(op.outs[0]).shape
+    full = [i for i, v in enumerate(op.ins)
+            if v not in ctx.literals and ctx.t(v).shape == out_shape]
+    if not full or not out_shape:
+        return source_choices(op, ctx) if out_shape else fallback_rule(op, ctx)
+    # Follow a "real" operand: not a broadcast of something smaller, nor a graph input, when there
+    # is a choice, so a bias add follows the activation, not the bias.
+    strong = [i for i in full if ctx.producers.get(op.ins[i]) not in _WEAK_PRODUCERS]
+    lead = (strong or full)[0]
+
+    def derive(s: Sharding) -> Strategy:
+        ins = tuple(None if v in ctx.literals else (s if ctx.t(v).shape == out_shape
+                                                     else replicated(len(ctx.t(v).shape)))
+                    for v in op.ins)
+        outs = tuple(s if ctx.t(v).shape == out_shape else replicated(len(ctx.t(v).shape))
+                     for v in op.outs)
+        return Strategy(fmt(s), ins, outs, shard_factor(s, ctx.mesh))
+
+    return Follow(lead, derive)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout ops
+# ---------------------------------------------------------------------------------------------
+def _gathered(op: Op, ctx: RuleContext, s_in: Sharding, keep: Sharding, outs: tuple[Sharding, ...],
+              name: str, extra_ins: tuple[Sharding | None, ...] = ()) -> Strategy:
+    """A follower that needs ``keep`` of its input: axes of ``s_in`` missing from it are gathered."""
+    lost = tuple(a for d_in, d_keep in zip(s_in, keep) for a in d_in if a not in d_keep)
+    comms = ()
+    if lost:
+        comms = (Comm("all-gather", ctx.per_device_bytes(op.ins[0], keep), lost),)
+    return Strategy(name, (s_in,) + extra_ins, outs, shard_factor(keep, ctx.mesh), comms)
+
+
+def _unsharded_dims(s: Sharding, dims: Sequence[int]) -> Sharding:
+    return tuple(() if i in dims else d for i, d in enumerate(s))
+
+
+@strategy_rule("broadcast_in_dim")
+def broadcast_rule(op: Op, ctx: RuleContext) -> Choices | Follow:
+    src = op.ins[0]
+    if src in ctx.literals or not ctx.t(src).shape:
+        return source_choices(op, ctx)
+    out_shape = ctx.t(op.outs[0]).shape
+    bdims = tuple(op.param("broadcast_dimensions"))
+    in_shape = ctx.t(src).shape
+
+    def derive(s: Sharding) -> Strategy:
+        keep = tuple(d if in_shape[i] == out_shape[bdims[i]] else () for i, d in enumerate(s))
+        out = [() for _ in out_shape]
+        for i, d in enumerate(keep):
+            out[bdims[i]] = d
+        extra = tuple(None for _ in op.ins[1:])
+        return _gathered(op, ctx, s, keep, (tuple(out),), fmt(tuple(out)), extra)
+
+    return Follow(0, derive)
+
+
+@strategy_rule("transpose")
+def transpose_rule(op: Op, ctx: RuleContext) -> Follow:
+    perm = tuple(op.param("permutation"))
+
+    def derive(s: Sharding) -> Strategy:
+        out = tuple(s[p] for p in perm)
+        return Strategy(fmt(out), (s,), (out,), shard_factor(s, ctx.mesh))
+
+    return Follow(0, derive)
+
+
+def reshape_groups(old: Sequence[int], new: Sequence[int]) -> list[tuple[list[int], list[int]]]:
+    """Split old and new dims into consecutive runs whose sizes multiply to the same number."""
+    groups: list[tuple[list[int], list[int]]] = []
+    i = j = 0
+    while i < len(old) or j < len(new):
+        gi, gj, po, pn = [], [], 1, 1
+        if i < len(old):
+            gi.append(i); po *= old[i]; i += 1
+        if j < len(new):
+            gj.append(j); pn *= new[j]; j += 1
+        while po != pn:
+            if po < pn and i < len(old):
+                gi.append(i); po *= old[i]; i += 1
+            elif pn < po and j < len(new):
+                gj.append(j); pn *= new[j]; j += 1
+            else:
+                break
+        groups.append((gi, gj))
+    return groups
+
+
+def reshape_map(s: Sharding, old: Sequence[int], new: Sequence[int],
+                mesh: Mapping[str, int]) -> tuple[Sharding, Sharding]:
+    """(kept input sharding, output sharding): a group keeps only its major non-1 dim's axes."""
+    keep = [() for _ in old]
+    out = [() for _ in new]
+    for gi, gj in reshape_groups(old, new):
+        major_in = next((i for i in gi if old[i] != 1), None)
+        major_out = next((j for j in gj if new[j] != 1), None)
+        if major_in is None or major_out is None or not s[major_in]:
+            continue
+        if new[major_out] % math.prod(mesh[a] for a in s[major_in]) == 0:
+            keep[major_in] = s[major_in]
+            out[major_out] = s[major_in]
+    return tuple(keep), tuple(out)
+
+
+@strategy_rule("reshape")
+def reshape_rule(op: Op, ctx: RuleContext) -> Follow:
+    old, new = ctx.t(op.ins[0]).shape, ctx.t(op.outs[0]).shape
+
+    def derive(s: Sharding) -> Strategy:
+        keep, out = reshape_map(s, old, new, ctx.mesh)
+        extra = tuple(None for _ in op.ins[1:])
+        return _gathered(op, ctx, s, keep, (out,), fmt(out), extra)
+
+    return Follow(0, derive)
+
+
+@strategy_rule("squeeze")
+def squeeze_rule(op: Op, ctx: RuleContext) -> Follow:
+    dims = set(d % max(len(ctx.t(op.ins[0]).shape), 1) for d in op.param("dimensions", ()))
+
+    def derive(s: Sharding) -> Strategy:
+        out = tuple(d for i, d in enumerate(s) if i not in dims)
+        return Strategy(fmt(out), (s,), (out,), shard_factor(s, ctx.mesh))
+
+    return Follow(0, derive)
+
+
+@strategy_rule("expand_dims")
+def expand_dims_rule(op: Op, ctx: RuleContext) -> Follow:
+    out_rank = len(ctx.t(op.outs[0]).shape)
+    dims = set(d % out_rank for d in op.param("dimensions", ()))
+
+    def derive(s: Sharding) -> Strategy:
+        it = iter(s)
+        out = tuple(() if i in dims else next(it) for i in range(out_rank))
+        return Strategy(fmt(out), (s,), (out,), shard_factor(s, ctx.mesh))
+
+    return Follow(0, derive)
+
+
+def _changed_dims(op: Op, ctx: RuleContext) -> tuple[int, ...]:
+    a, b = ctx.t(op.ins[0]).shape, ctx.t(op.outs[0]).shape
+    if len(a) != len(b):
+        return tuple(range(len(a)))
+    return tuple(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+
+
+def _axis_params(op: Op, rank: int) -> tuple[int, ...]:
+    for key in ("axis", "dimension"):
+        v = op.param(key)
+        if v is not None:
+            return (v % rank,)
+    return ()
+
+
+@strategy_rule("slice", "pad", "dynamic_slice", "dynamic_update_slice", "rev", "concatenate",
+               "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "sort", "top_k",
+               "split")
+def passthrough_rule(op: Op, ctx: RuleContext) -> Follow:
+    """Dims the op reshapes or scans along must be whole; the others pass through."""
+    rank = len(ctx.t(op.ins[0]).shape)
+    fixed = set(_changed_dims(op, ctx)) | set(_axis_params(op, rank))
+    if op.prim in ("rev",):
+        fixed |= set(op.param("dimensions", ()))
+
+    def derive(s: Sharding) -> Strategy:
+        keep = _unsharded_dims(s, fixed)
+        ins = tuple(None if v in ctx.literals or len(ctx.t(v).shape) != rank else
+                    (keep if i == 0 else _unsharded_dims(keep, fixed) if ctx.t(v).shape != ctx.t(op.ins[0]).shape else keep)
+                    for i, v in enumerate(op.ins))
+        outs = tuple(keep if len(ctx.t(v).shape) == rank else replicated(len(ctx.t(v).shape))
+                     for v in op.outs)
+        st = _gathered(op, ctx, s, keep, outs, fmt(keep), ins[1:])
+        return st
+
+    return Follow(0, derive)
+
+
+@strategy_rule("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+               "argmax", "argmin", "reduce_xor")
+def reduce_rule(op: Op, ctx: RuleContext) -> Follow:
+    axes = set(op.param("axes", ()))
+
+    def derive(s: Sharding) -> Strategy:
+        reduced = tuple(a for i, d in enumerate(s) if i in axes for a in d)
+        out = tuple(d for i, d in enumerate(s) if i not in axes)
+        comms = ()
+        if reduced:
+            comms = (Comm("all-reduce", ctx.per_device_bytes(op.outs[0], out), reduced),)
+        return Strategy(fmt(out), (s,) + (None,) * (len(op.ins) - 1), (out,) * len(op.outs),
+                        shard_factor(s, ctx.mesh), comms)
+
+    return Follow(0, derive)
+
+
+# ---------------------------------------------------------------------------------------------
+# Contractions
+# ---------------------------------------------------------------------------------------------
+def _assignments(n_classes: int, mesh: Mapping[str, int]):
+    axes = [a for a, n in mesh.items() if n > 1]
+    for choice in itertools.product(range(-1, n_classes), repeat=len(axes)):
+        yield {a: c for a, c in zip(axes, choice) if c >= 0}
+
+
+def _with_partial(op: Op, ctx: RuleContext, name: str, ins, out: Sharding, partial: tuple[str, ...],
+                  div: int) -> list[Strategy]:
+    """A contraction whose output is partial over ``partial``: all-reduce, or reduce-scatter
+    onto one output dim."""
+    if not partial:
+        return [Strategy(name, ins, (out,), div)]
+    out_v = op.outs[0]
+    shape = ctx.t(out_v).shape
+    res = [Strategy(name + "|AR", ins, (out,), div,
+                    (Comm("all-reduce", ctx.per_device_bytes(out_v, out), partial),))]
+    for d in range(len(shape)):
+        scattered = tuple(tuple(x) + (partial if i == d else ()) for i, x in enumerate(out))
+        if divides(scattered, shape, ctx.mesh):
+            res.append(Strategy(f"{name}|RS{d}", ins, (scattered,), div,
+                                (Comm("reduce-scatter", ctx.per_device_bytes(out_v, out), partial),)))
+    return res
+
+
+def _prune(strategies: list[Strategy], ctx: RuleContext, op: Op) -> tuple[Strategy, ...]:
+    """Keep at most ``max_strategies``, the ones that shard most and communicate least.
+
+    Pruning is a heuristic for meshes with three or more axes; small meshes never reach the cap.
+    """
+    if len(strategies) <= ctx.max_strategies:
+        return tuple(strategies)
+    def score(s: Strategy) -> tuple:
+        comm = sum(c.nbytes for c in s.comms)
+        return (-s.compute_div, comm)
+    keep = sorted(strategies, key=score)[: ctx.max_strategies]
+    return tuple(keep)
+
+
+@strategy_rule("dot_general")
+def dot_general_rule(op: Op, ctx: RuleContext) -> Choices:
+    (lc, rc), (lb, rb) = op.param("dimension_numbers")
+    lshape, rshape = ctx.t(op.ins[0]).shape, ctx.t(op.ins[1]).shape
+    lfree = [d for d in range(len(lshape)) if d not in lc and d not in lb]
+    rfree = [d for d in range(len(rshape)) if d not in rc and d not in rb]
+    # classes: batch pairs, lhs free, rhs free, contracting pairs
+    classes = ([("b", k) for k in range(len(lb))] + [("l", d) for d in lfree]
+               + [("r", d) for d in rfree] + [("c", k) for k in range(len(lc))])
+    out_pos = {("b", k): k for k in range(len(lb))}
+    out_pos.update({("l", d): len(lb) + i for i, d in enumerate(lfree)})
+    out_pos.update({("r", d): len(lb) + len(lfree) + i for i, d in enumerate(rfree)})
+    out_shape = ctx.t(op.outs[0]).shape
+    strategies: list[Strategy] = []
+    for assign in _assignments(len(classes), ctx.mesh):
+        L = [[] for _ in lshape]; R = [[] for _ in rshape]; O = [[] for _ in out_shape]
+        partial = []
+        for axis, ci in assign.items():
+            kind, k = classes[ci]
+            if kind == "b":
+                L[lb[k]].append(axis); R[rb[k]].append(axis); O[out_pos[classes[ci]]].append(axis)
+            elif kind == "l":
+                L[k].append(axis); O[out_pos[classes[ci]]].append(axis)
+            elif kind == "r":
+                R[k].append(axis); O[out_pos[classes[ci]]].append(axis)
+            else:
+                L[lc[k]].append(axis); R[rc[k]].append(axis); partial.append(axis)
+        ls, rs, os_ = (tuple(map(tuple, x)) for x in (L, R, O))
+        if not (divides(ls, lshape, ctx.mesh) and divides(rs, rshape, ctx.mesh)
+                and divides(os_, out_shape, ctx.mesh)):
+            continue
+        div = math.prod(ctx.mesh[a] for a in assign)
+        name = f"{fmt(ls)} @ {fmt(rs)} -> {fmt(os_)}"
+        strategies += _with_partial(op, ctx, name, (ls, rs), os_, tuple(partial), div)
+    return Choices(_prune(strategies, ctx, op))
+
+
+@strategy_rule("conv_general_dilated")
+def conv_rule(op: Op, ctx: RuleContext) -> Choices:
+    """Batch and output-feature dims may be split; input features are a contraction."""
+    lhs_spec, rhs_spec, out_spec = op.param("dimension_numbers")
+    groups = op.param("feature_group_count", 1) * op.param("batch_group_count", 1)
+    lshape, rshape = ctx.t(op.ins[0]).shape, ctx.t(op.ins[1]).shape
+    out_shape = ctx.t(op.outs[0]).shape
+    classes = ["batch", "out_feat"] + (["in_feat"] if groups == 1 else [])
+    strategies: list[Strategy] = []
+    for assign in _assignments(len(classes), ctx.mesh):
+        L = [[] for _ in lshape]; R = [[] for _ in rshape]; O = [[] for _ in out_shape]
+        partial = []
+        for axis, ci in assign.items():
+            c = classes[ci]
+            if c == "batch":
+                L[lhs_spec[0]].append(axis); O[out_spec[0]].append(axis)
+            elif c == "out_feat":
+                R[rhs_spec[0]].append(axis); O[out_spec[1]].append(axis)
+            else:
+                L[lhs_spec[1]].append(axis); R[rhs_spec[1]].append(axis); partial.append(axis)
+        ls, rs, os_ = (tuple(map(tuple, x)) for x in (L, R, O))
+        if not (divides(ls, lshape, ctx.mesh) and divides(rs, rshape, ctx.mesh)
+                and divides(os_, out_shape, ctx.mesh)):
+            continue
+        div = math.prod(ctx.mesh[a] for a in assign)
+        strategies += _with_partial(op, ctx, f"{fmt(ls)} * {fmt(rs)}", (ls, rs), os_,
+                                    tuple(partial), div)
+    return Choices(_prune(strategies, ctx, op))
+
+
+# ---------------------------------------------------------------------------------------------
+# Gather / scatter (embedding lookups, take_along_axis, their gradients)
+# ---------------------------------------------------------------------------------------------
+def _dn(op: Op) -> dict:
+    return dict(op.param("dimension_numbers", ()))
+
+
+def _gather_classes(op: Op, ctx: RuleContext):
+    """(class, operand dim, indices dim, output dim, partial) for each way one axis may split."""
+    dn = _dn(op)
+    o_shape, i_shape = ctx.t(op.ins[0]).shape, ctx.t(op.ins[1]).shape
+    out_rank = len(ctx.t(op.outs[0]).shape)
+    offset = list(dn["offset_dims"])
+    batch_out = [d for d in range(out_rank) if d not in offset]
+    obatch, ibatch = list(dn["operand_batching_dims"]), list(dn["start_indices_batching_dims"])
+    window = [d for d in range(len(o_shape)) if d not in dn["collapsed_slice_dims"]
+              and d not in obatch]
+    sizes = op.param("slice_sizes")
+    out = []
+    for j in range(len(i_shape) - 1):
+        od = obatch[ibatch.index(j)] if j in ibatch else None
+        out.append((od, j, batch_out[j], False))
+    for k, d in enumerate(window):
+        if sizes[d] == o_shape[d]:
+            out.append((d, None, offset[k], False))
+    for d in dn["start_index_map"]:
+        if d in dn["collapsed_slice_dims"] and sizes[d] == 1:
+            out.append((d, None, None, True))
+    return out
+
+
+@strategy_rule("gather")
+def gather_rule(op: Op, ctx: RuleContext) -> Choices:
+    """Indices split along their batch dims, operand along whole-slice dims, or operand along the
+    indexed dim (each device looks up what it holds; the partial result is all-reduced)."""
+    classes = _gather_classes(op, ctx)
+    shapes = [ctx.t(v).shape for v in (op.ins[0], op.ins[1], op.outs[0])]
+    strategies = []
+    for assign in _assignments(len(classes), ctx.mesh):
+        O, I, R = ([[] for _ in s] for s in shapes)
+        partial = []
+        for axis, ci in assign.items():
+            od, idim, outd, is_partial = classes[ci]
+            if od is not None:
+                O[od].append(axis)
+            if idim is not None:
+                I[idim].append(axis)
+            if outd is not None:
+                R[outd].append(axis)
+            if is_partial:
+                partial.append(axis)
+        os_, is_, rs = (tuple(map(tuple, x)) for x in (O, I, R))
+        if not all(divides(s, shape, ctx.mesh) for s, shape in zip((os_, is_, rs), shapes)):
+            continue
+        ins = (os_, is_) + (None,) * (len(op.ins) - 2)
+        strategies += _with_partial(op, ctx, f"gather {fmt(os_)}[{fmt(is_)}]", ins, rs,
+                                    tuple(partial), shard_factor(rs, ctx.mesh) or 1)[:1]
+    return Choices(_prune(strategies, ctx, op))
+
+
+def _scatter_classes(op: Op, ctx: RuleContext):
+    """(operand dim, indices dim, updates dim, partial) per way one axis may split."""
+    dn = _dn(op)
+    o_shape, i_shape, u_shape = (ctx.t(v).shape for v in op.ins[:3])
+    uwin = list(dn["update_window_dims"])
+    u_scatter = [d for d in range(len(u_shape)) if d not in uwin]
+    obatch, ibatch = list(dn["operand_batching_dims"]), list(dn["scatter_indices_batching_dims"])
+    window = [d for d in range(len(o_shape)) if d not in dn["inserted_window_dims"]
+              and d not in obatch]
+    out = []
+    for j in range(len(i_shape) - 1):
+        if j in ibatch:
+            out.append((obatch[ibatch.index(j)], j, u_scatter[j], False))
+        else:
+            out.append((None, j, u_scatter[j], True))
+    for k, d in enumerate(window):
+        if u_shape[uwin[k]] == o_shape[d]:
+            out.append((d, None, uwin[k], False))
+    for d in dn["scatter_dims_to_operand_dims"]:
+        if d in dn["inserted_window_dims"]:
+            out.append((d, None, None, False))
+    return out
+
+
+@strategy_rule("scatter-add", "scatter_add", "scatter", "scatter-mul", "scatter_mul",
+               "scatter-min", "scatter-max")
+def scatter_rule(op: Op, ctx: RuleContext) -> Choices:
+    if len(op.ins) < 3:
+        return fallback_rule(op, ctx)
+    classes = _scatter_classes(op, ctx)
+    shapes = [ctx.t(v).shape for v in op.ins[:3]]
+    out_shape = ctx.t(op.outs[0]).shape
+    strategies = []
+    for assign in _assignments(len(classes), ctx.mesh):
+        O, I, U = ([[] for _ in s] for s in shapes)
+        partial = []
+        for axis, ci in assign.items():
+            od, idim, ud, is_partial = classes[ci]
+            for lst, d in ((O, od), (I, idim), (U, ud)):
+                if d is not None:
+                    lst[d].append(axis)
+            if is_partial:
+                partial.append(axis)
+        os_, is_, us = (tuple(map(tuple, x)) for x in (O, I, U))
+        if not all(divides(s, shape, ctx.mesh) for s, shape in zip((os_, is_, us), shapes)):
+            continue
+        if partial and op.prim not in ("scatter-add", "scatter_add"):
+            continue
+        ins = (os_, is_, us) + (None,) * (len(op.ins) - 3)
+        strategies += _with_partial(op, ctx, f"scatter {fmt(os_)}<-{fmt(us)}", ins, os_,
+                                    tuple(partial), max(shard_factor(us, ctx.mesh), 1))[:1]
+    del out_shape
+    return Choices(_prune(strategies, ctx, op))
