@@ -33,6 +33,7 @@ from jax.extend import core as jcore
 from ir.errors import UnsupportedPrimitiveError
 from ir.flops import FLOP_RULES, NOT_CONST, Cost, fold, op_cost
 from ir.graph import Graph, Op, Region, TensorType
+from ir.layers import find_layers
 from ir.params import reduce_params
 
 # primitive -> param holding the jaxpr to inline, and the scope marker (None: no marker).
@@ -73,10 +74,17 @@ class _Builder:
         self.literals: list[tuple[int, Any]] = []
         self.consts: list[int] = []
         self.splats: dict[int, Any] = {}  # value id -> scalar of a splat constant (see flops.fold)
+        self.nbytes: list[int] = []  # per value id, cached: 45k-op graphs ask for it often
         self.n_ops = 0
+        self._types: dict[tuple[Any, Any], TensorType] = {}
 
     def new_value(self, aval: Any) -> int:
-        self.values.append(tensor_type(aval))
+        key = (getattr(aval, "shape", ()), getattr(aval, "dtype", None))
+        t = self._types.get(key)
+        if t is None:
+            t = self._types[key] = tensor_type(aval)
+        self.values.append(t)
+        self.nbytes.append(t.nbytes)
         return len(self.values) - 1
 
     def new_op_id(self) -> int:
@@ -130,9 +138,14 @@ def source_of(source_info: Any) -> str:
         return ""
     for code, lasti in zip(codes, lastis):
         if not _is_library_file(code.co_filename):
-            line = _line_of(code, lasti)
-            return f"{os.path.basename(code.co_filename)}:{line} ({code.co_qualname})"
+            return _location(code, lasti)
     return ""
+
+
+@functools.lru_cache(maxsize=4096)
+def _location(code: Any, lasti: int) -> str:
+    line = _line_of(code, lasti)
+    return f"{os.path.basename(code.co_filename)}:{line} ({code.co_qualname})"
 
 
 def _line_of(code: Any, lasti: int) -> int:
@@ -151,7 +164,7 @@ def lower_eqns(b: _Builder, jaxpr: Any, env: dict[Any, int], ctx: _Ctx) -> list[
     ops: list[Op] = []
     for i, eqn in enumerate(jaxpr.eqns):
         prim = eqn.primitive.name
-        here = dataclasses.replace(ctx, origin=ctx.origin + (i,))
+        here = _Ctx(ctx.origin + (i,), ctx.scope, ctx.name, ctx.source)
         if prim in INLINE_RULES:
             ops.extend(_inline(b, eqn, env, here))
         elif prim in REGION_RULES:
@@ -185,21 +198,18 @@ def _plain_op(b: _Builder, eqn: Any, env: dict[Any, int], ctx: _Ctx) -> Op:
     cost = Cost() if folded else op_cost(eqn.primitive.name, in_t, out_t, dict(params))
     if cost is None:  # conservative fallback: no flops, costed by the bytes it moves
         params, cost = params + (("fallback", True),), Cost()
-    return _make_op(b, eqn, ctx, ins, outs, params, cost, _nbytes(in_t) + _nbytes(out_t))
+    nbytes = float(sum(b.nbytes[v] for v in ins) + sum(b.nbytes[v] for v in outs))
+    return _make_op(b, eqn, ctx, ins, outs, params, cost, nbytes)
 
 
 def _make_op(b: _Builder, eqn: Any, ctx: _Ctx, ins: tuple[int, ...], outs: tuple[int, ...],
              params: tuple, cost: Cost, nbytes: float, regions: tuple[Region, ...] = (),
-             trip_count: int = 1) -> Op:
-    return Op(id=b.new_op_id(), prim=eqn.primitive.name, ins=ins, outs=outs, params=params,
+             trip_count: int = 1, op_id: int | None = None) -> Op:
+    return Op(id=b.new_op_id() if op_id is None else op_id, prim=eqn.primitive.name, ins=ins, outs=outs, params=params,
               flops=cost.flops, transcendentals=cost.transcendentals, bytes_accessed=nbytes,
               source=source_of(eqn.source_info) or ctx.source,
               name=_join_name(ctx.name, str(eqn.source_info.name_stack)),
               scope=ctx.scope, origin=ctx.origin, regions=regions, trip_count=trip_count)
-
-
-def _nbytes(types: Sequence[TensorType]) -> float:
-    return float(sum(t.nbytes for t in types))
 
 
 def _inline(b: _Builder, eqn: Any, env: dict[Any, int], ctx: _Ctx) -> list[Op]:
@@ -242,6 +252,7 @@ def _region(b: _Builder, closed: Any, ctx: _Ctx) -> tuple[Region, Cost, float]:
 
 def _region_op(b: _Builder, eqn: Any, env: dict[Any, int], ctx: _Ctx) -> Op:
     prim = eqn.primitive.name
+    op_id = b.new_op_id()  # before the body's ops, so that ids follow the pre-order walk
     subs = [eqn.params[k] for k in REGION_RULES[prim]]
     if prim == "cond":
         subs = list(subs[0])
@@ -258,7 +269,7 @@ def _region_op(b: _Builder, eqn: Any, env: dict[Any, int], ctx: _Ctx) -> Op:
         cost = sum((c for _, c, _ in built), Cost()).scale(trip)
         nbytes = sum(n for _, _, n in built) * trip
     return _make_op(b, eqn, ctx, ins, outs, reduce_params(eqn.params), cost, nbytes,
-                    regions, trip)
+                    regions, trip, op_id)
 
 
 def _check_no_subjaxpr(eqn: Any) -> None:
@@ -303,11 +314,11 @@ def trace(fn: Callable[..., Any], *args: Any, donate_argnums: int | Sequence[int
     env.update(zip(closed.jaxpr.invars, inputs))
     ops = lower_eqns(b, closed.jaxpr, env, _Ctx())
     outputs = tuple(b.read(env, a) for a in closed.jaxpr.outvars)
-    return Graph(
+    return find_layers(Graph(
         ops=tuple(ops), values=tuple(b.values), inputs=inputs, outputs=outputs,
         input_paths=tuple(jax.tree_util.keystr(p) for p, _ in in_paths),
         output_paths=tuple(jax.tree_util.keystr(p) for p, _ in out_paths),
         donated=tuple(isinstance(p[0], jax.tree_util.SequenceKey) and p[0].idx in donate
                       for p, _ in in_paths),
         literals=tuple(b.literals), consts=tuple(b.consts), jaxpr=closed, in_tree=in_tree,
-        out_tree=out_tree)
+        out_tree=out_tree))

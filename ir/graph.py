@@ -195,6 +195,27 @@ class Graph:
     def input_bytes(self) -> int:
         return sum(self.values[v].nbytes for v in self.inputs)
 
+    @property
+    def fallbacks(self) -> tuple[int, ...]:
+        """Ids of ops costed by the conservative fallback (primitive without a FLOP rule)."""
+        return tuple(op.id for op in self.all_ops() if op.param("fallback"))
+
+    # ---- views (implemented in ir.printer) ----------------------------------------------------
+    def summary(self) -> str:
+        from ir.printer import summary
+
+        return summary(self)
+
+    def __str__(self) -> str:
+        from ir.printer import listing
+
+        return listing(self)
+
+    def to_networkx(self) -> Any:
+        from ir.printer import to_networkx
+
+        return to_networkx(self)
+
     def fingerprint(self) -> str:
         """A stable hash of the graph's structure (prims, shapes, wiring), for plan matching."""
         import hashlib
