@@ -1,0 +1,52 @@
+"""Roofline model of one kernel on one device.
+
+Variables: ``F`` FLOPs, ``M`` bytes read plus written, ``P`` peak FLOP/s of the dtype, ``W`` memory
+bandwidth, ``e_f`` the matmul (or vector) efficiency, ``e_m`` the memory efficiency, ``L`` the
+kernel launch floor:
+
+    t = max(F / (P e_f), M / (W e_m)) + L
+
+A kernel is compute-bound when the first term wins. Matmul-like primitives (``MATMUL_PRIMS``) use
+the dtype's peak (tensor cores on GPUs); other primitives run on the vector units, modelled by
+the float32 peak. ``roofline_time_s`` implements the formula; ``is_compute_bound`` names the
+winning term.
+"""
+from __future__ import annotations
+
+from cost_models.hardware import FALLBACK_DTYPE, Hardware
+
+# Primitives that run on matrix units (tensor cores / MXU / BLAS gemm).
+MATMUL_PRIMS: frozenset[str] = frozenset({"dot_general", "conv_general_dilated"})
+
+
+def compute_bound_time_s(flops: float, hw: Hardware, dtype: str, is_matmul: bool) -> float:
+    """F / (P e_f): vector (non-matmul) ops use the float32 peak whatever their dtype."""
+    peak = hw.peak_flops_per_s(dtype if is_matmul else FALLBACK_DTYPE)
+    return flops / (peak * hw.matmul_efficiency)
+
+
+def memory_bound_time_s(bytes_accessed: float, hw: Hardware) -> float:
+    """M / (W e_m)."""
+    return bytes_accessed / (hw.hbm_bytes_per_s * hw.memory_efficiency)
+
+
+def roofline_time_s(
+    flops: float, bytes_accessed: float, hw: Hardware, dtype: str, is_matmul: bool
+) -> float:
+    """max(compute-bound, memory-bound) time plus the launch floor; 0 for an empty op."""
+    if flops <= 0 and bytes_accessed <= 0:
+        return 0.0
+    body = max(
+        compute_bound_time_s(flops, hw, dtype, is_matmul),
+        memory_bound_time_s(bytes_accessed, hw),
+    )
+    return body + hw.kernel_launch_s
+
+
+def is_compute_bound(
+    flops: float, bytes_accessed: float, hw: Hardware, dtype: str, is_matmul: bool
+) -> bool:
+    """True when the FLOP term of the roofline exceeds the memory term."""
+    return compute_bound_time_s(flops, hw, dtype, is_matmul) > memory_bound_time_s(
+        bytes_accessed, hw
+    )

@@ -1,0 +1,139 @@
+"""Micro-benchmarks on real devices: matmul, a streaming elementwise op, and the collectives.
+
+Each returns a ``Measurement``: the counts the cost model takes (FLOPs, bytes, group size) and the
+median wall time of ``repeats`` runs after ``warmup`` runs, each ended by ``block_until_ready``.
+Collectives run under ``jax.shard_map`` on a 1-D mesh (axis ``"x"``) of the given devices, and
+their ``nbytes`` follows the convention of ``CostModel.collective_time_s``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+AXIS = "x"
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """One timed benchmark.
+
+    Attributes:
+      kind: ``"matmul"``, ``"memory"`` or a collective kind.
+      dtype: element dtype.
+      flops: FLOPs of one run (0 for memory and collectives).
+      nbytes: bytes accessed (matmul, memory) or the collective's nbytes convention.
+      group_size: devices taking part (1 for matmul and memory).
+      time_s: median seconds of one run.
+      label: a human-readable size, e.g. ``"512x512x512"``.
+    """
+
+    kind: str
+    dtype: str
+    flops: float
+    nbytes: float
+    group_size: int
+    time_s: float
+    label: str
+
+
+def median_time_s(fn: Callable[..., Any], args: Sequence[Any], repeats: int, warmup: int) -> float:
+    """Median wall time of ``fn(*args)`` over ``repeats`` runs, after ``warmup`` runs."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_matmul(
+    device: jax.Device, m: int, k: int, n: int, dtype: str, repeats: int = 5, warmup: int = 2
+) -> Measurement:
+    """Times ``(m, k) @ (k, n)`` on one device."""
+    a = jax.device_put(jnp.ones((m, k), dtype), device)  # (m, k)
+    b = jax.device_put(jnp.ones((k, n), dtype), device)  # (k, n)
+    t = median_time_s(jax.jit(jnp.matmul), (a, b), repeats, warmup)
+    itemsize = jnp.dtype(dtype).itemsize
+    return Measurement(
+        "matmul", dtype, 2.0 * m * k * n, float((m * k + k * n + m * n) * itemsize), 1, t,
+        f"{m}x{k}x{n}",
+    )
+
+
+def measure_memory(
+    device: jax.Device, num_elements: int, repeats: int = 5, warmup: int = 2
+) -> Measurement:
+    """Times ``x * 2 + 1`` on a float32 vector: one read and one write of every element."""
+    x = jax.device_put(jnp.ones((num_elements,), jnp.float32), device)
+    t = median_time_s(jax.jit(lambda v: v * 2.0 + 1.0), (x,), repeats, warmup)
+    return Measurement("memory", "float32", 0.0, 8.0 * num_elements, 1, t, f"{num_elements}")
+
+
+def _collective_body(
+    kind: str, axes: tuple[str, ...], n: int
+) -> Callable[[jax.Array], jax.Array]:
+    if kind == "all-reduce":
+        return lambda x: jax.lax.psum(x, axes)
+    if kind == "all-gather":
+        return lambda x: jax.lax.all_gather(x, axes, tiled=True)
+    if kind == "reduce-scatter":
+        return lambda x: jax.lax.psum_scatter(x, axes, tiled=True)
+    if kind == "all-to-all":
+        return lambda x: jax.lax.all_to_all(x, axes, 0, 0, tiled=True)
+    if kind == "collective-permute":
+        return lambda x: jax.lax.ppermute(x, axes, [(i, (i + 1) % n) for i in range(n)])
+    raise ValueError(f"unknown collective kind {kind!r}")
+
+
+def _input_elements_per_device(kind: str, nbytes: float, n: int) -> int:
+    """Per-device input length (float32, a multiple of n) that gives ``nbytes`` by convention."""
+    elems = int(nbytes) // 4
+    if kind == "all-gather":
+        elems //= n  # nbytes counts the gathered output
+    return max(n, elems // n * n)
+
+
+def line_mesh(devices: Sequence[jax.Device], group_size: int = 0) -> tuple[Mesh, tuple[str, ...]]:
+    """A ``(len/g, g)`` mesh ``("outer", "x")`` of ``devices`` and the group axes ``("x",)``.
+
+    ``group_size`` 0 means all devices. Every device takes part, in ``len/g`` concurrent groups,
+    as in a sharded program (emulated CPU devices share the host, so idle devices would flatter).
+    """
+    g = group_size or len(devices)
+    grid = np.array(devices).reshape(len(devices) // g, g)
+    return Mesh(grid, ("outer", AXIS)), (AXIS,)
+
+
+def measure_collective(
+    mesh: Mesh,
+    axes: tuple[str, ...],
+    kind: str,
+    nbytes: float,
+    repeats: int = 5,
+    warmup: int = 2,
+) -> Measurement:
+    """Times one collective of about ``nbytes`` (rounded to a multiple of 4n) over ``axes``.
+
+    Every device of ``mesh`` holds a shard; groups along ``axes`` run concurrently.
+    """
+    n = int(np.prod([mesh.shape[a] for a in axes]))
+    elems = _input_elements_per_device(kind, nbytes, n)
+    spec = PartitionSpec(tuple(mesh.axis_names))
+    x = jax.device_put(  # (devices * elems,)
+        jnp.ones((mesh.size * elems,), jnp.float32), NamedSharding(mesh, spec)
+    )
+    body = _collective_body(kind, axes, n)
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+    t = median_time_s(fn, (x,), repeats, warmup)
+    actual = 4.0 * elems * (n if kind == "all-gather" else 1)
+    return Measurement(kind, "float32", 0.0, actual, n, t, f"{int(actual)}B")
