@@ -221,3 +221,13 @@ def test_profile_with_reference_keeps_datasheet_peaks() -> None:
     assert 0 < hw.matmul_efficiency < 1  # a CPU reaches a tiny fraction of an H100
     assert hw.inter_node == cost_models.hardware("h100").inter_node
     assert dataclasses.replace(hw) == hw
+
+
+def test_readme_section_example_runs() -> None:
+    import pathlib
+    import re
+
+    text = (pathlib.Path(cost_models.__file__).parent / "README_SECTION.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text, re.S)
+    assert code is not None
+    exec(compile(code.group(1), "README_SECTION.md", "exec"), {})
