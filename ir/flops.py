@@ -114,6 +114,20 @@ def _cumulative(k: float, trans: float = 0.0) -> Rule:
     return rule
 
 
+def _reduce_window(k: float = 1.0) -> Rule:
+    """XLA: (window elements - 1) reducer calls per output element."""
+    def rule(ins: Types, outs: Types, p: Mapping[str, Any]) -> Cost:
+        window = math.prod(p.get("window_dimensions") or (1,))
+        return Cost(k * outs[0].size * (window - 1))
+    return rule
+
+
+def _select_and_scatter(ins: Types, outs: Types, p: Mapping[str, Any]) -> Cost:
+    """XLA: per source element, (window - 1) selects and one scatter combine."""
+    window = math.prod(p.get("window_dimensions") or (1,))
+    return Cost(float(ins[0].size * window))
+
+
 def _index_mask(indices: TensorType, p: Mapping[str, Any]) -> float:
     """FILL_OR_DROP bounds mask: ge, le, and per index, and-reduced over the index vector."""
     if p.get("mode") != "FILL_OR_DROP" or not indices.shape:
@@ -130,8 +144,8 @@ def _gather(ins: Types, outs: Types, p: Mapping[str, Any]) -> Cost:
 
 
 def _scatter(combine: float) -> Rule:
-    """One combiner call per update element, plus the FILL_OR_DROP index mask."""
-    return lambda ins, outs, p: Cost(combine * ins[2].size + _index_mask(ins[1], p))
+    """One combiner call per update element (out-of-bounds updates are dropped for free)."""
+    return lambda ins, outs, p: Cost(combine * ins[2].size)
 
 
 def _sort(ins: Types, outs: Types, p: Mapping[str, Any]) -> Cost:
@@ -193,6 +207,9 @@ FLOP_RULES: dict[str, Rule] = {
     "scatter-min": _scatter(1.0), "scatter_min": _scatter(1.0),
     "scatter-max": _scatter(1.0), "scatter_max": _scatter(1.0),
     "sort": _sort,
+    "reduce_window_sum": _reduce_window(), "reduce_window_max": _reduce_window(),
+    "reduce_window_min": _reduce_window(), "reduce_window": _reduce_window(),
+    "select_and_scatter_add": _select_and_scatter,
 }
 
 

@@ -33,6 +33,7 @@ from jax.extend import core as jcore
 from ir.errors import UnsupportedPrimitiveError
 from ir.flops import FLOP_RULES, NOT_CONST, Cost, fold, op_cost
 from ir.graph import Graph, Op, Region, TensorType
+from ir.dce import effectful, eliminate_dead_ops
 from ir.layers import find_layers
 from ir.params import reduce_params
 
@@ -76,6 +77,7 @@ class _Builder:
         self.splats: dict[int, Any] = {}  # value id -> scalar of a splat constant (see flops.fold)
         self.nbytes: list[int] = []  # per value id, cached: 45k-op graphs ask for it often
         self.n_ops = 0
+        self.effects: list[int] = []  # op ids of equations with side effects (never dropped)
         self._types: dict[tuple[Any, Any], TensorType] = {}
 
     def new_value(self, aval: Any) -> int:
@@ -205,7 +207,10 @@ def _plain_op(b: _Builder, eqn: Any, env: dict[Any, int], ctx: _Ctx) -> Op:
 def _make_op(b: _Builder, eqn: Any, ctx: _Ctx, ins: tuple[int, ...], outs: tuple[int, ...],
              params: tuple, cost: Cost, nbytes: float, regions: tuple[Region, ...] = (),
              trip_count: int = 1, op_id: int | None = None) -> Op:
-    return Op(id=b.new_op_id() if op_id is None else op_id, prim=eqn.primitive.name, ins=ins, outs=outs, params=params,
+    op_id = b.new_op_id() if op_id is None else op_id
+    if eqn.effects:
+        b.effects.append(op_id)
+    return Op(id=op_id, prim=eqn.primitive.name, ins=ins, outs=outs, params=params,
               flops=cost.flops, transcendentals=cost.transcendentals, bytes_accessed=nbytes,
               source=source_of(eqn.source_info) or ctx.source,
               name=_join_name(ctx.name, str(eqn.source_info.name_stack)),
@@ -289,13 +294,15 @@ def _unsupported(eqn: Any, why: str) -> UnsupportedPrimitiveError:
 
 # ---- entry point ------------------------------------------------------------------------------
 def trace(fn: Callable[..., Any], *args: Any, donate_argnums: int | Sequence[int] = (),
-          **kwargs: Any) -> Graph:
+          dce: bool = True, **kwargs: Any) -> Graph:
     """Traces ``fn(*args, **kwargs)`` into an ``ir.Graph``; nothing is allocated or run.
 
     Args:
       fn: the function, e.g. a training step ``step(state, batch)``.
       *args: pytrees of arrays or ``jax.ShapeDtypeStruct``s (flax params, optax states, ...).
       donate_argnums: positional args whose buffers the caller donates (``Graph.donated``).
+      dce: drop ops whose results are unused (``ir.dce``), as XLA does; ``origin`` still points
+        into the untouched ``Graph.jaxpr``.
       **kwargs: keyword arguments bound into ``fn`` before tracing (arrays become graph consts).
 
     Returns:
@@ -314,11 +321,14 @@ def trace(fn: Callable[..., Any], *args: Any, donate_argnums: int | Sequence[int
     env.update(zip(closed.jaxpr.invars, inputs))
     ops = lower_eqns(b, closed.jaxpr, env, _Ctx())
     outputs = tuple(b.read(env, a) for a in closed.jaxpr.outvars)
-    return find_layers(Graph(
+    graph = Graph(
         ops=tuple(ops), values=tuple(b.values), inputs=inputs, outputs=outputs,
         input_paths=tuple(jax.tree_util.keystr(p) for p, _ in in_paths),
         output_paths=tuple(jax.tree_util.keystr(p) for p, _ in out_paths),
         donated=tuple(isinstance(p[0], jax.tree_util.SequenceKey) and p[0].idx in donate
                       for p, _ in in_paths),
         literals=tuple(b.literals), consts=tuple(b.consts), jaxpr=closed, in_tree=in_tree,
-        out_tree=out_tree))
+        out_tree=out_tree)
+    if dce:
+        graph = eliminate_dead_ops(graph, effectful(graph.all_ops(), b.effects))
+    return find_layers(graph)
