@@ -27,6 +27,8 @@ from ir.graph import Graph, Layer, Op, Region
 
 _TRANSFORM = re.compile(r"^[\w.-]+\((.*)\)$")
 _INDEXED = re.compile(r"^(.+)_(\d+)$")
+# Name-stack segments that transforms insert, not modules (remat re-enters the module path).
+_NOT_MODULES = frozenset({"rematted_computation", "checkpoint", "remat", "jit", "pjit", ""})
 
 
 def find_layers(graph: Graph) -> Graph:
@@ -54,7 +56,11 @@ def _walk(ops: Iterable[Op]) -> Iterable[Op]:
 
 
 def block_key(name: str) -> tuple[str, int] | None:
-    """``"transpose(jvp(GPT))/layer_3/mlp"`` -> ``("GPT/layer", 3)``; ``None`` if no index."""
+    """``"transpose(jvp(GPT))/layer_3/mlp"`` -> ``("GPT/layer", 3)``; ``None`` if no index.
+
+    Transform wrappers and remat segments are dropped and a repeated module name collapses, so
+    ``"transpose(jvp(GPT))/jvp(GPT)/rematted_computation/layer_3"`` gives the same key.
+    """
     path: list[str] = []
     for seg in name.split("/"):
         while (m := _TRANSFORM.match(seg)) is not None:
@@ -62,7 +68,8 @@ def block_key(name: str) -> tuple[str, int] | None:
         m = _INDEXED.match(seg)
         if m is not None:
             return "/".join(path + [m.group(1)]), int(m.group(2))
-        path.append(seg)
+        if seg not in _NOT_MODULES and (not path or path[-1] != seg):
+            path.append(seg)
     return None
 
 
