@@ -90,7 +90,7 @@ def summary(graph: Graph) -> str:
     counts = Counter(op.prim for op in ops)
     fallback = sorted({op.prim for op in ops if op.param("fallback")})
     lines = [
-        f"ir.Graph: {len(graph.ops)} top-level ops ({len(ops)} with regions), "
+        f"ir.Graph: {len(graph.ops)} top-level ops ({len(ops)} counting region bodies), "
         f"{len(graph.values)} values, {len(graph.inputs)} inputs, {len(graph.outputs)} outputs",
         f"  total flops: {human(graph.total_flops)}  transcendentals: "
         f"{human(sum(op.transcendentals for op in graph.ops))}",
