@@ -61,8 +61,7 @@ def _namedtuple_plain(v: Any) -> Any:
 
 
 def _other_plain(v: Any) -> Any:
+    """Dataclasses field by field; anything else (shardings, PRNG dtypes) as its str."""
     if hasattr(v, "__dataclass_fields__"):
         return tuple((f, to_plain(getattr(v, f))) for f in v.__dataclass_fields__)
-    if hasattr(v, "dtype") and hasattr(v, "name") and "key" in str(v):  # extended (PRNG) dtypes
-        return str(v)
     return str(v)
