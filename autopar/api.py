@@ -51,12 +51,14 @@ def plan_graph(graph: ir.Graph, mesh, *, hardware=None, memory_budget=None, stra
     cm = cost_models.CostModel(hw, sizes)
     name, strat = _resolve_strategy(strategy)
     fixed = strat.fix_inputs(graph, sizes) if strat is not None else None
+    op_filter = getattr(strat, "allows", None)
     budget = hw.memory_bytes if memory_budget is None else float(memory_budget)
     hint = None
     if strat is None:
         hint = _best_handwritten_hint(graph, sizes, cm, hw, budget, time_limit_s)
     return make_plan(graph, sizes, cm, hardware_name=hw.name, strategy=name,
-                     memory_budget=budget, fixed_inputs=fixed, time_limit_s=time_limit_s,
+                     memory_budget=budget, fixed_inputs=fixed, op_filter=op_filter,
+                     time_limit_s=time_limit_s,
                      trace_s=trace_s, hint=hint)
 
 

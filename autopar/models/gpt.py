@@ -48,7 +48,9 @@ class Attention(nn.Module):
     def __call__(self, x):  # x: (B, S, D)
         c = self.cfg
         dh = c.d_model // c.heads
-        qkv = nn.DenseGeneral((3, c.heads, dh), dtype=c.dtype, name="qkv")(x)  # (B, S, 3, H, Dh)
+        # No qkv bias: the key bias gets an exactly-zero gradient (softmax is shift-invariant) that
+        # Adam would blow up from rounding noise into lr-sized updates, hiding real differences.
+        qkv = nn.DenseGeneral((3, c.heads, dh), use_bias=False, dtype=c.dtype, name="qkv")(x)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]                       # (B, S, H, Dh)
         logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(dh).astype(c.dtype)
         s = x.shape[1]

@@ -38,13 +38,32 @@ def _allowed(prob: problem.Problem, fixed: Mapping[int, Sharding]) -> dict[int, 
     return allowed
 
 
+def _filtered(prob: problem.Problem, op_filter, allowed: dict[int, set[int]]) -> None:
+    """Let a hand-written strategy veto op strategies (e.g. ZeRO-1 forbids reduce-scatter)."""
+    for grp in prob.groups:
+        if grp.leader < 0 or grp.id in allowed:
+            continue
+        op = prob.graph.op(grp.leader)
+        ok = {i for i, st in enumerate(grp.strategies) if op_filter(op, st)}
+        if ok and len(ok) < grp.n:
+            allowed[grp.id] = ok
+
+
 def make_plan(graph: Graph, mesh: Mapping[str, int], cost_model, *, hardware_name: str,
               strategy: str = "auto", memory_budget: float | None = None,
-              fixed_inputs: Mapping[int, Sharding] | None = None, time_limit_s: float = 30.0,
-              trace_s: float = 0.0, hint: Mapping[int, int] | None = None) -> Plan:
+              fixed_inputs: Mapping[int, Sharding] | None = None, op_filter=None,
+              time_limit_s: float = 30.0, trace_s: float = 0.0,
+              hint: Mapping[int, int] | None = None) -> Plan:
+    """Plan ``graph`` on ``mesh``.
+
+    ``fixed_inputs`` pins input layouts (input index -> Sharding); ``op_filter(op, strategy)``
+    returns False for op strategies a hand-written strategy rules out.
+    """
     t0 = time.perf_counter()
     prob = problem.build(graph, mesh, cost_model)
     allowed = _allowed(prob, fixed_inputs or {})
+    if op_filter is not None:
+        _filtered(prob, op_filter, allowed)
     build_s = time.perf_counter() - t0
     sol = ilp.solve(prob, cost_model, memory_budget, time_limit_s, allowed, hint)
     stats = SolverStats(sol.status, sol.gap, sol.solve_s, build_s, trace_s, len(prob.groups),

@@ -54,6 +54,7 @@ class _Model:
         self.m = cp_model.CpModel()
         self.x: dict[int, list] = {}
         self.obj: list = []
+        self.flows: list = []   # (edge, y vars) for completing hints
         self.root = {g.id: self._root(g.id) for g in p.groups}
         for g in p.groups:
             if self.root[g.id] == g.id:
@@ -78,7 +79,15 @@ class _Model:
             self.obj += [(int(round(c * PS)), x) for c, x in zip(cost, self.xs(g.id)) if c > 0]
 
     def add_edges(self) -> None:
-        for k, e in enumerate(self.p.edges):
+        """Edges that repeat between the same tied groups with the same layouts are one edge
+        carrying the sum of their multipliers, so the model does not grow with depth."""
+        merged: dict[tuple, object] = {}
+        for e in self.p.edges:
+            have = tuple(self.p.groups[e.src].shard[e.value])
+            key = (self.root[e.src], self.root[e.dst], self.p.graph.values[e.value], have, e.need)
+            old = merged.get(key)
+            merged[key] = e if old is None else dataclasses.replace(old, mult=old.mult + e.mult)
+        for k, e in enumerate(merged.values()):
             self.add_edge(k, e)
 
     def add_edge(self, k: int, e) -> None:
@@ -101,6 +110,7 @@ class _Model:
                     self.obj.append((int(round(c * PS)), x))
             return
         y = {(o, r): self.m.NewBoolVar(f"y{k}") for o in outs for r in needs}
+        self.flows.append((e, y))
         for o in outs:
             self.m.Add(sum(y[o, r] for r in needs) == sum(x for x, h in zip(xs, have) if h == o)
                        ).WithName(f"flow-out:{k}")
@@ -137,10 +147,16 @@ class _Model:
                     self.m.Add(x == 0).WithName(f"fixed:{g}:{i}")
 
     def hint(self, choice: Mapping[int, int]) -> None:
+        """A complete starting solution: x from ``choice``, every flow y implied by it."""
+        pick = {g: choice.get(g, 0) for g in self.x}
         for g, xs in self.x.items():
-            if g in choice:
-                for i, x in enumerate(xs):
-                    self.m.AddHint(x, i == choice[g])
+            for i, x in enumerate(xs):
+                self.m.AddHint(x, i == pick[g])
+        for e, y in self.flows:
+            o = self.p.groups[e.src].shard[e.value][pick[self.root[e.src]]]
+            r = e.need[pick[self.root[e.dst]]]
+            for (oo, rr), var in y.items():
+                self.m.AddHint(var, oo == o and rr == r)
 
 
 def _distinct(layouts) -> list:
@@ -176,7 +192,10 @@ def solve(p: Problem, cost_model, memory_budget: float | None = None, time_limit
     if memory_budget is not None:
         for k, expr in enumerate(mdl.memory_exprs()):
             mdl.m.Add(expr <= int(memory_budget)).WithName(f"mem:{k}")
-    mdl.hint(hint or local_best(p))
+    from autopar.planner.descent import descend
+
+    start = descend(p, cost_model, dict(hint) if hint else None, allowed=allowed)
+    mdl.hint(start)
     mdl.m.Minimize(sum(c * x for c, x in mdl.obj))
     solver = _solver(time_limit_s)
     t0 = time.perf_counter()
