@@ -201,6 +201,15 @@ def solve(p: Problem, cost_model, memory_budget: float | None = None, time_limit
     t0 = time.perf_counter()
     status = solver.Solve(mdl.m)
     dt = time.perf_counter() - t0
+    if status == cp_model.UNKNOWN and (memory_budget is None or
+                                       memory_of(p, _as_tuple(p, start)) <= memory_budget):
+        # The time limit ran out before CP-SAT rebuilt a solution: keep the descent plan, which
+        # fits the budget, and report the solver's bound for the gap.
+        from autopar.planner.descent import objective
+
+        return Solution(_as_tuple(p, start), objective(p, cost_model, start),
+                        max(0.0, solver.BestObjectiveBound() / PS), "DESCENT (time limit)", dt,
+                        len(mdl.m.Proto().variables), len(mdl.m.Proto().constraints))
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         if status == cp_model.INFEASIBLE and memory_budget is not None:
             raise _memory_error(p, cost_model, memory_budget, allowed)
@@ -214,18 +223,24 @@ def solve(p: Problem, cost_model, memory_budget: float | None = None, time_limit
                     solver.StatusName(status), dt, len(proto.variables), len(proto.constraints))
 
 
+def _as_tuple(p: Problem, choice: Mapping[int, int]) -> tuple[int, ...]:
+    return tuple(choice[g.id] for g in p.groups)
+
+
 def min_memory_bytes(p: Problem, cost_model, allowed=None, time_limit_s: float = 10.0) -> float:
     """The smallest peak per-device memory any plan reaches (the least budget that fits)."""
     mdl = _Model(p, cost_model)
     if allowed:
         mdl.restrict(allowed)
-    peak = mdl.m.NewIntVar(0, 2 ** 62, "peak")
+    peak = mdl.m.NewIntVar(0, 2 ** 60, "peak")
     for expr in mdl.memory_exprs():
         mdl.m.Add(peak >= expr)
     mdl.m.Minimize(peak)
     solver = _solver(time_limit_s)
-    solver.Solve(mdl.m)
-    return float(solver.BestObjectiveBound())
+    status = solver.Solve(mdl.m)
+    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return float(solver.ObjectiveValue())
+    raise AssertionError(f"min-memory model: {solver.StatusName(status)} {mdl.m.Validate()}")
 
 
 def _memory_error(p: Problem, cost_model, budget: float, allowed) -> PlanError:

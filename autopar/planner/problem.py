@@ -242,6 +242,25 @@ def _output_pairs(graph: Graph) -> dict[int, int]:
     return pairs
 
 
+# Host-to-device link that feeds each step's batch: PCIe Gen5 x16, ~64 GB/s per direction (PCI-SIG
+# 5.0 spec, as on H100 SXM hosts). Used when the hardware profile does not name one.
+HOST_LINK_BYTES_PER_S = 64e9
+
+
+def _feed_costs(graph: Graph, b: _Builder, input_group: list[int], pairs: Mapping[int, int]):
+    """Inputs that are not carried state (the batch) arrive from the host every step: each
+    device pays for the bytes it receives, so a replicated batch is not free."""
+    state = set(pairs.values())
+    bw = getattr(b.cm, "host_link_bytes_per_s", None) or getattr(
+        getattr(b.cm, "hw", None), "host_link_bytes_per_s", None) or HOST_LINK_BYTES_PER_S
+    for k, v in enumerate(graph.inputs):
+        if k in state:
+            continue
+        grp = b.groups[input_group[k]]
+        t = graph.values[v]
+        grp.comm_s += np.array([t.nbytes / shard_factor(s, b.mesh) / bw for s in grp.shard[v]])
+
+
 def _ties(graph: Graph, b: _Builder) -> dict[int, int]:
     """Groups of structurally equal layers share the ILP variables of the first such layer."""
     ties: dict[int, int] = {}
@@ -298,6 +317,7 @@ def build(graph: Graph, mesh: Mapping[str, int], cost_model, max_strategies: int
             continue
         need = tuple(b.groups[input_group[k]].shard[v_in])
         b.add_edge(b.gv[v_out], input_group[k], v_out, need, 1.0, f"output{j}->input{k}")
+    _feed_costs(graph, b, input_group, pairs)
     ties = _ties(graph, b)
     return Problem(graph, dict(mesh), b.groups, b.edges, b.gv, b.gop, input_group, ties, pairs,
                    _memory_points(graph, pairs, memory_points), list(graph.inputs) + list(graph.consts))
