@@ -1,0 +1,76 @@
+"""Helpers shared by the benchmark scripts: environment, argument parsing, result files.
+
+Import this module before jax: it asks XLA for 8 emulated CPU devices (unless XLA_FLAGS already
+sets a count), so every script sees the same 8 devices on a laptop or in CI.
+"""
+from __future__ import annotations
+
+import os
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import csv  # noqa: E402
+import datetime  # noqa: E402
+import pathlib  # noqa: E402
+import platform  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=doc.splitlines()[0] if doc else None)
+    p.add_argument("--quick", action="store_true", help="one small configuration (seconds)")
+    p.add_argument("--out", type=pathlib.Path, default=None,
+                   help="directory for the result files (default benchmarks/results)")
+    return p
+
+
+def out_dir(args) -> pathlib.Path:
+    d = args.out if args.out is not None else RESULTS
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def write_csv(path: pathlib.Path, header: Sequence[str], rows: Sequence[Sequence]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        for r in rows:
+            w.writerow([_cell(x) for x in r])
+
+
+def md_table(header: Sequence[str], rows: Sequence[Sequence]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in rows:
+        lines.append("| " + " | ".join(_cell(x) for x in r) + " |")
+    return "\n".join(lines)
+
+
+def _cell(x) -> str:
+    if isinstance(x, float):
+        if x != x:  # nan
+            return "-"
+        if x == 0:
+            return "0"
+        if abs(x) >= 1000 or abs(x) < 0.01:
+            return f"{x:.4g}"
+        return f"{x:.3f}"
+    return str(x)
+
+
+def environment() -> str:
+    import jax
+
+    return (f"jax {jax.__version__}, {len(jax.devices())} x {jax.devices()[0].platform} devices, "
+            f"python {platform.python_version()}, {os.cpu_count()} host cores, "
+            f"{datetime.date.today().isoformat()}")
+
+
+def mesh_str(mesh: dict) -> str:
+    return "x".join(f"{k}{v}" for k, v in mesh.items())
