@@ -1,0 +1,272 @@
+"""``autopar.compare``: hand-written strategies against the planner's own plan, side by side.
+
+    >>> cmp = autopar.compare(step, state, batch, mesh=jax.make_mesh((2, 4), ("data", "model")))
+    >>> print(cmp)
+    strategy   pred step  pred peak/dev  meas step  XLA peak/dev  collectives           note
+    dp          5.506 ms       1.2 MiB    0.913 ms      1.9 MiB  AR 4 AG 20 A2A 6
+    ...
+    >>> cmp.best().strategy
+    'auto'
+
+Each strategy is planned on one traced graph (hand-written ones pin the inputs, see
+``autopar.strategies``; ``"auto"`` is planned last, starting from the best hand-written plan). When
+the mesh's devices are here and the arguments are arrays, each plan is compiled (the same codegen as
+``autopar.autoparallel(fn, mesh=..., plan=plan)``), XLA's ``memory_analysis()`` peak is read and
+the step is timed: the median of ``runs`` runs after one warm-up, each ``block_until_ready``. The
+arguments are not donated: every strategy runs on the same arrays. A strategy that fails (does not
+fit the memory budget, cannot be planned, fails to compile) becomes a row with its error; the
+other rows are unaffected.
+"""
+from __future__ import annotations
+
+import dataclasses
+import html
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+import cost_models
+import ir
+from autopar.api import autoparallel, plan_graph
+from autopar.errors import PlanError
+from autopar.mesh import axis_sizes, concrete_mesh, default_hardware
+from autopar.plan import Plan
+from autopar.planner import make_plan, problem
+
+__all__ = ["Comparison", "Row", "compare"]
+
+DEFAULT_STRATEGIES = ("dp", "zero1", "zero2", "zero3", "megatron", "megatron_sp", "fsdp_tp",
+                      "auto")
+_SHORT = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS", "all-to-all": "A2A"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One strategy's prediction, measurement (``None`` when not measured) or error."""
+
+    strategy: str
+    predicted_step_s: float | None = None
+    predicted_peak_bytes: float | None = None       # per device, the planner's memory model
+    collectives: Mapping[str, int] = dataclasses.field(default_factory=dict)  # kind -> count
+    measured_step_s: float | None = None            # median over runs
+    measured_peak_bytes: float | None = None        # per device, XLA memory_analysis()
+    error: str | None = None
+    plan_s: float = 0.0                             # wall time to plan it
+    plan: Plan | None = dataclasses.field(default=None, repr=False)
+    compiled: Any = dataclasses.field(default=None, repr=False, compare=False)  # jax Compiled
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """The rows of ``autopar.compare``; ``str()`` is a text table, ``_repr_html_`` an HTML one."""
+
+    mesh: Mapping[str, int]
+    hardware: str
+    rows: tuple[Row, ...]
+
+    def __getitem__(self, strategy: str) -> Row:
+        for r in self.rows:
+            if r.strategy == strategy:
+                return r
+        raise KeyError(f"no row {strategy!r}; rows are {[r.strategy for r in self.rows]}")
+
+    def best(self, by: str = "predicted") -> Row:
+        """The fastest row without an error, by ``"predicted"`` or ``"measured"`` step time."""
+        key = "predicted_step_s" if by == "predicted" else "measured_step_s"
+        rows = [r for r in self.rows if r.ok and getattr(r, key) is not None]
+        if not rows:
+            raise PlanError(f"no strategy has a {by} step time on mesh {dict(self.mesh)}; errors: "
+                            f"{ {r.strategy: r.error for r in self.rows} }")
+        return min(rows, key=lambda r: getattr(r, key))
+
+    def table(self) -> list[list[str]]:
+        """Header and one list of cell texts per row."""
+        head = ["strategy", "pred step", "pred peak/dev", "meas step", "XLA peak/dev",
+                "collectives", "note"]
+        return [head] + [_cells(r) for r in self.rows]
+
+    def __str__(self) -> str:
+        t = self.table()
+        width = [max(len(row[i]) for row in t) for i in range(len(t[0]) - 1)]
+        lines = [f"mesh {dict(self.mesh)}, hardware {self.hardware}"]
+        for row in t:
+            lines.append("  ".join(c.ljust(w) for c, w in zip(row, width)) + "  " + row[-1])
+        return "\n".join(line.rstrip() for line in lines)
+
+    def _repr_html_(self) -> str:
+        t = self.table()
+        head = "".join(f"<th>{html.escape(c)}</th>" for c in t[0])
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"
+                       for row in t[1:])
+        return (f"<p>mesh {html.escape(str(dict(self.mesh)))}, hardware "
+                f"{html.escape(self.hardware)}</p><table><thead><tr>{head}</tr></thead>"
+                f"<tbody>{body}</tbody></table>")
+
+
+def _cells(r: Row) -> list[str]:
+    colls = " ".join(f"{_SHORT.get(k, k)} {n}" for k, n in sorted(r.collectives.items()))
+    note = "" if r.ok else "error: " + r.error.splitlines()[0][:160]
+    return [r.strategy, _ms(r.predicted_step_s), _bytes(r.predicted_peak_bytes),
+            _ms(r.measured_step_s), _bytes(r.measured_peak_bytes), colls, note]
+
+
+def _ms(s: float | None) -> str:
+    return "-" if s is None else f"{s * 1e3:.3f} ms"
+
+
+def _bytes(b: float | None) -> str:
+    if b is None:
+        return "-"
+    return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.2f} MiB"
+
+
+def compare(fn: Callable, *args, mesh, hardware=None,
+            strategies: Sequence = DEFAULT_STRATEGIES, measure: bool = True,
+            memory_budget: float | None = None, runs: int = 5, time_limit_s: float = 10.0,
+            progress: bool = True) -> Comparison:
+    """Plan (and, when the devices are here, run) ``fn(*args)`` under each strategy.
+
+    Args:
+      fn, *args: the training step and its arguments (arrays, or ShapeDtypeStructs to only plan).
+      mesh: a ``jax.sharding.Mesh`` or a dict of axis sizes, as for ``autopar.plan``.
+      hardware: the cost model's profile; default the mesh's devices, else ``"h100"``.
+      strategies: names from ``autopar.strategies.NAMES``, strategy objects, and ``"auto"``.
+      measure: compile and time each plan when the mesh's devices are present.
+      memory_budget: per-device bytes every plan must fit; default the hardware's memory.
+      runs: timed runs per strategy (after one warm-up); the median is reported.
+      time_limit_s: the planner's time limit per strategy.
+      progress: print one line per strategy to stderr.
+
+    Returns:
+      A ``Comparison``; a strategy that failed is a row whose ``error`` says why.
+    """
+    t0 = time.perf_counter()
+    graph = ir.trace(fn, *args)
+    trace_s = time.perf_counter() - t0
+    run_mesh = _runnable_mesh(mesh, args) if measure else None
+    hw = cost_models.hardware(hardware if hardware is not None else default_hardware(mesh))
+    names = [s if isinstance(s, str) else getattr(s, "name", type(s).__name__)
+             for s in strategies]
+    rows: dict[int, Row] = {}
+    # "auto" goes last so it can start from the best hand-written plan.
+    for i in sorted(range(len(names)), key=lambda i: names[i] == "auto"):
+        hint_from = _best_plan(rows.values()) if names[i] == "auto" else None
+        row = _plan_row(graph, mesh, hw, strategies[i], names[i], memory_budget, time_limit_s,
+                        trace_s, hint_from)
+        if row.ok and run_mesh is not None:
+            row = _measure_row(row, fn, args, run_mesh, runs)
+        rows[i] = row
+        if progress:
+            _report(row)
+    return Comparison(axis_sizes(mesh), hw.name, tuple(rows[i] for i in range(len(names))))
+
+
+def _plan_row(graph, mesh, hw, strategy, name, memory_budget, time_limit_s, trace_s,
+              hint_from: Plan | None) -> Row:
+    t0 = time.perf_counter()
+    try:
+        if name == "auto" and hint_from is not None:
+            plan = _plan_auto_from(graph, mesh, hw, memory_budget, time_limit_s, trace_s,
+                                   hint_from)
+        else:
+            plan = plan_graph(graph, mesh, hardware=hw, memory_budget=memory_budget,
+                              strategy=strategy, time_limit_s=time_limit_s, trace_s=trace_s)
+    except Exception as e:  # noqa: BLE001 - one strategy's failure must not lose the others
+        return Row(name, error=_text(e), plan_s=time.perf_counter() - t0)
+    return Row(name, float(plan.cost.step_time_s), float(plan.cost.peak_memory_bytes),
+               plan.collective_counts(), plan_s=time.perf_counter() - t0, plan=plan)
+
+
+def _best_plan(rows) -> Plan | None:
+    done = [r for r in rows if r.ok and r.plan is not None]
+    return min(done, key=lambda r: r.predicted_step_s).plan if done else None
+
+
+def _plan_auto_from(graph, mesh, hw, memory_budget, time_limit_s, trace_s, start: Plan) -> Plan:
+    """``plan_graph(strategy="auto")`` with the ILP started from ``start``'s choices."""
+    sizes = axis_sizes(mesh)
+    cm = cost_models.CostModel(hw, sizes)
+    budget = hw.memory_bytes if memory_budget is None else float(memory_budget)
+    hint = hint_from_plan(problem.build(graph, sizes, cm), start)
+    return make_plan(graph, sizes, cm, hardware_name=hw.name, strategy="auto",
+                     memory_budget=budget, time_limit_s=time_limit_s, trace_s=trace_s,
+                     hint=hint)
+
+
+def hint_from_plan(prob: problem.Problem, plan: Plan) -> dict[int, int]:
+    """Group id -> strategy index that reproduces ``plan``'s op choices and input layouts."""
+    by_leader = {g.leader: g for g in prob.groups}
+    hint: dict[int, int] = {}
+    for op_id, _prim, _src, name in plan.choices:
+        g = by_leader.get(op_id)
+        idx = next((i for i, s in enumerate(g.strategies) if s.name == name), None) if g else None
+        if idx is not None:
+            hint[g.id] = idx
+    for k, layout in enumerate(plan.input_shardings):
+        g = prob.groups[prob.input_group[k]]
+        idx = next((i for i, s in enumerate(g.strategies) if s.outs[0] == layout), None)
+        if idx is not None:
+            hint[g.id] = idx
+    return hint
+
+
+def _runnable_mesh(mesh, args):
+    """The concrete mesh to time on, or None when its devices or the argument values are absent."""
+    if not all(isinstance(x, (jax.Array, np.ndarray)) for x in jax.tree_util.tree_leaves(args)):
+        return None
+    if isinstance(mesh, jax.sharding.Mesh):
+        here = set(jax.devices())
+        return concrete_mesh(mesh) if all(d in here for d in mesh.devices.flat) else None
+    if isinstance(mesh, Mapping) and math.prod(axis_sizes(mesh).values()) == jax.device_count():
+        return concrete_mesh(mesh)
+    return None
+
+
+def _measure_row(row: Row, fn, args, mesh, runs: int) -> Row:
+    """Compile ``row.plan``, read XLA's memory peak and time ``runs`` steps (median)."""
+    try:
+        step = autoparallel(fn, mesh=mesh, plan=row.plan)
+        compiled = step.lower(*args).compile()
+        placed = jax.device_put(args, compiled.input_shardings[0])
+        jax.block_until_ready(compiled(*placed))       # warm-up
+        times = []
+        for _ in range(max(1, runs)):
+            t0 = time.perf_counter()
+            jax.block_until_ready(compiled(*placed))
+            times.append(time.perf_counter() - t0)
+    except Exception as e:  # noqa: BLE001 - keep the prediction, report the failure
+        return dataclasses.replace(row, error="measuring failed: " + _text(e))
+    return dataclasses.replace(row, measured_step_s=statistics.median(times),
+                               measured_peak_bytes=_xla_peak(compiled), compiled=compiled)
+
+
+def _xla_peak(compiled) -> float | None:
+    m = compiled.memory_analysis()
+    if m is None:
+        return None
+    peak = getattr(m, "peak_memory_in_bytes", 0)
+    if peak:
+        return float(peak)
+    return float(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+                 - m.alias_size_in_bytes)
+
+
+def _text(e: Exception) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def _report(r: Row) -> None:
+    what = (f"predicted {_ms(r.predicted_step_s)}, measured {_ms(r.measured_step_s)}" if r.ok
+            else "error: " + (r.error or "").splitlines()[0][:200])
+    print(f"autopar.compare: {r.strategy:<12} {what} (planned in {r.plan_s:.1f}s)",
+          file=sys.stderr, flush=True)
