@@ -27,17 +27,24 @@ class GPTConfig:
     dtype: Any = jnp.float32
 
 
-# Configs of the papers (Megatron-LM / Alpa GPT table), by parameter count.
+# Configs of the papers (Megatron-LM / Alpa GPT table), by parameter count: vocabulary 51200,
+# d_ff = 4 d_model. They compute in bfloat16 (parameters and optimizer state stay float32), as
+# those papers trained them.
+def _paper(d_model: int, heads: int, layers: int, seq: int = 1024) -> GPTConfig:
+    return GPTConfig(vocab=51200, seq=seq, d_model=d_model, heads=heads, d_ff=4 * d_model,
+                     layers=layers, dtype=jnp.bfloat16)
+
+
 GPT_CONFIGS: dict[str, GPTConfig] = {
-    "125M": GPTConfig(vocab=51200, seq=1024, d_model=768, heads=12, d_ff=3072, layers=12),
-    "350M": GPTConfig(vocab=51200, seq=1024, d_model=1024, heads=16, d_ff=4096, layers=24),
-    "1.3B": GPTConfig(vocab=51200, seq=1024, d_model=2048, heads=32, d_ff=8192, layers=24),
-    "2.6B": GPTConfig(vocab=51200, seq=1024, d_model=2560, heads=32, d_ff=10240, layers=32),
-    "6.7B": GPTConfig(vocab=51200, seq=1024, d_model=4096, heads=32, d_ff=16384, layers=32),
-    "15B": GPTConfig(vocab=51200, seq=1024, d_model=5120, heads=40, d_ff=20480, layers=48),
-    "39B": GPTConfig(vocab=51200, seq=1024, d_model=8192, heads=64, d_ff=32768, layers=48),
-    "76B": GPTConfig(vocab=51200, seq=1024, d_model=10240, heads=80, d_ff=40960, layers=60),
-    "175B": GPTConfig(vocab=51200, seq=2048, d_model=12288, heads=96, d_ff=49152, layers=96),
+    "125M": _paper(768, 12, 12),
+    "350M": _paper(1024, 16, 24),
+    "1.3B": _paper(2048, 32, 24),
+    "2.6B": _paper(2560, 32, 32),
+    "6.7B": _paper(4096, 32, 32),
+    "15B": _paper(5120, 40, 48),
+    "39B": _paper(8192, 64, 48),
+    "76B": _paper(10240, 80, 60),
+    "175B": _paper(12288, 96, 96, seq=2048),
 }
 
 

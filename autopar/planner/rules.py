@@ -185,6 +185,22 @@ def _unsharded_dims(s: Sharding, dims: Sequence[int]) -> Sharding:
     return tuple(() if i in dims else d for i, d in enumerate(s))
 
 
+# A broadcast that makes its operand this many times larger is a decision of its own: splitting
+# the new dims is free (each device makes only its slice), and following the small operand would
+# leave a huge value replicated (e.g. a causal mask broadcast to (B, H, S, S)).
+_EXPANDING = 4
+
+
+def _expanding_broadcast(op: Op, ctx: RuleContext, in_shape, out_shape, bdims) -> Choices:
+    strategies = []
+    for out in enumerate_shardings(out_shape, ctx.mesh):
+        need = tuple(out[bdims[i]] if in_shape[i] == out_shape[bdims[i]] else ()
+                     for i in range(len(in_shape)))
+        ins = (need,) + tuple(None for _ in op.ins[1:])
+        strategies.append(Strategy(fmt(out), ins, (out,), shard_factor(out, ctx.mesh)))
+    return Choices(tuple(strategies))
+
+
 @strategy_rule("broadcast_in_dim")
 def broadcast_rule(op: Op, ctx: RuleContext) -> Choices | Follow:
     src = op.ins[0]
@@ -193,6 +209,8 @@ def broadcast_rule(op: Op, ctx: RuleContext) -> Choices | Follow:
     out_shape = ctx.t(op.outs[0]).shape
     bdims = tuple(op.param("broadcast_dimensions"))
     in_shape = ctx.t(src).shape
+    if ctx.t(op.outs[0]).size >= _EXPANDING * ctx.t(src).size:
+        return _expanding_broadcast(op, ctx, in_shape, out_shape, bdims)
 
     def derive(s: Sharding) -> Strategy:
         keep = tuple(d if in_shape[i] == out_shape[bdims[i]] else () for i, d in enumerate(s))
