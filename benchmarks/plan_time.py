@@ -101,6 +101,8 @@ def main(argv=None):
         "Model rows: the GPT-125M width (d_model 768, 12 heads, seq 1024, vocab 51200) with its",
         "layers as one `nn.scan` loop region (`scan=True`) or unrolled; GPT-39B and GPT-175B use",
         "`scan=True, remat=True` and bfloat16 compute (parameters and Adam state in float32).",
+        f"The GPT-125M-width rows compute in "
+        f"{jnp.dtype(gpt.GPT_CONFIGS['125M'].dtype).name} (the dtype of `GPT_CONFIGS['125M']`).",
         "",
         _common.md_table(HEADER, rows),
         "",
@@ -108,6 +110,12 @@ def main(argv=None):
     if worst is not None:
         notes.append(f"Slowest plan: {worst[0]} with {worst[1]} layers on {worst[3]} devices, "
                      f"{worst[7]:.1f} s (trace + build + solve).")
+    if ok:
+        extra = max(ok, key=lambda r: r[8] - r[7])
+        notes.append(f"`wall_s - total_s` (time `plan.solver` does not attribute: building the "
+                     f"CP-SAT model, the coordinate-descent seed, assembling the Plan) is up to "
+                     f"{extra[8] - extra[7]:.1f} s ({extra[0]}, {extra[1]} layers, {extra[3]} "
+                     f"devices).")
     errors = [r for r in rows if str(r[9]).startswith("error")]
     if errors:
         notes.append("")
