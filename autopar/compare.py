@@ -25,6 +25,7 @@ import math
 import statistics
 import sys
 import time
+import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -270,3 +271,15 @@ def _report(r: Row) -> None:
             else "error: " + (r.error or "").splitlines()[0][:200])
     print(f"autopar.compare: {r.strategy:<12} {what} (planned in {r.plan_s:.1f}s)",
           file=sys.stderr, flush=True)
+
+
+class _CallableModule(types.ModuleType):
+    """Importing this module rebinds ``autopar.compare`` from the lazy function in
+    ``autopar/__init__.py`` to the module itself; calling the module keeps
+    ``autopar.compare(...)`` working either way."""
+
+    def __call__(self, *args, **kwargs) -> Comparison:
+        return compare(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -10,13 +10,15 @@ idea read from the outside: the model need not annotate anything.
     opt_state/0/mu/layer_0/mlp/fc1/kernel            -> its parameter's names
     batch/tokens (8, 16) int32                       -> ("batch", "seq")
 
-Unmatched 2-D ``kernel`` parameters (a plain MLP's ``layer_0``, ``layer_1`` ...) alternate
-column ("embed", "mlp") and row ("mlp", "embed") in natural path order, so tensor parallelism
-pairs them the Megatron way; their ``bias`` follows the kernel's output dim.
+Unmatched 2-D ``kernel`` parameters (a plain MLP's ``layer_0``, ``layer_1``, ``head``) alternate
+column ("embed", "mlp") and row ("mlp", "embed") in the order the step first uses them (pytree
+order is alphabetical, not the model's), so tensor parallelism pairs them the Megatron way; their
+``bias`` follows the kernel's output dim.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Sequence
 
@@ -83,16 +85,24 @@ def names_for(param_path: Sequence[str], rank: int) -> Names | None:
     return None
 
 
-def _natural(keys: Sequence[str]) -> tuple:
-    return tuple((0, int(k), "") if k.isdigit() else (1, 0, k) for part in keys
-                 for k in re.split(r"(\d+)", part) if k)
+def _first_use(graph: Graph) -> dict[int, int]:
+    """Input index -> position of the first op (in execution order) that reads it."""
+    index = {v: k for k, v in enumerate(graph.inputs)}
+    first: dict[int, int] = {}
+    for pos, op in enumerate(graph.all_ops()):
+        for v in op.ins:
+            if v in index:
+                first.setdefault(index[v], pos)
+    return first
 
 
-def _alternate(params: dict[int, tuple[str, ...]], shapes, names: dict[int, Names]) -> None:
+def _alternate(graph: Graph, params: dict[int, tuple[str, ...]], shapes,
+               names: dict[int, Names]) -> None:
     """Unmatched 2-D kernels alternate column/row; their biases follow (see module docstring)."""
+    first = _first_use(graph)
     kernels = sorted((k for k, p in params.items()
                       if k not in names and len(shapes[k]) == 2 and p[-1] == "kernel"),
-                     key=lambda k: _natural(params[k]))
+                     key=lambda k: (first.get(k, math.inf), k))
     bias_of = {p[:-1]: k for k, p in params.items() if p[-1] == "bias" and len(shapes[k]) == 1}
     for j, k in enumerate(kernels):
         names[k] = ("embed", "mlp") if j % 2 == 0 else ("mlp", "embed")
@@ -127,7 +137,7 @@ def annotate(graph: Graph) -> tuple[InputAxes, ...]:
         found = names_for(p, len(shapes[k]))
         if found is not None:
             names[k] = found
-    _alternate(params, shapes, names)
+    _alternate(graph, params, shapes, names)
     by_suffix = {p: k for k, p in params.items()}
     out = []
     for k, path in enumerate(graph.input_paths):
