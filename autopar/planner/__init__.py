@@ -97,7 +97,7 @@ def _collectives(prob: problem.Problem, choice, cm) -> tuple[list[Collective], f
         if src == need:
             continue
         t = prob.graph.values[e.value]
-        cost = e.mult * problem.reshard_s(cm, t, src, need, prob.mesh)
+        cost = e.mult * prob.reshard_s(e.value, src, need)
         transition += cost
         gather, a2a = reshard_plan(src, need)
         for kind, axes in (("all-gather", gather), ("all-to-all", a2a)):

@@ -12,7 +12,6 @@ from collections import defaultdict
 import numpy as np
 
 from autopar.planner.problem import Problem
-from autopar.planner.reshard import reshard_s
 
 
 def _root(p: Problem, g: int) -> int:
@@ -21,16 +20,26 @@ def _root(p: Problem, g: int) -> int:
     return g
 
 
+def _index(layouts) -> tuple[list, np.ndarray]:
+    distinct: dict = {}
+    idx = np.array([distinct.setdefault(x, len(distinct)) for x in layouts])
+    return list(distinct), idx
+
+
+def _dense(have, need, cost) -> np.ndarray:
+    """Strategy-by-strategy cost matrix, computed once per distinct pair of layouts."""
+    hs, hi = _index(have)
+    ns, ni = _index(need)
+    small = np.array([[cost(h, n) for n in ns] for h in hs])
+    return small[hi[:, None], ni[None, :]]
+
+
 def edge_matrices(p: Problem, cm):
     """(unary cost per root, [(src root, dst root, matrix)])."""
-    cache: dict = {}
-
-    def rs(v, a, b):
-        key = (v, a, b)
-        if key not in cache:
-            cache[key] = reshard_s(cm, p.graph.values[v], a, b, p.mesh)
-        return cache[key]
-
+    memo = p.__dict__.get("_edge_matrices")
+    if memo is not None:
+        return memo
+    rs = p.reshard_s
     unary: dict[int, np.ndarray] = {}
     for g in p.groups:
         r = _root(p, g.id)
@@ -43,15 +52,17 @@ def edge_matrices(p: Problem, cm):
             unary[s] = unary[s] + e.mult * np.array([rs(e.value, have[i], e.need[i])
                                                      for i in range(len(have))])
             continue
-        m = np.array([[rs(e.value, h, n) for n in e.need] for h in have]) * e.mult
+        m = _dense(have, e.need, lambda a, b, v=e.value: rs(v, a, b)) * e.mult
         if m.any():
             pair.append((s, d, m))
+    p.__dict__["_edge_matrices"] = (unary, pair)
     return unary, pair
 
 
 def descend(p: Problem, cm, start: dict[int, int] | None = None, sweeps: int = 20,
             allowed=None) -> dict[int, int]:
     unary, pair = edge_matrices(p, cm)
+    unary = dict(unary)
     big = 1e30
     for g, ok in (allowed or {}).items():
         r = _root(p, g)

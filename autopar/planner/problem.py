@@ -70,6 +70,25 @@ class Problem:
     output_pairs: dict[int, int]                  # output index -> input index it replaces
     mem_points: list[list[int]]                   # per check point: live intermediate value ids
     const_values: list[int]                       # values always live (inputs, consts)
+    reshard: "ReshardCache"
+
+    def reshard_s(self, v: int, src: Sharding, dst: Sharding) -> float:
+        return self.reshard(self.graph.values[v], src, dst)
+
+
+class ReshardCache:
+    """Resharding time by (tensor type, source, destination): shared by every stage, since the
+    same few layouts of the same few shapes recur on thousands of edges."""
+
+    def __init__(self, cost_model, mesh: Mapping[str, int]):
+        self.cm, self.mesh, self.memo = cost_model, dict(mesh), {}
+
+    def __call__(self, t, src: Sharding, dst: Sharding) -> float:
+        key = (t, src, dst)
+        hit = self.memo.get(key)
+        if hit is None:
+            hit = self.memo[key] = reshard_s(self.cm, t, src, dst, self.mesh)
+        return hit
 
 
 class _Builder:
@@ -84,6 +103,7 @@ class _Builder:
         self.edges: list[Edge] = []
         self.gv: dict[int, int] = {}
         self.gop: dict[int, int] = {}
+        self.reshard = ReshardCache(cost_model, mesh)
 
     # -- groups -----------------------------------------------------------------------------
     def new_group(self, leader: int, strategies: Sequence[Strategy], op: Op | None,
@@ -138,8 +158,7 @@ class _Builder:
             grp = self.groups[src]
             have = grp.shard[v]
             for i in range(grp.n):
-                grp.comm_s[i] += mult * reshard_s(self.cm, self.g.values[v], have[i], need[i],
-                                                  self.mesh)
+                grp.comm_s[i] += mult * self.reshard(self.g.values[v], have[i], need[i])
             return
         self.edges.append(Edge(src, dst, v, need, mult, where))
 
@@ -320,7 +339,8 @@ def build(graph: Graph, mesh: Mapping[str, int], cost_model, max_strategies: int
     _feed_costs(graph, b, input_group, pairs)
     ties = _ties(graph, b)
     return Problem(graph, dict(mesh), b.groups, b.edges, b.gv, b.gop, input_group, ties, pairs,
-                   _memory_points(graph, pairs, memory_points), list(graph.inputs) + list(graph.consts))
+                   _memory_points(graph, pairs, memory_points),
+                   list(graph.inputs) + list(graph.consts), b.reshard)
 
 
 def value_bytes(problem: Problem, v: int) -> np.ndarray:
