@@ -53,18 +53,23 @@ def plan_graph(graph: ir.Graph, mesh, *, hardware=None, memory_budget=None, stra
     fixed = strat.fix_inputs(graph, sizes) if strat is not None else None
     op_filter = getattr(strat, "allows", None)
     budget = hw.memory_bytes if memory_budget is None else float(memory_budget)
-    hint = None
-    if strat is None:
-        hint = _best_handwritten_hint(graph, sizes, cm, hw, budget, time_limit_s)
+    starts = _handwritten_starts(sizes) if strat is None else ()
     return make_plan(graph, sizes, cm, hardware_name=hw.name, strategy=name,
                      memory_budget=budget, fixed_inputs=fixed, op_filter=op_filter,
-                     time_limit_s=time_limit_s,
-                     trace_s=trace_s, hint=hint)
+                     time_limit_s=time_limit_s, trace_s=trace_s, starts=starts)
 
 
-def _best_handwritten_hint(graph, sizes, cm, hw, budget, time_limit_s):
-    """No hint for now: the ILP starts from each group's cheapest strategy."""
-    return None
+def _handwritten_starts(sizes) -> list:
+    """Hand-written strategies the auto plan starts from (the cheapest one's layouts)."""
+    from autopar import strategies
+
+    out = []
+    for name in ("dp", "zero2", "zero3", "megatron", "fsdp_tp"):
+        try:
+            out.append(strategies.get(name))
+        except Exception:  # noqa: BLE001 - a strategy this mesh cannot take is no start
+            continue
+    return out
 
 
 def plan(fn: Callable, *args, mesh, hardware=None, memory_budget: float | None = None,

@@ -49,21 +49,48 @@ def _filtered(prob: problem.Problem, op_filter, allowed: dict[int, set[int]]) ->
             allowed[grp.id] = ok
 
 
+def _best_start(prob: problem.Problem, cm, allowed, starts, hint):
+    """The cheapest descent solution among the hand-written starts (and ``hint``)."""
+    from autopar.planner import descent
+
+    sizes = dict(prob.mesh)
+    free = descent.descend(prob, cm, dict(hint) if hint else None, allowed=allowed)
+    best = (descent.objective(prob, cm, free), free)
+    for strat in starts:
+        try:
+            fixed = _allowed(prob, strat.fix_inputs(prob.graph, sizes))
+            if getattr(strat, "allows", None) is not None:
+                _filtered(prob, strat.allows, fixed)
+        except Exception:  # noqa: BLE001 - a start that does not apply is skipped
+            continue
+        merged = {**fixed, **allowed}
+        choice = descent.descend(prob, cm, allowed=merged)
+        cost = descent.objective(prob, cm, choice)
+        if best is None or cost < best[0]:
+            best = (cost, choice)
+    return best[1]
+
+
 def make_plan(graph: Graph, mesh: Mapping[str, int], cost_model, *, hardware_name: str,
               strategy: str = "auto", memory_budget: float | None = None,
               fixed_inputs: Mapping[int, Sharding] | None = None, op_filter=None,
               time_limit_s: float = 30.0, trace_s: float = 0.0,
-              hint: Mapping[int, int] | None = None) -> Plan:
+              hint: Mapping[int, int] | None = None, starts=()) -> Plan:
     """Plan ``graph`` on ``mesh``.
 
     ``fixed_inputs`` pins input layouts (input index -> Sharding); ``op_filter(op, strategy)``
-    returns False for op strategies a hand-written strategy rules out.
+    returns False for op strategies a hand-written strategy rules out. ``starts`` are
+    hand-written strategies (objects with ``fix_inputs``/``allows``) whose layouts seed the ILP:
+    each one's descent solution is costed and the cheapest that fits is the starting point, so
+    the plan is never predicted slower than the starts' descent solutions.
     """
     t0 = time.perf_counter()
     prob = problem.build(graph, mesh, cost_model)
     allowed = _allowed(prob, fixed_inputs or {})
     if op_filter is not None:
         _filtered(prob, op_filter, allowed)
+    if starts:
+        hint = _best_start(prob, cost_model, allowed, starts, hint)
     build_s = time.perf_counter() - t0
     sol = ilp.solve(prob, cost_model, memory_budget, time_limit_s, allowed, hint)
     stats = SolverStats(sol.status, sol.gap, sol.solve_s, build_s, trace_s, len(prob.groups),
