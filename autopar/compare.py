@@ -19,6 +19,7 @@ other rows are unaffected.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import html
 import math
@@ -59,6 +60,7 @@ class Row:
     measured_peak_bytes: float | None = None        # per device, XLA memory_analysis()
     error: str | None = None
     plan_s: float = 0.0                             # wall time to plan it
+    compile_s: float = 0.0                          # wall time to lower and compile it
     plan: Plan | None = dataclasses.field(default=None, repr=False)
     compiled: Any = dataclasses.field(default=None, repr=False, compare=False)  # jax Compiled
 
@@ -158,18 +160,34 @@ def compare(fn: Callable, *args, mesh, hardware=None,
     hw = cost_models.hardware(hardware if hardware is not None else default_hardware(mesh))
     names = [s if isinstance(s, str) else getattr(s, "name", type(s).__name__)
              for s in strategies]
+    # Compiles run on a worker thread while the next strategy is planned (XLA releases the GIL);
+    # timing waits until every plan is made, so no run shares the CPU with the planner.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        rows, compiling = _plan_all(graph, mesh, hw, strategies, names, memory_budget,
+                                    time_limit_s, trace_s, progress,
+                                    None if run_mesh is None else
+                                    lambda plan: pool.submit(_compile, fn, args, run_mesh, plan))
+        for i, job in compiling.items():
+            rows[i] = _measure_row(rows[i], job, args, runs)
+            if progress:
+                _report(rows[i], "measured")
+    return Comparison(axis_sizes(mesh), hw.name, tuple(rows[i] for i in range(len(names))))
+
+
+def _plan_all(graph, mesh, hw, strategies, names, memory_budget, time_limit_s, trace_s, progress,
+              submit) -> tuple[dict[int, Row], dict[int, concurrent.futures.Future]]:
+    """Plan each strategy, "auto" last so it can start from the best hand-written plan."""
     rows: dict[int, Row] = {}
-    # "auto" goes last so it can start from the best hand-written plan.
+    compiling = {}
     for i in sorted(range(len(names)), key=lambda i: names[i] == "auto"):
         hint_from = _best_plan(rows.values()) if names[i] == "auto" else None
-        row = _plan_row(graph, mesh, hw, strategies[i], names[i], memory_budget, time_limit_s,
-                        trace_s, hint_from)
-        if row.ok and run_mesh is not None:
-            row = _measure_row(row, fn, args, run_mesh, runs)
-        rows[i] = row
+        rows[i] = _plan_row(graph, mesh, hw, strategies[i], names[i], memory_budget,
+                            time_limit_s, trace_s, hint_from)
+        if rows[i].ok and submit is not None:
+            compiling[i] = submit(rows[i].plan)
         if progress:
-            _report(row)
-    return Comparison(axis_sizes(mesh), hw.name, tuple(rows[i] for i in range(len(names))))
+            _report(rows[i], "planned")
+    return rows, compiling
 
 
 def _plan_row(graph, mesh, hw, strategy, name, memory_budget, time_limit_s, trace_s,
@@ -233,11 +251,17 @@ def _runnable_mesh(mesh, args):
     return None
 
 
-def _measure_row(row: Row, fn, args, mesh, runs: int) -> Row:
-    """Compile ``row.plan``, read XLA's memory peak and time ``runs`` steps (median)."""
+def _compile(fn, args, mesh, plan: Plan):
+    """Lower and compile ``plan`` with the codegen ``autopar.autoparallel`` uses: (exe, seconds)."""
+    t0 = time.perf_counter()
+    compiled = autoparallel(fn, mesh=mesh, plan=plan).lower(*args).compile()
+    return compiled, time.perf_counter() - t0
+
+
+def _measure_row(row: Row, job: concurrent.futures.Future, args, runs: int) -> Row:
+    """Wait for the compile, read XLA's memory peak and time ``runs`` steps (median)."""
     try:
-        step = autoparallel(fn, mesh=mesh, plan=row.plan)
-        compiled = step.lower(*args).compile()
+        compiled, compile_s = job.result()
         placed = jax.device_put(args, compiled.input_shardings[0])
         jax.block_until_ready(compiled(*placed))       # warm-up
         times = []
@@ -248,7 +272,8 @@ def _measure_row(row: Row, fn, args, mesh, runs: int) -> Row:
     except Exception as e:  # noqa: BLE001 - keep the prediction, report the failure
         return dataclasses.replace(row, error="measuring failed: " + _text(e))
     return dataclasses.replace(row, measured_step_s=statistics.median(times),
-                               measured_peak_bytes=_xla_peak(compiled), compiled=compiled)
+                               measured_peak_bytes=_xla_peak(compiled), compile_s=compile_s,
+                               compiled=compiled)
 
 
 def _xla_peak(compiled) -> float | None:
@@ -266,11 +291,14 @@ def _text(e: Exception) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def _report(r: Row) -> None:
-    what = (f"predicted {_ms(r.predicted_step_s)}, measured {_ms(r.measured_step_s)}" if r.ok
-            else "error: " + (r.error or "").splitlines()[0][:200])
-    print(f"autopar.compare: {r.strategy:<12} {what} (planned in {r.plan_s:.1f}s)",
-          file=sys.stderr, flush=True)
+def _report(r: Row, stage: str) -> None:
+    if not r.ok:
+        what = "error: " + (r.error or "").splitlines()[0][:200]
+    elif stage == "planned":
+        what = f"predicted {_ms(r.predicted_step_s)} (planned in {r.plan_s:.1f}s)"
+    else:
+        what = f"measured {_ms(r.measured_step_s)} (compiled in {r.compile_s:.1f}s)"
+    print(f"autopar.compare: {stage} {r.strategy:<12} {what}", file=sys.stderr, flush=True)
 
 
 class _CallableModule(types.ModuleType):

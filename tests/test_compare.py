@@ -52,6 +52,6 @@ def test_impossible_memory_budget_is_an_error_row(capsys):
     (row,) = cmp.rows
     assert not row.ok and "memory budget" in row.error
     assert row.measured_step_s is None
-    assert "autopar.compare: dp" in capsys.readouterr().err
+    assert "autopar.compare: planned dp" in capsys.readouterr().err
     with pytest.raises(autopar.PlanError, match="no strategy"):
         cmp.best()

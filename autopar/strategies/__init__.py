@@ -17,11 +17,13 @@ layer is ``("embed", "mlp")``, an embedding ``("vocab", "embed")``, a token batc
     ep          batch -> data; expert -> expert axis     like its param    allowed
 
 **Only the inputs are pinned.** A strategy returns ``fix_inputs(graph, mesh) -> {input index:
-Sharding}`` for every input (parameters, optimizer state, batch) and may veto op strategies with
-``allows(op, strategy)``. The planner's ILP then fills in every activation with the cheapest
-layouts consistent with those inputs, under the same cost model as ``strategy="auto"``, and the
-same codegen runs it. So "megatron" here is Megatron's parameter layout with the planner's best
-activation layouts, which may differ from the paper's hand-placed collectives.
+Sharding}`` for every input (parameters, optimizer state, batch) and vetoes op strategies with
+``allows(op, strategy)``: every contraction splits its work over the data axis (each worker runs
+its slice of the batch) and ZeRO-1 forbids reduce-scatter outputs. The planner's ILP then fills in
+every activation with the cheapest layouts consistent with those, under the same cost model as
+``strategy="auto"``, and the same codegen runs it. So "megatron" here is Megatron's parameter
+layout with the planner's best activation layouts, which may differ from the paper's hand-placed
+collectives (e.g. it may gather a head-sharded kernel rather than run attention head-parallel).
 
 Every layout is one the planner accepts: a dim holds at most two mesh axes, in mesh order, an
 axis of size 1 is dropped, and a dim the axes do not divide stays replicated (never an error).
@@ -45,6 +47,7 @@ __all__ = ["LOGICAL_RULES", "NAMES", "HandWritten", "annotate", "get"]
 
 _MODEL_FIRST = ("megatron", "megatron_sp")     # a one-axis mesh is their model axis
 _TP_NAMES = ("mlp", "heads", "vocab")          # Megatron's sharded logical dims
+_CONTRACTIONS = ("dot_general", "conv_general_dilated")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,10 +119,20 @@ class HandWritten:
         return info.kind == "opt_state" and (self.shard_params or self.shard_opt_state)
 
     def allows(self, op, strategy) -> bool:
-        """ZeRO-1 all-reduces gradients: no reduce-scatter outputs on contractions."""
-        if self.reduce_scatter or op.prim not in ("dot_general", "conv_general_dilated"):
+        """Contractions split their work over the data axis, as every data-parallel worker runs
+        its own slice of the batch (without this the planner may gather a small batch and compute
+        replicated); ZeRO-1 all-reduces gradients, so no reduce-scatter outputs.
+
+        The planner ignores a veto that leaves an op nothing, so a mesh without the data axis
+        (resolved here as ``data_axis or "data"``: ``allows`` does not see the mesh) is
+        unconstrained.
+        """
+        if op.prim not in _CONTRACTIONS:
             return True
-        return "|RS" not in strategy.name
+        if not self.reduce_scatter and "|RS" in strategy.name:
+            return False
+        data = self.data_axis or "data"
+        return any(data in dim for s in strategy.ins if s for dim in s)
 
 
 def _default(mesh: Mapping[str, int], want: str, fallback: str, one_axis_ok: bool) -> str | None:
