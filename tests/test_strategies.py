@@ -298,9 +298,9 @@ def test_megatron_column_then_row(name):
         assert row.plan.spec_of("[1]['tokens']") == P("data", "model")
 
 
-@pytest.mark.xfail(reason="planner: under time_limit_s=2 the ILP keeps its coordinate-descent "
-                          "start, which all-gathers the head-sharded qkv/out kernels instead of "
-                          "running attention head-parallel", strict=False)
+@pytest.mark.xfail(reason="planner: with qkv/out kernels pinned head-sharded, the time-limited "
+                          "ILP (time_limit_s=2) all-gathers them and runs attention on the batch "
+                          "split instead of head-parallel", strict=False)
 def test_megatron_attention_is_head_parallel():
     _, hlo = _compiled("megatron")
     attn = [p for p in gathered_params(hlo) if "['attn']" in p]
