@@ -26,7 +26,6 @@ import math
 import statistics
 import sys
 import time
-import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -299,15 +298,3 @@ def _report(r: Row, stage: str) -> None:
     else:
         what = f"measured {_ms(r.measured_step_s)} (compiled in {r.compile_s:.1f}s)"
     print(f"autopar.compare: {stage} {r.strategy:<12} {what}", file=sys.stderr, flush=True)
-
-
-class _CallableModule(types.ModuleType):
-    """Importing this module rebinds ``autopar.compare`` from the lazy function in
-    ``autopar/__init__.py`` to the module itself; calling the module keeps
-    ``autopar.compare(...)`` working either way."""
-
-    def __call__(self, *args, **kwargs) -> Comparison:
-        return compare(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
