@@ -42,7 +42,13 @@ def write_csv(path: pathlib.Path, header: Sequence[str], rows: Sequence[Sequence
         w = csv.writer(f)
         w.writerow(header)
         for r in rows:
-            w.writerow([_cell(x) for x in r])
+            w.writerow([_csv_cell(x) for x in r])
+
+
+def _csv_cell(x) -> str:
+    if isinstance(x, float):
+        return "-" if x != x else f"{x:.7g}"
+    return str(x)
 
 
 def md_table(header: Sequence[str], rows: Sequence[Sequence]) -> str:
@@ -67,8 +73,9 @@ def _cell(x) -> str:
 def environment() -> str:
     import jax
 
+    load = f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
     return (f"jax {jax.__version__}, {len(jax.devices())} x {jax.devices()[0].platform} devices, "
-            f"python {platform.python_version()}, {os.cpu_count()} host cores, "
+            f"python {platform.python_version()}, {os.cpu_count()} host cores{load}, "
             f"{datetime.date.today().isoformat()}")
 
 
