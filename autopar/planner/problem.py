@@ -31,6 +31,9 @@ from autopar.planner.rules import Choices, Follow, RuleContext, Strategy
 from autopar.planner.sharding import Sharding, replicated, shard_factor
 
 
+_CONTRACTIONS = ("dot_general", "conv_general_dilated")
+
+
 @dataclasses.dataclass
 class Group:
     id: int
@@ -121,10 +124,17 @@ class _Builder:
             self.add_costs(grp, op, list(strategies), mult)
         return grp
 
+    def compute_dtype(self, op: Op) -> str:
+        """A contraction runs at its inputs' rate (bf16 x bf16 accumulating in f32 is a bf16
+        matmul); other ops at their result's."""
+        v = op.ins[0] if op.prim in _CONTRACTIONS and op.ins else (op.outs[0] if op.outs else None)
+        return self.g.values[v].dtype if v is not None else "float32"
+
     def add_costs(self, grp: Group, op: Op, per_i: list[Strategy], mult: float) -> None:
+        dtype = self.compute_dtype(op)
         for i, st in enumerate(per_i):
             if op.flops or op.bytes_accessed:
-                grp.compute_s[i] += mult * self.cm.op_time_s(op, st.compute_div)
+                grp.compute_s[i] += mult * self.cm.op_time_s(op, st.compute_div, dtype=dtype)
             for c in st.comms:
                 grp.comm_s[i] += mult * self.cm.collective_time_s(c.kind, c.nbytes, c.axes)
 
