@@ -98,9 +98,12 @@ def test_attention_gets_heads_sharded():
 def test_2d_mesh_gets_data_parallel_on_one_axis_and_tensor_parallel_on_the_other():
     step, state, batch = mlp.abstract(1024, 8192, 1, 4096)
     plan, hlo = lowered(step, state, batch, mesh=make_mesh((2, 4)))
-    assert plan.spec_of("[1]['x']")[0] == "data"                 # batch over data
-    assert plan.spec_of("['params']['layer_0']['kernel']")[1] == "model"   # hidden over model
-    assert count_collectives(hlo)["all-reduce"] >= 1
+    # The forward contractions: batch over data, hidden over model (column then row). Where the
+    # inputs rest between steps ties in cost with other layouts, so it is not asserted.
+    dots = sorted(c for c in plan.choices if c[1] == "dot_general")
+    assert dots[0][3] == "S(data)xR @ RxS(model) -> S(data)xS(model)", dots[0]
+    assert dots[1][3].startswith("S(data)xS(model) @ S(model)xR -> S(data)xR"), dots[1]
+    assert count_collectives(hlo)["all-reduce"] + count_collectives(hlo)["reduce-scatter"] >= 1
 
 
 def test_vocab_parallel_cross_entropy_reduces_and_never_gathers_logits():

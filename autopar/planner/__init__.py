@@ -38,24 +38,54 @@ def _allowed(prob: problem.Problem, fixed: Mapping[int, Sharding]) -> dict[int, 
     return allowed
 
 
+def operand_origins(prob: problem.Problem, op) -> tuple[str | None, ...]:
+    """Per operand of ``op``: the pytree path of the graph input whose decision it follows
+    (a parameter seen through casts and reshapes), or None for a computed value."""
+    out = []
+    for v in op.ins:
+        g = prob.group_of_value.get(v)
+        leader = prob.groups[g].leader if g is not None else 0
+        k = -1 - leader
+        out.append(prob.graph.input_paths[k] if 0 <= k < len(prob.graph.inputs) else None)
+    return tuple(out)
+
+
+def _takes_origins(op_filter) -> bool:
+    import inspect
+
+    try:
+        return len(inspect.signature(op_filter).parameters) >= 3
+    except (TypeError, ValueError):
+        return False
+
+
 def _filtered(prob: problem.Problem, op_filter, allowed: dict[int, set[int]]) -> None:
-    """Let a hand-written strategy veto op strategies (e.g. ZeRO-1 forbids reduce-scatter)."""
+    """Let a hand-written strategy veto op strategies (e.g. ZeRO-1 forbids reduce-scatter).
+    ``op_filter(op, strategy)`` or ``op_filter(op, strategy, origins)`` (see operand_origins)."""
+    with_origins = _takes_origins(op_filter)
     for grp in prob.groups:
         if grp.leader < 0 or grp.id in allowed:
             continue
         op = prob.graph.op(grp.leader)
-        ok = {i for i, st in enumerate(grp.strategies) if op_filter(op, st)}
+        extra = (operand_origins(prob, op),) if with_origins else ()
+        ok = {i for i, st in enumerate(grp.strategies) if op_filter(op, st, *extra)}
         if ok and len(ok) < grp.n:
             allowed[grp.id] = ok
 
 
-def _best_start(prob: problem.Problem, cm, allowed, starts, hint):
-    """The cheapest descent solution among the hand-written starts (and ``hint``)."""
+def _best_start(prob: problem.Problem, cm, allowed, starts, hint, budget):
+    """The cheapest descent solution that fits ``budget`` among the hand-written starts, the
+    free descent and ``hint``. A start over the budget would leave CP-SAT to repair it, which
+    under a time limit ends far from the optimum."""
     from autopar.planner import descent
 
     sizes = dict(prob.mesh)
+
+    def fits(choice) -> bool:
+        return budget is None or ilp.memory_of(prob, ilp._as_tuple(prob, choice)) <= budget
+
     free = descent.descend(prob, cm, dict(hint) if hint else None, allowed=allowed)
-    best = (descent.objective(prob, cm, free), free)
+    best = (descent.objective(prob, cm, free), free) if fits(free) else None
     for strat in starts:
         try:
             fixed = _allowed(prob, strat.fix_inputs(prob.graph, sizes))
@@ -66,9 +96,9 @@ def _best_start(prob: problem.Problem, cm, allowed, starts, hint):
         merged = {**fixed, **allowed}
         choice = descent.descend(prob, cm, allowed=merged)
         cost = descent.objective(prob, cm, choice)
-        if best is None or cost < best[0]:
+        if fits(choice) and (best is None or cost < best[0]):
             best = (cost, choice)
-    return best[1]
+    return best[1] if best else free
 
 
 def make_plan(graph: Graph, mesh: Mapping[str, int], cost_model, *, hardware_name: str,
@@ -90,7 +120,7 @@ def make_plan(graph: Graph, mesh: Mapping[str, int], cost_model, *, hardware_nam
     if op_filter is not None:
         _filtered(prob, op_filter, allowed)
     if starts:
-        hint = _best_start(prob, cost_model, allowed, starts, hint)
+        hint = _best_start(prob, cost_model, allowed, starts, hint, memory_budget)
     build_s = time.perf_counter() - t0
     sol = ilp.solve(prob, cost_model, memory_budget, time_limit_s, allowed, hint)
     stats = SolverStats(sol.status, sol.gap, sol.solve_s, build_s, trace_s, len(prob.groups),

@@ -69,13 +69,51 @@ def descend(p: Problem, cm, start: dict[int, int] | None = None, sweeps: int = 2
         mask = np.full(len(unary[r]), big)
         mask[list(ok)] = 0.0
         unary[r] = unary[r] + mask
-    choice = {r: int(np.argmin(u)) for r, u in unary.items()}
-    if start:
-        choice.update({r: start[r] for r in choice if r in start})
     incident = defaultdict(list)
     for k, (s, d, _) in enumerate(pair):
         incident[s].append(k)
         incident[d].append(k)
+    if start:
+        choice = {r: int(np.argmin(u)) for r, u in unary.items()}
+        choice.update({r: start[r] for r in choice if r in start})
+        return _expand(p, _icm(unary, pair, incident, choice, sweeps))
+    best = None
+    for init in (_propagate(unary, pair, incident), {r: int(np.argmin(u)) for r, u in unary.items()}):
+        choice = _icm(unary, pair, incident, init, sweeps)
+        cost = _cost(unary, pair, choice)
+        if best is None or cost < best[0]:
+            best = (cost, choice)
+    return _expand(p, best[1])
+
+
+def _expand(p: Problem, choice: dict[int, int]) -> dict[int, int]:
+    return {g.id: choice[_root(p, g.id)] for g in p.groups}
+
+
+def _cost(unary, pair, choice) -> float:
+    return float(sum(u[choice[r]] for r, u in unary.items())
+                 + sum(m[choice[s], choice[d]] for s, d, m in pair))
+
+
+def _propagate(unary, pair, incident) -> dict[int, int]:
+    """Greedy sharding propagation: in creation (topological) order, each group takes what is
+    cheapest given the groups already decided, so a batch or head split flows through."""
+    choice: dict[int, int] = {}
+    for r in sorted(unary):
+        total = unary[r].copy()
+        for k in incident[r]:
+            s, d, m = pair[k]
+            if s == r and d in choice:
+                total += m[:, choice[d]]
+            elif d == r and s in choice:
+                total += m[choice[s], :]
+        choice[r] = int(np.argmin(total))
+    return choice
+
+
+def _icm(unary, pair, incident, choice: dict[int, int], sweeps: int) -> dict[int, int]:
+    """Iterated conditional modes: sweep until no group can lower the total alone."""
+    choice = dict(choice)
     for _ in range(sweeps):
         changed = False
         for r in unary:
@@ -89,7 +127,7 @@ def descend(p: Problem, cm, start: dict[int, int] | None = None, sweeps: int = 2
                 changed = True
         if not changed:
             break
-    return {g.id: choice[_root(p, g.id)] for g in p.groups}
+    return choice
 
 
 def objective(p: Problem, cm, choice: dict[int, int]) -> float:

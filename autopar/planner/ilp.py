@@ -13,7 +13,7 @@ Objective  min Σ_g Σ_i (compute_s + comm_s)[g,i]·x[g,i] + Σ_e Σ_{o,r} mult_
 Memory     for each check point p of the schedule (``mem:p``):
            Σ_{v always live or live at p} bytes_v(i)·x[g(v), i] ≤ budget
 
-Costs are scaled to integer picoseconds and bytes stay bytes. One worker and a deterministic time
+Costs are scaled to integer nanoseconds and bytes to KiB. One worker and a deterministic time
 limit keep the answer the same from run to run.
 """
 from __future__ import annotations
@@ -28,7 +28,11 @@ from ortools.sat.python import cp_model
 from autopar.errors import PlanError
 from autopar.planner.problem import Problem, value_bytes
 
-PS = 1e12
+# Integer units of the model. CP-SAT's LP works in doubles: with picoseconds a large model's
+# objective passed 2^53, presolve discarded a feasible hint and the bound rose above a known
+# solution. Nanoseconds and KiB keep every sum exact.
+PS = 1e9
+KIB = 1024.0
 # Edges with more (source layout, needed layout) pairs than this use the big-M form.
 FLOW_PAIRS_MAX = 400
 
@@ -158,7 +162,7 @@ class _Model:
                 continue
             g = self.root[self.p.group_of_value[v]]
             for i, b in enumerate(value_bytes(self.p, v)):
-                terms[(g, i)] += int(b)
+                terms[(g, i)] += int(round(b / KIB))
         return terms
 
     def restrict(self, allowed: Mapping[int, set[int]]) -> None:
@@ -201,6 +205,10 @@ def _solver(time_limit_s: float) -> cp_model.CpSolver:
     # The LP relaxation of the flow constraints is tight: keeping it in the search proves
     # optimality several times faster (GPT, 2x4 mesh: 3.8 s against 26 s at the default level).
     s.parameters.linearization_level = 2
+    # Presolve turned a complete, feasible hint (the best hand-written plan) infeasible on
+    # GPT-39B and the search ended at 3x its cost; without presolve the hint is the first
+    # solution and the ILP can only improve on it.
+    s.parameters.cp_model_presolve = False
     return s
 
 
@@ -221,10 +229,13 @@ def solve(p: Problem, cost_model, memory_budget: float | None = None, time_limit
         mdl.restrict(allowed)
     if memory_budget is not None:
         for k, expr in enumerate(mdl.memory_exprs()):
-            mdl.m.Add(expr <= int(memory_budget)).WithName(f"mem:{k}")
+            mdl.m.Add(expr <= int(memory_budget / KIB)).WithName(f"mem:{k}")
     from autopar.planner.descent import descend
 
     start = descend(p, cost_model, dict(hint) if hint else None, allowed=allowed)
+    if (hint and memory_budget is not None
+            and memory_of(p, _as_tuple(p, start)) > memory_budget >= memory_of(p, _as_tuple(p, hint))):
+        start = dict(hint)   # descent ignores memory: keep the start that fits
     mdl.hint(start)
     mdl.m.Minimize(sum(c * x for c, x in mdl.obj))
     solver = _solver(time_limit_s)
@@ -269,7 +280,7 @@ def min_memory_bytes(p: Problem, cost_model, allowed=None, time_limit_s: float =
     solver = _solver(time_limit_s)
     status = solver.Solve(mdl.m)
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return float(solver.ObjectiveValue())
+        return float(solver.ObjectiveValue()) * KIB
     raise AssertionError(f"min-memory model: {solver.StatusName(status)} {mdl.m.Validate()}")
 
 
