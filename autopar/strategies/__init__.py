@@ -118,10 +118,13 @@ class HandWritten:
             return self.shard_params
         return info.kind == "opt_state" and (self.shard_params or self.shard_opt_state)
 
-    def allows(self, op, strategy) -> bool:
+    def allows(self, op, strategy, origins=()) -> bool:
         """Contractions split their work over the data axis, as every data-parallel worker runs
         its own slice of the batch (without this the planner may gather a small batch and compute
-        replicated); ZeRO-1 all-reduces gradients, so no reduce-scatter outputs.
+        replicated); a parameter is never split over the data axis where it is used (FSDP/ZeRO-3
+        all-gather it first, data parallelism splits only the batch); ZeRO-1 all-reduces
+        gradients, so no reduce-scatter outputs. ``origins`` (from the planner) names the input
+        each operand comes from.
 
         The planner ignores a veto that leaves an op nothing, so a mesh without the data axis
         (resolved here as ``data_axis or "data"``: ``allows`` does not see the mesh) is
@@ -132,6 +135,9 @@ class HandWritten:
         if not self.reduce_scatter and "|RS" in strategy.name:
             return False
         data = self.data_axis or "data"
+        for origin, s in zip(origins, strategy.ins):
+            if origin and "['params']" in origin and s and any(data in dim for dim in s):
+                return False
         return any(data in dim for s in strategy.ins if s for dim in s)
 
 
