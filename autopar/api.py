@@ -4,8 +4,10 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -115,6 +117,8 @@ class AutoParallel:
             donate_argnums,)
         self._given_plan = plan
         self._cache: dict[tuple, tuple[Plan, Any, Any]] = {}
+        self._executables: dict[tuple, Any] = {}
+        self._graphs: dict[tuple, ir.Graph] = {}
         self._last: Plan | None = None
 
     @property
@@ -127,6 +131,7 @@ class AutoParallel:
         hit = self._cache.get(key)
         if hit is None:
             graph, trace_s = _trace(self.fn, args, {}, self.donate_argnums)
+            self._graphs[key] = graph
             plan = self._plan_for(graph, trace_s)
             jitted, in_shardings = codegen.build(graph, plan, self.mesh, self.donate_argnums)
             hit = (plan, jitted, in_shardings)
@@ -151,7 +156,29 @@ class AutoParallel:
     def __call__(self, *args):
         plan, jitted, in_shardings = self._compiled(args)
         args = jax.tree_util.tree_map(_place, args, in_shardings)
-        return jitted(*args)
+        key = _signature(args)
+        exe = self._executables.get(key)
+        if exe is None:
+            exe = self._executables[key] = self._compile(plan, jitted, args)
+        return exe(*args)
+
+    def _compile(self, plan: Plan, jitted, args):
+        """Compile once per signature. Should XLA reject the constraints the plan pins inside the
+        step (its partitioner has failed verification on some layouts), fall back to the plan's
+        input and output layouts alone, and say so."""
+        try:
+            return jitted.lower(*args).compile()
+        except Exception as e:  # noqa: BLE001 - XLA raises several runtime error types
+            if not plan.pins:
+                raise
+            warnings.warn(f"autopar: XLA could not compile the plan's {len(plan.pins)} inner "
+                          f"sharding constraints ({type(e).__name__}: {str(e)[:200]}); running "
+                          f"with the plan's input/output layouts only, XLA chooses the rest",
+                          RuntimeWarning, stacklevel=3)
+            graph = self._graphs[_signature(args)]
+            unpinned = dataclasses.replace(plan, pins=())
+            jitted, _ = codegen.build(graph, unpinned, self.mesh, self.donate_argnums)
+            return jitted.lower(*args).compile()
 
     def lower(self, *args):
         """Like ``jax.jit(...).lower``: arguments may be ShapeDtypeStructs."""

@@ -240,3 +240,39 @@ def test_explicit_mesh_from_make_mesh_runs():
     _assert_same(s(state, batch), jax.jit(step)(state, batch))
     loss = s(state, batch)[1]
     assert jnp.isfinite(loss)
+
+
+def test_xla_rejecting_inner_constraints_falls_back_to_io_layouts(monkeypatch):
+    """XLA's partitioner has failed verification on some pinned layouts; the step must still
+    run (with a warning), from the plan's input and output layouts alone."""
+    from autopar import codegen
+
+    real_build = codegen.build
+
+    class Rejecting:
+        def __init__(self, jitted):
+            self.jitted = jitted
+
+        def lower(self, *args):
+            lowered = self.jitted.lower(*args)
+
+            class L:
+                def compile(self):
+                    raise RuntimeError("INVALID_ARGUMENT: hlo verifier: Slice dim size 256 ...")
+
+                def __getattr__(self, name):
+                    return getattr(lowered, name)
+
+            return L()
+
+    def build(graph, plan, mesh, donate_argnums=()):
+        jitted, shardings = real_build(graph, plan, mesh, donate_argnums)
+        return (Rejecting(jitted) if plan.pins else jitted), shardings
+
+    monkeypatch.setattr(codegen, "build", build)
+    step, state, batch = mlp.make(32, 64, 1, 8)
+    s = autopar.autoparallel(step, mesh=make_mesh((2, 4)), hardware="h100", time_limit_s=2)
+    with pytest.warns(RuntimeWarning, match="could not compile the plan's .* inner sharding"):
+        out = s(state, batch)
+    assert s.plan.pins, "the test needs a plan with inner constraints"
+    _assert_same(out, jax.jit(step)(state, batch))
