@@ -35,11 +35,13 @@ class CostBreakdown:
     peak_memory_bytes: float
     memory_budget_bytes: float | None
     comm_by_kind: tuple[tuple[str, float], ...]
+    dispatch_s: float = 0.0    # launching the step's program, once
 
     def __str__(self) -> str:
         kinds = ", ".join(f"{k} {_ms(t)}" for k, t in self.comm_by_kind) or "none"
+        launch = f" + launch {_ms(self.dispatch_s)}" if self.dispatch_s else ""
         return (f"step {_ms(self.step_time_s)} = compute {_ms(self.compute_s)} + collectives "
-                f"{_ms(self.comm_s)} + resharding {_ms(self.transition_s)}; peak memory "
+                f"{_ms(self.comm_s)} + resharding {_ms(self.transition_s)}{launch}; peak memory "
                 f"{_gib(self.peak_memory_bytes)}/device; communication by kind: {kinds}")
 
 

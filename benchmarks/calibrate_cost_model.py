@@ -67,7 +67,7 @@ class Row:
 
 
 def evaluate_compute(cm: cost_models.CostModel, quick: bool) -> list[Row]:
-    dev = jax.devices()[0]
+    dev = jax.devices()  # every device at once, as in a sharded step
     matmuls = EVAL_MATMULS[:3] if quick else EVAL_MATMULS
     dtypes = ("float32",) if quick else ("float32", "bfloat16")
     samples = [measure_matmul(dev, m, k, n, dt) for dt in dtypes for m, k, n in matmuls]
@@ -76,7 +76,9 @@ def evaluate_compute(cm: cost_models.CostModel, quick: bool) -> list[Row]:
 
 
 def _compute_row(cm: cost_models.CostModel, s: Measurement) -> Row:
-    predicted = cm.compute_time_s(s.flops, s.nbytes, s.dtype, is_matmul=s.kind == "matmul")
+    # each sample is one program: the op plus one dispatch
+    predicted = cm.hw.dispatch_s + cm.compute_time_s(s.flops, s.nbytes, s.dtype,
+                                                     is_matmul=s.kind == "matmul")
     return Row(s.kind, s.dtype, s.label, "-", s.time_s, predicted)
 
 
@@ -89,7 +91,7 @@ def evaluate_collectives(cm: cost_models.CostModel, quick: bool) -> list[Row]:
         for kind in KINDS:
             for nbytes in sizes:
                 s = measure_collective(mesh, axes, kind, nbytes)
-                predicted = cm.collective_time_s(kind, s.nbytes, axes)
+                predicted = cm.hw.dispatch_s + cm.collective_time_s(kind, s.nbytes, axes)
                 rows.append(Row(kind, s.dtype, s.label, ",".join(axes), s.time_s, predicted))
     return rows
 

@@ -7,6 +7,7 @@ A ``Hardware`` describes one kind of device and how devices are wired:
   * ``devices_per_node``: devices joined by the fast ``intra_node`` link; groups that span
     several nodes pay the ``inter_node`` link.
   * ``*_efficiency``: the fraction of a peak reached in practice (fitted by ``profile()``).
+  * ``dispatch_s``: launching one whole compiled program on every device (paid once per step);
   * ``kernel_launch_s``: fixed cost of one kernel; ``collective_launch_s``: fixed cost of one
     collective on top of its per-ring-step ``latency_s`` (host-side synchronisation dominates it
     on CPU devices; near 0 on GPUs, where NCCL's per-step latency is the whole alpha term).
@@ -76,6 +77,7 @@ class Hardware:
     collective_kind_efficiency: tuple[tuple[str, float], ...] = ()
     kernel_launch_s: float = 5e-6
     collective_launch_s: float = 0.0
+    dispatch_s: float = 0.0          # launching one compiled program (once per step, not per op)
     source: str = ""
     citations: tuple[tuple[str, str], ...] = ()
 

@@ -56,13 +56,38 @@ def median_time_s(fn: Callable[..., Any], args: Sequence[Any], repeats: int, war
     return statistics.median(times)
 
 
+def _devices(device_or_devices) -> list[jax.Device]:
+    if isinstance(device_or_devices, jax.Device):
+        return [device_or_devices]
+    return list(device_or_devices)
+
+
+def _on_every_device(fn: Callable, devices: Sequence[jax.Device], *shapes_dtypes) -> Callable:
+    """``fn`` run by every device on its own inputs at once (a 1-D shard_map): the way a sharded
+    step computes, so devices that share host cores or memory see each other's load."""
+    mesh = Mesh(np.array(devices), ("x",))
+    spec = PartitionSpec("x")
+    stacked = [jax.device_put(jnp.ones((len(devices),) + shape, dtype), NamedSharding(mesh, spec))
+               for shape, dtype in shapes_dtypes]  # (devices, *shape) each
+    body = jax.shard_map(lambda *xs: fn(*(x[0] for x in xs))[None], mesh=mesh,
+                         in_specs=(spec,) * len(stacked), out_specs=spec)
+    return jax.jit(body), stacked
+
+
+def measure_dispatch(devices: Sequence[jax.Device], repeats: int = 7, warmup: int = 2) -> float:
+    """Time of a program that does almost nothing, on every device at once: the per-call cost
+    that single-op measurements carry on top of their op."""
+    fn, args = _on_every_device(lambda v: v + 1.0, list(devices), ((1,), jnp.float32))
+    return median_time_s(fn, args, repeats, warmup)
+
+
 def measure_matmul(
-    device: jax.Device, m: int, k: int, n: int, dtype: str, repeats: int = 5, warmup: int = 2
+    device, m: int, k: int, n: int, dtype: str, repeats: int = 5, warmup: int = 2
 ) -> Measurement:
-    """Times ``(m, k) @ (k, n)`` on one device."""
-    a = jax.device_put(jnp.ones((m, k), dtype), device)  # (m, k)
-    b = jax.device_put(jnp.ones((k, n), dtype), device)  # (k, n)
-    t = median_time_s(jax.jit(jnp.matmul), (a, b), repeats, warmup)
+    """Times ``(m, k) @ (k, n)`` on each given device at once (a device, or a list of them);
+    flops and bytes are per device."""
+    fn, args = _on_every_device(jnp.matmul, _devices(device), ((m, k), dtype), ((k, n), dtype))
+    t = median_time_s(fn, args, repeats, warmup)
     itemsize = jnp.dtype(dtype).itemsize
     return Measurement(
         "matmul", dtype, 2.0 * m * k * n, float((m * k + k * n + m * n) * itemsize), 1, t,
@@ -71,11 +96,13 @@ def measure_matmul(
 
 
 def measure_memory(
-    device: jax.Device, num_elements: int, repeats: int = 5, warmup: int = 2
+    device, num_elements: int, repeats: int = 5, warmup: int = 2
 ) -> Measurement:
-    """Times ``x * 2 + 1`` on a float32 vector: one read and one write of every element."""
-    x = jax.device_put(jnp.ones((num_elements,), jnp.float32), device)
-    t = median_time_s(jax.jit(lambda v: v * 2.0 + 1.0), (x,), repeats, warmup)
+    """Times ``x * 2 + 1`` on a float32 vector on each given device at once: one read and one
+    write of every element (bytes per device)."""
+    fn, args = _on_every_device(lambda v: v * 2.0 + 1.0, _devices(device),
+                                ((num_elements,), jnp.float32))
+    t = median_time_s(fn, args, repeats, warmup)
     return Measurement("memory", "float32", 0.0, 8.0 * num_elements, 1, t, f"{num_elements}")
 
 

@@ -31,6 +31,7 @@ from cost_models.measure import (
     Measurement,
     line_mesh,
     measure_collective,
+    measure_dispatch,
     measure_matmul,
     measure_memory,
 )
@@ -76,14 +77,14 @@ QUICK_SWEEP = Sweep(
 def run_sweep(
     devices: Sequence[jax.Device], sweep: Sweep
 ) -> tuple[list[Measurement], list[Measurement]]:
-    """Returns (compute measurements on ``devices[0]``, collective measurements over all)."""
+    """Returns (compute measurements, every device at once; collective measurements)."""
     reps = dict(repeats=sweep.repeats, warmup=sweep.warmup)
     compute = [
-        measure_matmul(devices[0], m, k, n, dtype, **reps)
+        measure_matmul(devices, m, k, n, dtype, **reps)
         for dtype in sweep.dtypes
         for m, k, n in sweep.matmul_sizes
     ]
-    compute += [measure_memory(devices[0], e, **reps) for e in sweep.memory_elements]
+    compute += [measure_memory(devices, e, **reps) for e in sweep.memory_elements]
     n = len(devices)
     groups = sorted({g if 0 < g <= n else n for g in sweep.group_sizes if n % (g or n) == 0})
     comms = [
@@ -116,15 +117,20 @@ def profile(
       A ``Hardware`` that ``save``/``load`` as JSON and feeds ``CostModel``.
     """
     devs = list(devices) if devices is not None else jax.local_devices()
-    compute, comms = run_sweep(devs, QUICK_SWEEP if quick else FULL_SWEEP)
+    sweep = QUICK_SWEEP if quick else FULL_SWEEP
+    compute, comms = run_sweep(devs, sweep)
+    dispatch = measure_dispatch(devs, sweep.repeats + 2, sweep.warmup)
     ref = hardware(reference) if reference is not None else None
-    return hardware_from_fits(
-        name or devs[0].platform,
-        devs,
-        fit_compute(compute),
-        fit_collectives(comms) if comms else None,
-        ref,
-    )
+    # Every measured program paid one dispatch: the fitted floors keep only what an op or a
+    # collective costs inside a program.
+    cfit = fit_compute(compute)
+    cfit = dataclasses.replace(cfit, kernel_launch_s=max(cfit.kernel_launch_s - dispatch, 0.0))
+    kfit = fit_collectives(comms) if comms else None
+    if kfit is not None:
+        kfit = dataclasses.replace(
+            kfit, collective_launch_s=max(kfit.collective_launch_s - dispatch, 0.0))
+    hw = hardware_from_fits(name or devs[0].platform, devs, cfit, kfit, ref)
+    return dataclasses.replace(hw, dispatch_s=dispatch)
 
 
 def hardware_from_fits(

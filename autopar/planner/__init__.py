@@ -187,9 +187,10 @@ def assemble(prob: problem.Problem, choice, cm, hardware_name: str, strategy: st
     by_kind: dict[str, float] = {}
     for c in colls:
         by_kind[c.kind] = by_kind.get(c.kind, 0.0) + c.time_s
-    cost = CostBreakdown(compute + comm + transition, compute, comm, transition,
+    dispatch = float(getattr(cm.hw, "dispatch_s", 0.0))
+    cost = CostBreakdown(compute + comm + transition + dispatch, compute, comm, transition,
                          ilp.memory_of(prob, choice), memory_budget,
-                         tuple(sorted(by_kind.items(), key=lambda kv: -kv[1])))
+                         tuple(sorted(by_kind.items(), key=lambda kv: -kv[1])), dispatch)
     in_layout = tuple(prob.groups[prob.input_group[k]].shard[v][choice[prob.input_group[k]]]
                       for k, v in enumerate(g.inputs))
     out_layout = tuple(in_layout[prob.output_pairs[j]] if j in prob.output_pairs

@@ -32,6 +32,9 @@ from autopar.planner.sharding import Sharding, replicated, shard_factor
 
 
 _CONTRACTIONS = ("dot_general", "conv_general_dilated")
+FUSIBLE = frozenset(rules.ELEMENTWISE) | {
+    "broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "iota", "slice",
+    "pad", "concatenate", "select_n", "convert_element_type", "rev", "dynamic_slice"}
 
 
 @dataclasses.dataclass
@@ -132,9 +135,13 @@ class _Builder:
 
     def add_costs(self, grp: Group, op: Op, per_i: list[Strategy], mult: float) -> None:
         dtype = self.compute_dtype(op)
+        # XLA fuses elementwise and layout ops into a neighbouring kernel: they pay their memory
+        # traffic but no launch of their own.
+        fused = self.cm.hw.kernel_launch_s if op.prim in FUSIBLE else 0.0
         for i, st in enumerate(per_i):
             if op.flops or op.bytes_accessed:
-                grp.compute_s[i] += mult * self.cm.op_time_s(op, st.compute_div, dtype=dtype)
+                t = self.cm.op_time_s(op, st.compute_div, dtype=dtype)
+                grp.compute_s[i] += mult * max(t - fused, 0.0)
             for c in st.comms:
                 grp.comm_s[i] += mult * self.cm.collective_time_s(c.kind, c.nbytes, c.axes)
 
