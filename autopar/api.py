@@ -8,7 +8,7 @@ import dataclasses
 import functools
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import jax

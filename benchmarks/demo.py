@@ -43,10 +43,6 @@ def main() -> None:
     print(f"planned in {plan.solver.trace_s + plan.solver.build_s + plan.solver.solve_s:.1f} s "
           f"({plan.solver.status}, gap {plan.solver.gap:.1%})")
 
-    try:
-        from autopar import strategies  # noqa: F401
-    except ImportError:
-        return
     print("\n== auto against hand-written strategies (2x4 mesh, measured on CPU) ==")
     print(autopar.compare(step, state, batch, mesh=mesh, hardware="cpu",
                           strategies=("dp", "zero3", "megatron", "fsdp_tp", "auto"),

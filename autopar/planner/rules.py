@@ -26,7 +26,6 @@ from ir import Op, TensorType
 from autopar.planner.sharding import (
     Sharding,
     divides,
-    drop_axes,
     enumerate_shardings,
     fmt,
     replicated,
@@ -366,6 +365,7 @@ def reduce_rule(op: Op, ctx: RuleContext) -> Follow:
 # Contractions
 # ---------------------------------------------------------------------------------------------
 def _assignments(n_classes: int, mesh: Mapping[str, int]):
+    """Every map of mesh axes (of size > 1) to a class index, an axis mapped to none omitted."""
     axes = [a for a, n in mesh.items() if n > 1]
     for choice in itertools.product(range(-1, n_classes), repeat=len(axes)):
         yield {a: c for a, c in zip(axes, choice) if c >= 0}
@@ -403,41 +403,33 @@ def _prune(strategies: list[Strategy], ctx: RuleContext, op: Op) -> tuple[Strate
     return tuple(keep)
 
 
+def _contract(op: Op, ctx: RuleContext, classes, label: str) -> Choices:
+    """A contraction's strategies from its classes (lhs dim, rhs dim, out dim, partial)."""
+    shapes = [ctx.t(v).shape for v in (op.ins[0], op.ins[1], op.outs[0])]
+    strategies: list[Strategy] = []
+    for (ls, rs, os_), partial in _indexed_layouts(classes, shapes, ctx):
+        name = f"{fmt(ls)} {label} {fmt(rs)} -> {fmt(os_)}"
+        strategies += _with_partial(op, ctx, name, (ls, rs), os_, partial, _work_div(ls, rs, ctx))
+    return Choices(_prune(strategies, ctx, op))
+
+
+def _work_div(ls: Sharding, rs: Sharding, ctx: RuleContext) -> int:
+    """Devices sharing a contraction's work: every mesh axis that splits either operand."""
+    return math.prod(ctx.mesh[a] for a in set(a for s in (ls, rs) for d in s for a in d))
+
+
 @strategy_rule("dot_general")
 def dot_general_rule(op: Op, ctx: RuleContext) -> Choices:
+    """Batch pairs, free dims of either side, or contracting pairs (a partial sum)."""
     (lc, rc), (lb, rb) = op.param("dimension_numbers")
-    lshape, rshape = ctx.t(op.ins[0]).shape, ctx.t(op.ins[1]).shape
-    lfree = [d for d in range(len(lshape)) if d not in lc and d not in lb]
-    rfree = [d for d in range(len(rshape)) if d not in rc and d not in rb]
-    # classes: batch pairs, lhs free, rhs free, contracting pairs
-    classes = ([("b", k) for k in range(len(lb))] + [("l", d) for d in lfree]
-               + [("r", d) for d in rfree] + [("c", k) for k in range(len(lc))])
-    out_pos = {("b", k): k for k in range(len(lb))}
-    out_pos.update({("l", d): len(lb) + i for i, d in enumerate(lfree)})
-    out_pos.update({("r", d): len(lb) + len(lfree) + i for i, d in enumerate(rfree)})
-    out_shape = ctx.t(op.outs[0]).shape
-    strategies: list[Strategy] = []
-    for assign in _assignments(len(classes), ctx.mesh):
-        L = [[] for _ in lshape]; R = [[] for _ in rshape]; O = [[] for _ in out_shape]
-        partial = []
-        for axis, ci in assign.items():
-            kind, k = classes[ci]
-            if kind == "b":
-                L[lb[k]].append(axis); R[rb[k]].append(axis); O[out_pos[classes[ci]]].append(axis)
-            elif kind == "l":
-                L[k].append(axis); O[out_pos[classes[ci]]].append(axis)
-            elif kind == "r":
-                R[k].append(axis); O[out_pos[classes[ci]]].append(axis)
-            else:
-                L[lc[k]].append(axis); R[rc[k]].append(axis); partial.append(axis)
-        ls, rs, os_ = (tuple(map(tuple, x)) for x in (L, R, O))
-        if not (divides(ls, lshape, ctx.mesh) and divides(rs, rshape, ctx.mesh)
-                and divides(os_, out_shape, ctx.mesh)):
-            continue
-        div = math.prod(ctx.mesh[a] for a in assign)
-        name = f"{fmt(ls)} @ {fmt(rs)} -> {fmt(os_)}"
-        strategies += _with_partial(op, ctx, name, (ls, rs), os_, tuple(partial), div)
-    return Choices(_prune(strategies, ctx, op))
+    lrank, rrank = len(ctx.t(op.ins[0]).shape), len(ctx.t(op.ins[1]).shape)
+    lfree = [d for d in range(lrank) if d not in lc and d not in lb]
+    rfree = [d for d in range(rrank) if d not in rc and d not in rb]
+    classes = ([(lb[k], rb[k], k, False) for k in range(len(lb))]            # batch
+               + [(d, None, len(lb) + i, False) for i, d in enumerate(lfree)]  # lhs free
+               + [(None, d, len(lb) + len(lfree) + i, False) for i, d in enumerate(rfree)]
+               + [(lc[k], rc[k], None, True) for k in range(len(lc))])      # contracting
+    return _contract(op, ctx, classes, "@")
 
 
 @strategy_rule("conv_general_dilated")
@@ -445,29 +437,11 @@ def conv_rule(op: Op, ctx: RuleContext) -> Choices:
     """Batch and output-feature dims may be split; input features are a contraction."""
     lhs_spec, rhs_spec, out_spec = op.param("dimension_numbers")
     groups = op.param("feature_group_count", 1) * op.param("batch_group_count", 1)
-    lshape, rshape = ctx.t(op.ins[0]).shape, ctx.t(op.ins[1]).shape
-    out_shape = ctx.t(op.outs[0]).shape
-    classes = ["batch", "out_feat"] + (["in_feat"] if groups == 1 else [])
-    strategies: list[Strategy] = []
-    for assign in _assignments(len(classes), ctx.mesh):
-        L = [[] for _ in lshape]; R = [[] for _ in rshape]; O = [[] for _ in out_shape]
-        partial = []
-        for axis, ci in assign.items():
-            c = classes[ci]
-            if c == "batch":
-                L[lhs_spec[0]].append(axis); O[out_spec[0]].append(axis)
-            elif c == "out_feat":
-                R[rhs_spec[0]].append(axis); O[out_spec[1]].append(axis)
-            else:
-                L[lhs_spec[1]].append(axis); R[rhs_spec[1]].append(axis); partial.append(axis)
-        ls, rs, os_ = (tuple(map(tuple, x)) for x in (L, R, O))
-        if not (divides(ls, lshape, ctx.mesh) and divides(rs, rshape, ctx.mesh)
-                and divides(os_, out_shape, ctx.mesh)):
-            continue
-        div = math.prod(ctx.mesh[a] for a in assign)
-        strategies += _with_partial(op, ctx, f"{fmt(ls)} * {fmt(rs)}", (ls, rs), os_,
-                                    tuple(partial), div)
-    return Choices(_prune(strategies, ctx, op))
+    classes = [(lhs_spec[0], None, out_spec[0], False),      # batch
+               (None, rhs_spec[0], out_spec[1], False)]      # output features
+    if groups == 1:
+        classes.append((lhs_spec[1], rhs_spec[1], None, True))  # input features
+    return _contract(op, ctx, classes, "*")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -501,32 +475,34 @@ def _gather_classes(op: Op, ctx: RuleContext):
     return out
 
 
+def _indexed_layouts(classes, shapes, ctx: RuleContext):
+    """Each valid way to place the mesh axes on ``classes`` (tuples of one dim per tensor, or
+    None, plus a partial flag): (a layout per tensor in ``shapes``, the partial-sum axes)."""
+    for assign in _assignments(len(classes), ctx.mesh):
+        dims = [[[] for _ in shape] for shape in shapes]
+        partial = []
+        for axis, ci in assign.items():
+            *where, is_partial = classes[ci]
+            for tensor, d in enumerate(where):
+                if d is not None:
+                    dims[tensor][d].append(axis)
+            if is_partial:
+                partial.append(axis)
+        layouts = tuple(tuple(map(tuple, x)) for x in dims)
+        if all(divides(s, shape, ctx.mesh) for s, shape in zip(layouts, shapes)):
+            yield layouts, tuple(partial)
+
+
 @strategy_rule("gather")
 def gather_rule(op: Op, ctx: RuleContext) -> Choices:
     """Indices split along their batch dims, operand along whole-slice dims, or operand along the
     indexed dim (each device looks up what it holds; the partial result is all-reduced)."""
-    classes = _gather_classes(op, ctx)
     shapes = [ctx.t(v).shape for v in (op.ins[0], op.ins[1], op.outs[0])]
     strategies = []
-    for assign in _assignments(len(classes), ctx.mesh):
-        O, I, R = ([[] for _ in s] for s in shapes)
-        partial = []
-        for axis, ci in assign.items():
-            od, idim, outd, is_partial = classes[ci]
-            if od is not None:
-                O[od].append(axis)
-            if idim is not None:
-                I[idim].append(axis)
-            if outd is not None:
-                R[outd].append(axis)
-            if is_partial:
-                partial.append(axis)
-        os_, is_, rs = (tuple(map(tuple, x)) for x in (O, I, R))
-        if not all(divides(s, shape, ctx.mesh) for s, shape in zip((os_, is_, rs), shapes)):
-            continue
+    for (os_, is_, rs), partial in _indexed_layouts(_gather_classes(op, ctx), shapes, ctx):
         ins = (os_, is_) + (None,) * (len(op.ins) - 2)
         strategies += _with_partial(op, ctx, f"gather {fmt(os_)}[{fmt(is_)}]", ins, rs,
-                                    tuple(partial), shard_factor(rs, ctx.mesh) or 1)[:1]
+                                    partial, shard_factor(rs, ctx.mesh) or 1)[:1]
     return Choices(_prune(strategies, ctx, op))
 
 
@@ -557,29 +533,17 @@ def _scatter_classes(op: Op, ctx: RuleContext):
 @strategy_rule("scatter-add", "scatter_add", "scatter", "scatter-mul", "scatter_mul",
                "scatter-min", "scatter-max")
 def scatter_rule(op: Op, ctx: RuleContext) -> Choices:
+    """Updates split with their indices (a partial sum, all-reduced, unless the indices are
+    batched with the operand), along whole windows, or the operand along the scattered dim
+    (each device applies the updates that land in its slice)."""
     if len(op.ins) < 3:
         return fallback_rule(op, ctx)
-    classes = _scatter_classes(op, ctx)
     shapes = [ctx.t(v).shape for v in op.ins[:3]]
-    out_shape = ctx.t(op.outs[0]).shape
     strategies = []
-    for assign in _assignments(len(classes), ctx.mesh):
-        O, I, U = ([[] for _ in s] for s in shapes)
-        partial = []
-        for axis, ci in assign.items():
-            od, idim, ud, is_partial = classes[ci]
-            for lst, d in ((O, od), (I, idim), (U, ud)):
-                if d is not None:
-                    lst[d].append(axis)
-            if is_partial:
-                partial.append(axis)
-        os_, is_, us = (tuple(map(tuple, x)) for x in (O, I, U))
-        if not all(divides(s, shape, ctx.mesh) for s, shape in zip((os_, is_, us), shapes)):
-            continue
+    for (os_, is_, us), partial in _indexed_layouts(_scatter_classes(op, ctx), shapes, ctx):
         if partial and op.prim not in ("scatter-add", "scatter_add"):
-            continue
+            continue   # only a sum can be completed by an all-reduce
         ins = (os_, is_, us) + (None,) * (len(op.ins) - 3)
         strategies += _with_partial(op, ctx, f"scatter {fmt(os_)}<-{fmt(us)}", ins, os_,
-                                    tuple(partial), max(shard_factor(us, ctx.mesh), 1))[:1]
-    del out_shape
+                                    partial, max(shard_factor(us, ctx.mesh), 1))[:1]
     return Choices(_prune(strategies, ctx, op))

@@ -80,7 +80,3 @@ def enumerate_shardings(shape: Sequence[int], mesh: Mapping[str, int],
         if divides(s, shape, mesh):
             out.append(s)
     return out
-
-
-def drop_axes(s: Sharding, axes: Sequence[str]) -> Sharding:
-    return tuple(tuple(a for a in d if a not in axes) for d in s)
