@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from autopar.models import abstract_of, adamw_step, concrete_of, token_batch
+
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
@@ -121,11 +123,7 @@ def make_train_step(cfg: GPTConfig, lr: float = 1e-3):
     model = GPT(cfg)
     tx = optax.adamw(lr, weight_decay=0.01)
 
-    def train_step(state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(state["params"], model, batch)
-        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
-        return {"params": params, "opt_state": opt_state}, loss
+    train_step = adamw_step(lambda params, batch: loss_fn(params, model, batch), tx)
 
     def init_state(rng, batch_size: int):
         tokens = jnp.zeros((batch_size, cfg.seq), jnp.int32)
@@ -136,20 +134,14 @@ def make_train_step(cfg: GPTConfig, lr: float = 1e-3):
 
 
 def make_batch(cfg: GPTConfig, batch_size: int, seed: int = 0):
-    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
-    return {"tokens": jax.random.randint(k1, (batch_size, cfg.seq), 0, cfg.vocab, jnp.int32),
-            "targets": jax.random.randint(k2, (batch_size, cfg.seq), 0, cfg.vocab, jnp.int32)}
+    return token_batch(cfg.vocab, cfg.seq, batch_size, seed)
 
 
 def concrete(cfg: GPTConfig, batch_size: int, seed: int = 0):
     """Small real model: ``(train_step, state, batch)`` with random weights."""
-    step, init = make_train_step(cfg)
-    return step, init(jax.random.PRNGKey(seed), batch_size), make_batch(cfg, batch_size, seed)
+    return concrete_of(make_train_step, make_batch, cfg, batch_size, seed)
 
 
 def abstract(cfg: GPTConfig, batch_size: int):
     """Any size, no memory: ``(train_step, state, batch)`` as ShapeDtypeStruct pytrees."""
-    step, init = make_train_step(cfg)
-    state = jax.eval_shape(lambda: init(jax.random.PRNGKey(0), batch_size))
-    batch = jax.eval_shape(lambda: make_batch(cfg, batch_size))
-    return step, state, batch
+    return abstract_of(make_train_step, make_batch, cfg, batch_size)

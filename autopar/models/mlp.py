@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from autopar.models import abstract_of, adamw_step, concrete_of
+
 
 class MLP(nn.Module):
     hidden: int
@@ -31,11 +33,7 @@ def make_train_step(d_in: int, hidden: int, layers: int, lr: float = 1e-3):
         pred = model.apply({"params": params}, batch["x"])  # (B, I)
         return jnp.mean((pred - batch["y"]) ** 2)
 
-    def train_step(state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch)
-        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-        return {"params": optax.apply_updates(state["params"], updates),
-                "opt_state": opt_state}, loss
+    train_step = adamw_step(loss_fn, tx)
 
     def init_state(rng, batch_size: int):
         params = model.init(rng, jnp.zeros((batch_size, d_in)))["params"]
@@ -52,8 +50,7 @@ def make_batch(d_in: int, batch_size: int, seed: int = 0):
 
 def make(d_in: int, hidden: int, layers: int, batch: int, seed: int = 0):
     """Small real model: ``(train_step, state, batch)`` with random weights."""
-    step, init = make_train_step(d_in, hidden, layers)
-    return step, init(jax.random.PRNGKey(seed), batch), make_batch(d_in, batch, seed)
+    return concrete_of(make_train_step, make_batch, (d_in, hidden, layers), batch, seed)
 
 
 concrete = make
@@ -61,6 +58,4 @@ concrete = make
 
 def abstract(d_in: int, hidden: int, layers: int, batch: int):
     """Any size, no memory: ``(train_step, state, batch)`` as ShapeDtypeStruct pytrees."""
-    step, init = make_train_step(d_in, hidden, layers)
-    state = jax.eval_shape(lambda: init(jax.random.PRNGKey(0), batch))
-    return step, state, jax.eval_shape(lambda: make_batch(d_in, batch))
+    return abstract_of(make_train_step, make_batch, (d_in, hidden, layers), batch)

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from autopar.models import abstract_of, adamw_step, concrete_of, token_batch
+
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
@@ -96,11 +98,7 @@ def make_train_step(cfg: MoEConfig, lr: float = 1e-3):
         logits = model.apply({"params": params}, batch["tokens"])          # (G, S, V)
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
-    def train_step(state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch)
-        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-        return {"params": optax.apply_updates(state["params"], updates),
-                "opt_state": opt_state}, loss
+    train_step = adamw_step(loss_fn, tx)
 
     def init_state(rng, groups: int):
         params = model.init(rng, jnp.zeros((groups, cfg.seq), jnp.int32))["params"]
@@ -110,19 +108,14 @@ def make_train_step(cfg: MoEConfig, lr: float = 1e-3):
 
 
 def make_batch(cfg: MoEConfig, groups: int, seed: int = 0):
-    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
-    return {"tokens": jax.random.randint(k1, (groups, cfg.seq), 0, cfg.vocab, jnp.int32),
-            "targets": jax.random.randint(k2, (groups, cfg.seq), 0, cfg.vocab, jnp.int32)}
+    return token_batch(cfg.vocab, cfg.seq, groups, seed)
 
 
 def concrete(cfg: MoEConfig, groups: int, seed: int = 0):
     """Small real model: ``(train_step, state, batch)`` with random weights."""
-    step, init = make_train_step(cfg)
-    return step, init(jax.random.PRNGKey(seed), groups), make_batch(cfg, groups, seed)
+    return concrete_of(make_train_step, make_batch, cfg, groups, seed)
 
 
 def abstract(cfg: MoEConfig, groups: int):
     """Any size, no memory: ``(train_step, state, batch)`` as ShapeDtypeStruct pytrees."""
-    step, init = make_train_step(cfg)
-    state = jax.eval_shape(lambda: init(jax.random.PRNGKey(0), groups))
-    return step, state, jax.eval_shape(lambda: make_batch(cfg, groups))
+    return abstract_of(make_train_step, make_batch, cfg, groups)

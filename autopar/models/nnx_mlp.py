@@ -9,6 +9,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import optax
+
+from autopar.models import adamw_step
+from autopar.models.mlp import make_batch  # same regression batch as the linen MLP
 from flax import nnx
 
 
@@ -33,23 +36,13 @@ def make_train_step(d_in: int, hidden: int, layers: int, lr: float = 1e-3):
         model = nnx.merge(graphdef, params)
         return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
 
-    def train_step(state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch)
-        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-        return {"params": optax.apply_updates(state["params"], updates),
-                "opt_state": opt_state}, loss
+    train_step = adamw_step(loss_fn, tx)
 
     def init_state(seed: int = 0):
         _, params = nnx.split(MLP(d_in, hidden, layers, rngs=nnx.Rngs(seed)))
         return {"params": params, "opt_state": tx.init(params)}
 
     return train_step, init_state
-
-
-def make_batch(d_in: int, batch_size: int, seed: int = 0):
-    kx, ky = jax.random.split(jax.random.PRNGKey(seed))
-    return {"x": jax.random.normal(kx, (batch_size, d_in)),
-            "y": jax.random.normal(ky, (batch_size, d_in))}
 
 
 def concrete(d_in: int, hidden: int, layers: int, batch: int, seed: int = 0):
