@@ -144,6 +144,15 @@ ELEMENTWISE = (
 _WEAK_PRODUCERS = {"broadcast_in_dim", "iota", None}
 
 
+def _broadcast_need(s: Sharding, shape, out_shape) -> Sharding:
+    """The layout an operand needs when the op's result is laid out ``s``: elementwise ops
+    broadcast size-1 dims (``(B, H, S, S) * (B, H, S, 1)``), which stay whole; a scalar or a
+    lower-rank operand is needed whole."""
+    if len(shape) != len(out_shape):
+        return replicated(len(shape))
+    return tuple(d if n == m else () for d, n, m in zip(s, shape, out_shape))
+
+
 @strategy_rule(*ELEMENTWISE)
 def elementwise_rule(op: Op, ctx: RuleContext) -> Choices | Follow:
     out_shape = ctx.t(op.outs[0]).shape
@@ -157,8 +166,7 @@ def elementwise_rule(op: Op, ctx: RuleContext) -> Choices | Follow:
     lead = (strong or full)[0]
 
     def derive(s: Sharding) -> Strategy:
-        ins = tuple(None if v in ctx.literals else (s if ctx.t(v).shape == out_shape
-                                                     else replicated(len(ctx.t(v).shape)))
+        ins = tuple(None if v in ctx.literals else _broadcast_need(s, ctx.t(v).shape, out_shape)
                     for v in op.ins)
         outs = tuple(s if ctx.t(v).shape == out_shape else replicated(len(ctx.t(v).shape))
                      for v in op.outs)

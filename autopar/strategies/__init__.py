@@ -122,7 +122,8 @@ class HandWritten:
         """Contractions split their work over the data axis, as every data-parallel worker runs
         its own slice of the batch (without this the planner may gather a small batch and compute
         replicated); a parameter is never split over the data axis where it is used (FSDP/ZeRO-3
-        all-gather it first, data parallelism splits only the batch); ZeRO-1 all-reduces
+        all-gather it first, data parallelism splits only the batch); tensor-parallel families
+        use their weights split over the model axis as stored; ZeRO-1 all-reduces
         gradients, so no reduce-scatter outputs. ``origins`` (from the planner) names the input
         each operand comes from.
 
@@ -135,8 +136,14 @@ class HandWritten:
         if not self.reduce_scatter and "|RS" in strategy.name:
             return False
         data = self.data_axis or "data"
+        model = self.model_axis or "model"
         for origin, s in zip(origins, strategy.ins):
-            if origin and "['params']" in origin and s and any(data in dim for dim in s):
+            if not (origin and "['params']" in origin and s):
+                continue
+            if any(data in dim for dim in s):
+                return False
+            # tensor parallelism computes with its model-split weights as stored, never gathered
+            if self.tensor_parallel and not any(model in dim for dim in s):
                 return False
         return any(data in dim for s in strategy.ins if s for dim in s)
 
