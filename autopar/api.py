@@ -126,8 +126,8 @@ class AutoParallel:
         """The plan of the last signature this step was called or lowered with."""
         return self._last
 
-    def _compiled(self, args):
-        key = _signature(args)
+    def _compiled(self, args, key=None):
+        key = _signature(args) if key is None else key
         hit = self._cache.get(key)
         if hit is None:
             graph, trace_s = _trace(self.fn, args, {}, self.donate_argnums)
@@ -154,15 +154,15 @@ class AutoParallel:
         return plan_graph(graph, self.mesh, trace_s=trace_s, **self.options)
 
     def __call__(self, *args):
-        plan, jitted, in_shardings = self._compiled(args)
+        key = _signature(args)   # placing arrays changes no shape or dtype: one key serves both
+        plan, jitted, in_shardings = self._compiled(args, key)
         args = jax.tree_util.tree_map(_place, args, in_shardings)
-        key = _signature(args)
         exe = self._executables.get(key)
         if exe is None:
-            exe = self._executables[key] = self._compile(plan, jitted, args)
+            exe = self._executables[key] = self._compile(plan, jitted, args, key)
         return exe(*args)
 
-    def _compile(self, plan: Plan, jitted, args):
+    def _compile(self, plan: Plan, jitted, args, key):
         """Compile once per signature. Should XLA reject the constraints the plan pins inside the
         step (its partitioner has failed verification on some layouts), fall back to the plan's
         input and output layouts alone, and say so."""
@@ -175,7 +175,7 @@ class AutoParallel:
                           f"sharding constraints ({type(e).__name__}: {str(e)[:200]}); running "
                           f"with the plan's input/output layouts only, XLA chooses the rest",
                           RuntimeWarning, stacklevel=3)
-            graph = self._graphs[_signature(args)]
+            graph = self._graphs[key]
             unpinned = dataclasses.replace(plan, pins=())
             jitted, _ = codegen.build(graph, unpinned, self.mesh, self.donate_argnums)
             return jitted.lower(*args).compile()

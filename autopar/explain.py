@@ -7,17 +7,6 @@ from collections import defaultdict
 from autopar.planner.sharding import to_spec
 
 
-def _bytes_per_device(plan, k: int) -> float:
-    import math
-
-    import numpy as np
-
-    mesh = dict(plan.mesh)
-    shape = plan.input_shapes[k]
-    div = math.prod(mesh[a] for d in plan.input_shardings[k] for a in d)
-    return float(np.prod(shape, dtype=float)) / div
-
-
 def param_rows(plan):
     """(path, shape, spec) per input, in argument order."""
     return [(p, tuple(s), str(to_spec(sh)))

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
 from typing import Any
 
 import jax
 
-from autopar.planner.sharding import Sharding, fmt, to_spec
+from autopar.planner.sharding import Sharding, to_spec
 
 FORMAT_VERSION = 1
 
@@ -173,16 +172,3 @@ def _ms(s: float) -> str:
 
 def _gib(b: float) -> str:
     return f"{b / 2**30:.3f} GiB"
-
-
-def sharding_text(s: Sharding) -> str:
-    return fmt(s)
-
-
-def specs_table(plan: Plan) -> list[tuple[str, tuple[int, ...], str]]:
-    return [(p, shape, str(to_spec(s))) for p, shape, s in
-            zip(plan.input_paths, plan.input_shapes, plan.input_shardings)]
-
-
-def as_mapping(plan: Plan) -> Mapping[str, Any]:
-    return json.loads(plan.to_json())

@@ -22,7 +22,6 @@ import dataclasses
 from collections import defaultdict
 from collections.abc import Mapping
 
-import numpy as np
 from ortools.sat.python import cp_model
 
 from autopar.errors import PlanError
@@ -210,11 +209,6 @@ def _solver(time_limit_s: float) -> cp_model.CpSolver:
     # solution and the ILP can only improve on it.
     s.parameters.cp_model_presolve = False
     return s
-
-
-def local_best(p: Problem) -> dict[int, int]:
-    """A starting point: each group's cheapest strategy on its own."""
-    return {g.id: int(np.argmin(g.compute_s + g.comm_s)) for g in p.groups}
 
 
 def solve(p: Problem, cost_model, memory_budget: float | None = None, time_limit_s: float = 30.0,

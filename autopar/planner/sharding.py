@@ -40,20 +40,6 @@ def to_spec(s: Sharding) -> PartitionSpec:
     return PartitionSpec(*entries)
 
 
-def from_spec(spec: PartitionSpec | None, rank: int) -> Sharding:
-    if spec is None:
-        return replicated(rank)
-    out: list[tuple[str, ...]] = []
-    for entry in tuple(spec) + (None,) * (rank - len(spec)):
-        if entry is None:
-            out.append(())
-        elif isinstance(entry, str):
-            out.append((entry,))
-        else:
-            out.append(tuple(entry))
-    return tuple(out)
-
-
 def fmt(s: Sharding) -> str:
     """Compact text: ``S(data)xRxS(model)``; ``R`` for a replicated dim, ``-`` for a scalar."""
     if not s:
