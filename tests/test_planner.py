@@ -212,7 +212,8 @@ def test_plans_are_deterministic_and_round_trip_json(small_gpt):
     # a loaded plan skips the solver and runs to the same numbers
     s = autopar.autoparallel(step, mesh=make_mesh((2, 4)), plan=loaded)
     _assert_same(s(state, batch), ref)
-    assert s.plan.input_specs[0]["params"]["lm_head"]["kernel"] == loaded.spec_of("['params']['lm_head']")
+    lm_head = s.plan.input_specs[0]["params"]["lm_head"]["kernel"]
+    assert lm_head == loaded.spec_of("['params']['lm_head']")
 
 
 def test_plan_for_absent_cluster_from_dict_and_abstract_mesh():

@@ -23,7 +23,8 @@ PINNED_PRIMS = {"dot_general", "conv_general_dilated", "gather", "scatter-add", 
 
 
 def _allowed(prob: problem.Problem, fixed: Mapping[int, Sharding]) -> dict[int, set[int]]:
-    """Restrict fixed inputs to their given layout; a layout the planner does not offer is an error."""
+    """Restrict fixed inputs to their given layout; a layout the planner does not offer is an
+    error."""
     allowed = {}
     for k, want in fixed.items():
         grp = prob.groups[prob.input_group[k]]
@@ -33,7 +34,8 @@ def _allowed(prob: problem.Problem, fixed: Mapping[int, Sharding]) -> dict[int, 
             raise ShardingError(
                 f"input {prob.graph.input_paths[k]} with shape {t.shape} cannot take layout "
                 f"{fmt(want)} on mesh {dict(prob.mesh)}: every split dim must divide by its axes' "
-                f"sizes and a dim holds at most two axes. Pick a layout whose axes divide the shape.")
+                f"sizes and a dim holds at most two axes. Pick a layout whose axes divide the "
+                f"shape.")
         allowed[prob.input_group[k]] = ok
     return allowed
 

@@ -78,7 +78,8 @@ def descend(p: Problem, cm, start: dict[int, int] | None = None, sweeps: int = 2
         choice.update({r: start[r] for r in choice if r in start})
         return _expand(p, _icm(unary, pair, incident, choice, sweeps))
     best = None
-    for init in (_propagate(unary, pair, incident), {r: int(np.argmin(u)) for r, u in unary.items()}):
+    cheapest_alone = {r: int(np.argmin(u)) for r, u in unary.items()}
+    for init in (_propagate(unary, pair, incident), cheapest_alone):
         choice = _icm(unary, pair, incident, init, sweeps)
         cost = _cost(unary, pair, choice)
         if best is None or cost < best[0]:

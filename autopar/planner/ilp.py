@@ -7,8 +7,12 @@ Variables
                     Σ_r y[e,o,r] = Σ_{i: layout_i = o} x[src, i]          (``flow-out:e:o``)
                     Σ_o y[e,o,r] = Σ_{j: need_j = r} x[dst, j]            (``flow-in:e:r``)
                     (an edge with one source or one needed layout needs no y: its cost is linear)
+  c[e] ≥ 0          instead of y, for an edge with over FLOW_PAIRS_MAX layout pairs (big-M):
+                    c[e] ≥ Σ_i cost(layout_i, r)·x[src,i] - M_r·(1 - Σ_{j: need_j = r} x[dst,j])
+                                                                        (``edge:e``)
 
-Objective  min Σ_g Σ_i (compute_s + comm_s)[g,i]·x[g,i] + Σ_e Σ_{o,r} mult_e·reshard_s(o→r)·y[e,o,r]
+Objective  min Σ_g Σ_i (compute_s + comm_s)[g,i]·x[g,i]
+               + Σ_e Σ_{o,r} mult_e·reshard_s(o→r)·y[e,o,r] + Σ_e c[e]
 
 Memory     for each check point p of the schedule (``mem:p``):
            Σ_{v always live or live at p} bytes_v(i)·x[g(v), i] ≤ budget
@@ -48,7 +52,9 @@ class Solution:
 
     @property
     def gap(self) -> float:
-        return 0.0 if self.objective_s <= 0 else max(0.0, (self.objective_s - self.bound_s) / self.objective_s)
+        if self.objective_s <= 0:
+            return 0.0
+        return max(0.0, (self.objective_s - self.bound_s) / self.objective_s)
 
 
 class _Model:
@@ -227,9 +233,10 @@ def solve(p: Problem, cost_model, memory_budget: float | None = None, time_limit
     from autopar.planner.descent import descend
 
     start = descend(p, cost_model, dict(hint) if hint else None, allowed=allowed)
-    if (hint and memory_budget is not None
-            and memory_of(p, _as_tuple(p, start)) > memory_budget >= memory_of(p, _as_tuple(p, hint))):
-        start = dict(hint)   # descent ignores memory: keep the start that fits
+    if hint and memory_budget is not None:
+        fits_start = memory_of(p, _as_tuple(p, start)) <= memory_budget
+        if not fits_start and memory_of(p, _as_tuple(p, hint)) <= memory_budget:
+            start = dict(hint)   # descent ignores memory: keep the start that fits
     mdl.hint(start)
     mdl.m.Minimize(sum(c * x for c, x in mdl.obj))
     solver = _solver(time_limit_s)

@@ -189,10 +189,15 @@ class _Builder:
             self.gv[v] = grp.id
             out.append(grp.id)
         for v in self.g.consts:
-            grp = self.new_group(-1000 - v, (Strategy("R", (), (replicated(len(self.g.values[v].shape)),)),), None, 1.0)
-            grp.shard[v] = [replicated(len(self.g.values[v].shape))]
-            self.gv[v] = grp.id
+            self.whole(v, -1000 - v)
         return out
+
+    def whole(self, v: int, leader: int) -> None:
+        """A value with one layout, replicated: a closed-over constant, a literal scan operand."""
+        layout = replicated(len(self.g.values[v].shape))
+        grp = self.new_group(leader, (Strategy("R", (), (layout,)),), None, 1.0)
+        grp.shard[v] = [layout]
+        self.gv[v] = grp.id
 
     def walk(self, ops: Sequence[Op], mult: float) -> None:
         for op in ops:
@@ -221,9 +226,7 @@ class _Builder:
         trip = float(op.trip_count)
         for k, (outer, inner) in enumerate(zip(op.ins, body.inputs)):
             if outer in self.ctx.literals or outer not in self.gv:
-                self.new_group(-2000 - inner, (Strategy("R", (), (replicated(len(self.g.values[inner].shape)),)),), None, 1.0)
-                self.gv[inner] = self.groups[-1].id
-                self.groups[-1].shard[inner] = [replicated(len(self.g.values[inner].shape))]
+                self.whole(inner, -2000 - inner)
                 continue
             derive = (_alias_drop0(self.ctx, outer) if k >= nc + ncarry else _alias_same)
             self.follow(_alias_op(op, outer, inner), outer, derive, mult, (inner,))

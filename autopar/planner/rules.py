@@ -106,7 +106,8 @@ def fallback_rule(op: Op, ctx: RuleContext) -> Choices:
 
 
 def source_choices(op: Op, ctx: RuleContext) -> Choices:
-    """Ops that make a value from nothing sharded (iota, a broadcast scalar): any layout, no comm."""
+    """Ops that make a value from nothing sharded (iota, a broadcast scalar): any layout, no
+    communication."""
     out_t = ctx.t(op.outs[0])
     ins = tuple(None if v in ctx.literals or not ctx.t(v).shape else replicated(len(ctx.t(v).shape))
                 for v in op.ins)
@@ -180,7 +181,8 @@ def elementwise_rule(op: Op, ctx: RuleContext) -> Choices | Follow:
 # ---------------------------------------------------------------------------------------------
 def _gathered(op: Op, ctx: RuleContext, s_in: Sharding, keep: Sharding, outs: tuple[Sharding, ...],
               name: str, extra_ins: tuple[Sharding | None, ...] = ()) -> Strategy:
-    """A follower that needs ``keep`` of its input: axes of ``s_in`` missing from it are gathered."""
+    """A follower that needs ``keep`` of its input: axes of ``s_in`` missing from ``keep`` are
+    gathered."""
     lost = tuple(a for d_in, d_keep in zip(s_in, keep) for a in d_in if a not in d_keep)
     comms = ()
     if lost:
@@ -341,9 +343,9 @@ def passthrough_rule(op: Op, ctx: RuleContext) -> Follow:
 
     def derive(s: Sharding) -> Strategy:
         keep = _unsharded_dims(s, fixed)
-        ins = tuple(None if v in ctx.literals or len(ctx.t(v).shape) != rank else
-                    (keep if i == 0 else _unsharded_dims(keep, fixed) if ctx.t(v).shape != ctx.t(op.ins[0]).shape else keep)
-                    for i, v in enumerate(op.ins))
+        # other same-rank operands (concatenated pieces, an update) share the kept layout
+        ins = tuple(None if v in ctx.literals or len(ctx.t(v).shape) != rank else keep
+                    for v in op.ins)
         outs = tuple(keep if len(ctx.t(v).shape) == rank else replicated(len(ctx.t(v).shape))
                      for v in op.outs)
         st = _gathered(op, ctx, s, keep, outs, fmt(keep), ins[1:])
@@ -393,7 +395,8 @@ def _with_partial(op: Op, ctx: RuleContext, name: str, ins, out: Sharding, parti
         scattered = tuple(tuple(x) + (partial if i == d else ()) for i, x in enumerate(out))
         if divides(scattered, shape, ctx.mesh):
             res.append(Strategy(f"{name}|RS{d}", ins, (scattered,), div,
-                                (Comm("reduce-scatter", ctx.per_device_bytes(out_v, out), partial),)))
+                                (Comm("reduce-scatter", ctx.per_device_bytes(out_v, out),
+                                      partial),)))
     return res
 
 
