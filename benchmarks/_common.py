@@ -81,3 +81,18 @@ def environment() -> str:
 
 def mesh_str(mesh: dict) -> str:
     return "x".join(f"{k}{v}" for k, v in mesh.items())
+
+
+def auto_losses(rows: Sequence[dict], key, time_field: str):
+    """(group key, auto row, best hand-written row) for every group of ``rows`` (by ``key(row)``)
+    where auto is predicted more than 0.1% slower than the best hand-written strategy. Rows whose
+    time is NaN (failed plans) take no part."""
+    out = []
+    for k in dict.fromkeys(key(r) for r in rows):
+        group = [r for r in rows if key(r) == k and r[time_field] == r[time_field]]
+        auto = next((r for r in group if r["strategy"] == "auto"), None)
+        hand = [r for r in group if r["strategy"] != "auto"]
+        best = min(hand, key=lambda r: r[time_field]) if hand else None
+        if auto and best and auto[time_field] > best[time_field] * 1.001:
+            out.append((k, auto, best))
+    return out

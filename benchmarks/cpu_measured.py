@@ -145,21 +145,15 @@ def main(argv=None):
                             float(np.median([abs(a - b) / b for a, b in zip(gp, gm)])),
                             best_p, best_m, f"{auto_rank} of {len(gr)}"))
     _plot(ok, out / "cpu_measured.png", med_err, rho)
-    bugs = []
-    for g in dict.fromkeys((r["model"], r["mesh"]) for r in rows):
-        gr = [r for r in rows if (r["model"], r["mesh"]) == g]
-        auto = next((r for r in gr if r["strategy"] == "auto"
-                     and r["predicted_ms"] == r["predicted_ms"]), None)
-        hand = [r for r in gr if r["strategy"] != "auto" and r["predicted_ms"] == r["predicted_ms"]]
-        best = min(hand, key=lambda r: r["predicted_ms"]) if hand else None
-        if auto and best and auto["predicted_ms"] > best["predicted_ms"] * 1.001:
-            bugs.append(f"- {g[0]} on {g[1]}: auto is *predicted* slower "
-                        f"({auto['predicted_ms']:.1f} ms) than {best['strategy']} "
-                        f"({best['predicted_ms']:.1f} ms) on the same mesh, although "
-                        f"`autopar.compare` seeds auto with the best hand-written plan.")
-        for r in gr:
-            if r["error"]:
-                bugs.append(f"- {g[0]} on {g[1]}, {r['strategy']}: {r['error']}")
+    def group(r):
+        return (r["model"], r["mesh"])
+
+    bugs = [f"- {g[0]} on {g[1]}: auto is *predicted* slower ({auto['predicted_ms']:.1f} ms) "
+            f"than {best['strategy']} ({best['predicted_ms']:.1f} ms) on the same mesh, although "
+            f"`autopar.compare` seeds auto with the best hand-written plan."
+            for g, auto, best in _common.auto_losses(rows, group, "predicted_ms")]
+    bugs += [f"- {r['model']} on {r['mesh']}, {r['strategy']}: {r['error']}"
+             for r in rows if r["error"]]
 
     md = ["# Cost model vs measurement on 8 emulated CPU devices", "",
           f"**{len(ok)} plans: median relative error {med_err:.1%}, Spearman rank correlation "

@@ -274,18 +274,14 @@ def main(argv=None):
     else:
         md.append("None: on every configuration the auto plan is predicted at least as fast as "
                   "the best hand-written strategy.")
-    same_shape = []
-    for key in dict.fromkeys((p["model"], p["devices"], p["hardware"], p["mesh"]) for p in plans):
-        ps = [p for p in plans if (p["model"], p["devices"], p["hardware"], p["mesh"]) == key
-              and not math.isnan(p["step_ms"])]
-        auto = next((p for p in ps if p["strategy"] == "auto"), None)
-        hand = [p for p in ps if p["strategy"] != "auto"]
-        best = min(hand, key=lambda p: p["step_ms"]) if hand else None
-        if auto and best and auto["step_ms"] > best["step_ms"] * 1.001:
-            same_shape.append(f"- {key[0]} on {key[1]} {key[2]}, mesh {key[3]}: auto "
-                              f"{auto['step_ms']:.1f} ms ({auto['status']}) vs {best['strategy']} "
-                              f"{best['step_ms']:.1f} ms ({best['status']}), "
-                              f"{auto['step_ms'] / best['step_ms']:.2f}x slower")
+    def shape(p):
+        return (p["model"], p["devices"], p["hardware"], p["mesh"])
+
+    same_shape = [f"- {key[0]} on {key[1]} {key[2]}, mesh {key[3]}: auto "
+                  f"{auto['step_ms']:.1f} ms ({auto['status']}) vs {best['strategy']} "
+                  f"{best['step_ms']:.1f} ms ({best['status']}), "
+                  f"{auto['step_ms'] / best['step_ms']:.2f}x slower"
+                  for key, auto, best in _common.auto_losses(plans, shape, "step_ms")]
     if same_shape:
         md += ["", "Auto predicted slower than a hand-written strategy **on the same mesh shape**"
                " (auto is seeded with the best hand-written plan of that shape, so it should "
