@@ -90,17 +90,12 @@ class Plan:
     @property
     def input_specs(self):
         """Pytree (like the arguments) of ``PartitionSpec``; a path->spec dict without a tree."""
-        specs = [to_spec(s) for s in self.input_shardings]
-        if self.in_tree is None:
-            return dict(zip(self.input_paths, specs))
-        return jax.tree_util.tree_unflatten(self.in_tree, specs)
+        return _spec_tree(self.input_shardings, self.in_tree, self.input_paths)
 
     @property
     def output_specs(self):
-        specs = [to_spec(s) for s in self.output_shardings]
-        if self.out_tree is None:
-            return dict(zip(self.output_paths, specs))
-        return jax.tree_util.tree_unflatten(self.out_tree, specs)
+        """Pytree (like the results) of ``PartitionSpec``; a path->spec dict without a tree."""
+        return _spec_tree(self.output_shardings, self.out_tree, self.output_paths)
 
     def spec_of(self, path_fragment: str):
         """The spec of the one input whose pytree path contains ``path_fragment``."""
@@ -158,6 +153,13 @@ class Plan:
 
     def with_trees(self, in_tree, out_tree) -> "Plan":
         return dataclasses.replace(self, in_tree=in_tree, out_tree=out_tree)
+
+
+def _spec_tree(shardings, tree, paths):
+    specs = [to_spec(s) for s in shardings]
+    if tree is None:   # a plan loaded from JSON before it was applied to its function
+        return dict(zip(paths, specs))
+    return jax.tree_util.tree_unflatten(tree, specs)
 
 
 def _tuplify(x):
