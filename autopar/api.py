@@ -55,23 +55,21 @@ def plan_graph(graph: ir.Graph, mesh, *, hardware=None, memory_budget=None, stra
     fixed = strat.fix_inputs(graph, sizes) if strat is not None else None
     op_filter = getattr(strat, "allows", None)
     budget = hw.memory_bytes if memory_budget is None else float(memory_budget)
-    starts = _handwritten_starts(sizes) if strat is None else ()
+    starts = _handwritten_starts() if strat is None else ()
     return make_plan(graph, sizes, cm, hardware_name=hw.name, strategy=name,
                      memory_budget=budget, fixed_inputs=fixed, op_filter=op_filter,
                      time_limit_s=time_limit_s, trace_s=trace_s, starts=starts)
 
 
-def _handwritten_starts(sizes) -> list:
-    """Hand-written strategies the auto plan starts from (the cheapest one's layouts)."""
+# Hand-written strategies the auto plan starts from: the cheapest one that fits seeds the ILP.
+# One that a mesh cannot take is skipped where its layouts are made (planner._best_start).
+_STARTS = ("dp", "zero2", "zero3", "megatron", "fsdp_tp")
+
+
+def _handwritten_starts() -> list:
     from autopar import strategies
 
-    out = []
-    for name in ("dp", "zero2", "zero3", "megatron", "fsdp_tp"):
-        try:
-            out.append(strategies.get(name))
-        except Exception:  # noqa: BLE001 - a strategy this mesh cannot take is no start
-            continue
-    return out
+    return [strategies.get(name) for name in _STARTS]
 
 
 def plan(fn: Callable, *args, mesh, hardware=None, memory_budget: float | None = None,
@@ -116,9 +114,8 @@ class AutoParallel:
         self.donate_argnums = tuple(donate_argnums) if not isinstance(donate_argnums, int) else (
             donate_argnums,)
         self._given_plan = plan
-        self._cache: dict[tuple, tuple[Plan, Any, Any]] = {}
+        self._cache: dict[tuple, tuple[Plan, Any, Any, ir.Graph]] = {}
         self._executables: dict[tuple, Any] = {}
-        self._graphs: dict[tuple, ir.Graph] = {}
         self._last: Plan | None = None
 
     @property
@@ -131,10 +128,9 @@ class AutoParallel:
         hit = self._cache.get(key)
         if hit is None:
             graph, trace_s = _trace(self.fn, args, {}, self.donate_argnums)
-            self._graphs[key] = graph
             plan = self._plan_for(graph, trace_s)
             jitted, in_shardings = codegen.build(graph, plan, self.mesh, self.donate_argnums)
-            hit = (plan, jitted, in_shardings)
+            hit = (plan, jitted, in_shardings, graph)
             self._cache[key] = hit
         self._last = hit[0]
         return hit
@@ -155,14 +151,14 @@ class AutoParallel:
 
     def __call__(self, *args):
         key = _signature(args)   # placing arrays changes no shape or dtype: one key serves both
-        plan, jitted, in_shardings = self._compiled(args, key)
+        plan, jitted, in_shardings, graph = self._compiled(args, key)
         args = jax.tree_util.tree_map(_place, args, in_shardings)
         exe = self._executables.get(key)
         if exe is None:
-            exe = self._executables[key] = self._compile(plan, jitted, args, key)
+            exe = self._executables[key] = self._compile(plan, jitted, args, graph)
         return exe(*args)
 
-    def _compile(self, plan: Plan, jitted, args, key):
+    def _compile(self, plan: Plan, jitted, args, graph: ir.Graph):
         """Compile once per signature. Should XLA reject the constraints the plan pins inside the
         step (its partitioner has failed verification on some layouts), fall back to the plan's
         input and output layouts alone, and say so."""
@@ -175,14 +171,13 @@ class AutoParallel:
                           f"sharding constraints ({type(e).__name__}: {str(e)[:200]}); running "
                           f"with the plan's input/output layouts only, XLA chooses the rest",
                           RuntimeWarning, stacklevel=3)
-            graph = self._graphs[key]
             unpinned = dataclasses.replace(plan, pins=())
             jitted, _ = codegen.build(graph, unpinned, self.mesh, self.donate_argnums)
             return jitted.lower(*args).compile()
 
     def lower(self, *args):
         """Like ``jax.jit(...).lower``: arguments may be ShapeDtypeStructs."""
-        _, jitted, _ = self._compiled(args)
+        _, jitted, _, _ = self._compiled(args)
         return jitted.lower(*args)
 
 
