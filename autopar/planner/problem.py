@@ -282,7 +282,7 @@ def _output_pairs(graph: Graph) -> dict[int, int]:
 
 
 # Host-to-device link that feeds each step's batch: PCIe Gen5 x16, ~64 GB/s per direction (PCI-SIG
-# 5.0 spec, as on H100 SXM hosts). Used when the hardware profile does not name one.
+# 5.0 spec, as on H100 SXM hosts), for every profile.
 HOST_LINK_BYTES_PER_S = 64e9
 
 
@@ -290,8 +290,7 @@ def _feed_costs(graph: Graph, b: _Builder, input_group: list[int], pairs: Mappin
     """Inputs that are not carried state (the batch) arrive from the host every step: each
     device pays for the bytes it receives, so a replicated batch is not free."""
     state = set(pairs.values())
-    bw = getattr(b.cm, "host_link_bytes_per_s", None) or getattr(
-        getattr(b.cm, "hw", None), "host_link_bytes_per_s", None) or HOST_LINK_BYTES_PER_S
+    bw = HOST_LINK_BYTES_PER_S   # hardware profiles do not carry a host link yet
     for k, v in enumerate(graph.inputs):
         if k in state:
             continue
