@@ -4,7 +4,10 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test setup clean
+# Test workers: one per core (pytest-xdist), files kept whole so module fixtures are built once.
+JOBS ?= auto
+
+.PHONY: demo test lint setup clean
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -17,8 +20,11 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(VPY) benchmarks/demo.py
 
-test: $(STAMP)
-	$(VPY) -m pytest tests
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+test: lint
+	$(VPY) -m pytest -n $(JOBS) --dist loadfile tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -18,6 +18,7 @@ import ir
 from autopar import codegen
 from autopar.errors import AutoparError, ShardingError
 from autopar.mesh import axis_sizes, concrete_mesh, default_hardware
+from autopar.options import PlannerOptions, checks_enabled
 from autopar.plan import Plan
 from autopar.planner import make_plan
 
@@ -56,9 +57,11 @@ def plan_graph(graph: ir.Graph, mesh, *, hardware=None, memory_budget=None, stra
     op_filter = getattr(strat, "allows", None)
     budget = hw.memory_bytes if memory_budget is None else float(memory_budget)
     starts = _handwritten_starts() if strat is None else ()
-    return make_plan(graph, sizes, cm, hardware_name=hw.name, strategy=name,
-                     memory_budget=budget, fixed_inputs=fixed, op_filter=op_filter,
-                     time_limit_s=time_limit_s, trace_s=trace_s, starts=starts)
+    if checks_enabled():
+        ir.verify(graph)
+    opts = PlannerOptions(strategy=name, memory_budget=budget, time_limit_s=time_limit_s,
+                          fixed_inputs=fixed, op_filter=op_filter, starts=tuple(starts))
+    return make_plan(graph, sizes, cm, opts, trace_s=trace_s)
 
 
 # Hand-written strategies the auto plan starts from: the cheapest one that fits seeds the ILP.

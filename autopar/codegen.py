@@ -1,11 +1,12 @@
 """Codegen: a plan becomes a ``jax.jit`` executable.
 
 The traced jaxpr is evaluated again, equation by equation, inside ``jax.jit`` with
-``in_shardings``/``out_shardings`` from the plan; after each equation the plan pins (dot_generals,
-convolutions, gathers at the top level) its output gets a ``with_sharding_constraint``. ``jit`` calls
-are entered so pins inside them apply; other calls (remat, custom_jvp/vjp, scan, while, cond) are
-bound whole, keeping their semantics, and XLA propagates layouts into them from their pinned
-operands. The numbers are the user's own program: only layouts change.
+``in_shardings``/``out_shardings`` from the plan; after each equation the plan pins
+(dot_generals, convolutions, gathers at the top level) its output gets a
+``with_sharding_constraint``. ``jit`` calls are entered so pins inside them apply; other calls
+(remat, custom_jvp/vjp, scan, while, cond) are bound whole, keeping their semantics, and XLA
+propagates layouts into them from their pinned operands. The numbers are the user's own
+program: only layouts change.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import NamedSharding
 
-from autopar.planner.sharding import to_spec
+from autopar.sharding import to_spec
 
 _CALLS = ("jit", "pjit", "closed_call", "core_call")
 

@@ -37,6 +37,7 @@ import ir
 from autopar.api import autoparallel, plan_graph
 from autopar.errors import PlanError
 from autopar.mesh import axis_sizes, concrete_mesh, default_hardware
+from autopar.options import PlannerOptions
 from autopar.plan import Plan
 from autopar.planner import make_plan, problem
 
@@ -216,9 +217,8 @@ def _plan_auto_from(graph, mesh, hw, memory_budget, time_limit_s, trace_s, start
     cm = cost_models.CostModel(hw, sizes)
     budget = hw.memory_bytes if memory_budget is None else float(memory_budget)
     hint = hint_from_plan(problem.build(graph, sizes, cm), start)
-    return make_plan(graph, sizes, cm, hardware_name=hw.name, strategy="auto",
-                     memory_budget=budget, time_limit_s=time_limit_s, trace_s=trace_s,
-                     hint=hint)
+    opts = PlannerOptions(memory_budget=budget, time_limit_s=time_limit_s, hint=hint)
+    return make_plan(graph, sizes, cm, opts, trace_s=trace_s)
 
 
 def hint_from_plan(prob: problem.Problem, plan: Plan) -> dict[int, int]:

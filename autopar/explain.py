@@ -4,7 +4,7 @@ from __future__ import annotations
 import html as _html
 from collections import defaultdict
 
-from autopar.planner.sharding import to_spec
+from autopar.sharding import to_spec
 
 
 def param_rows(plan):

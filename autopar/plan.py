@@ -11,7 +11,7 @@ from typing import Any
 
 import jax
 
-from autopar.planner.sharding import Sharding, to_spec
+from autopar.sharding import Sharding, to_spec
 
 FORMAT_VERSION = 1
 
@@ -60,9 +60,10 @@ class SolverStats:
 class Plan:
     """A sharding plan for one function and one abstract signature.
 
-    ``input_shardings``/``output_shardings`` are flat, in the order of the flattened arguments and
-    results; ``input_specs``/``output_specs`` give them as pytrees of ``PartitionSpec``. ``pins`` are
-    the sharding constraints codegen places inside the step: (equation path, output index, layout).
+    ``input_shardings``/``output_shardings`` are flat, in the order of the flattened arguments
+    and results; ``input_specs``/``output_specs`` give them as pytrees of ``PartitionSpec``.
+    ``pins`` are the sharding constraints codegen places inside the step: (equation path, output
+    index, layout).
     """
 
     mesh: tuple[tuple[str, int], ...]
@@ -133,7 +134,7 @@ class Plan:
         return json.dumps(d, indent=1)
 
     @classmethod
-    def from_json(cls, text: str) -> "Plan":
+    def from_json(cls, text: str) -> Plan:
         d = json.loads(text)
         d.pop("format_version", None)
         t = _tuplify
@@ -151,7 +152,7 @@ class Plan:
             solver=SolverStats(**d["solver"]),
         )
 
-    def with_trees(self, in_tree, out_tree) -> "Plan":
+    def with_trees(self, in_tree, out_tree) -> Plan:
         return dataclasses.replace(self, in_tree=in_tree, out_tree=out_tree)
 
 

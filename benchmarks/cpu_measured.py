@@ -18,11 +18,10 @@ Writes ``benchmarks/results/cpu_measured.md``, ``cpu_measured.csv`` and ``cpu_me
 """
 from __future__ import annotations
 
-import _common  # noqa: F401  (sets XLA_FLAGS before jax is imported)
-
 import math  # noqa: E402
 import time  # noqa: E402
 
+import _common  # noqa: F401  (sets XLA_FLAGS before jax is imported)
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -201,7 +200,6 @@ def _plot(rows, path, med_err, rho):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     from matplotlib.ticker import FuncFormatter
 
     fig, ax = plt.subplots(figsize=(8.5, 5.5))

@@ -24,12 +24,12 @@ hardware), ``handwritten_vs_auto_plans.csv`` (every plan) and ``handwritten_vs_a
 """
 from __future__ import annotations
 
-import _common  # noqa: F401  (sets XLA_FLAGS before jax is imported)
-
 import dataclasses  # noqa: E402
 import math  # noqa: E402
 import textwrap  # noqa: E402
 import time  # noqa: E402
+
+import _common  # noqa: F401  (sets XLA_FLAGS before jax is imported)
 
 # The compare function itself (``autopar.compare`` is also reachable as the submodule name).
 from autopar.compare import compare  # noqa: E402
@@ -302,8 +302,9 @@ def main(argv=None):
            "conv net). GPT configs from `GPT_CONFIGS` with `scan=True` (the layer stack is one "
            "loop region); MoE: `MoEConfig(vocab=32000, seq=1024, d_model=1024, d_ff=4096, "
            "experts=16, top_k=2, layers=4)`; GPT-6.7B with `remat=True` (without it no strategy "
-           "fits 80 GiB per device at this batch); conv net: `ConvConfig(side=64, channels=(256, 512, "
-           "1024, 2048), classes=1000)` (conv + BatchNorm + pool stages, no residuals).",
+           "fits 80 GiB per device at this batch); conv net: `ConvConfig(side=64, "
+           "channels=(256, 512, 1024, 2048), classes=1000)` (conv + BatchNorm + pool stages, "
+           "no residuals).",
            "- Each mesh shape is one `autopar.compare(..., measure=False)` call: the hand-written "
            "strategies pin the input layouts and the ILP fills in the activations under the same "
            "cost model; `auto` is planned last, seeded with the best hand-written plan of that "
@@ -320,7 +321,8 @@ def main(argv=None):
            "every elementwise op as its own HBM pass (no fusion), so absolute throughputs are "
            "pessimistic; compare ratios, not samples/s against published numbers.",
            "- **Sweep shrunk to fit ~10 minutes:** 8 and 64 devices for every model on H100, "
-           "16 and 32 devices only for GPT-1.3B, A100 only for GPT-1.3B (8, 64); 2-D shapes use a model axis of 2 or 8 (and 4 on 8 devices); GPT-39B left out.",
+           "16 and 32 devices only for GPT-1.3B, A100 only for GPT-1.3B (8, 64); 2-D shapes use "
+           "a model axis of 2 or 8 (and 4 on 8 devices); GPT-39B left out.",
            "- The GPT-6.7B rows were re-planned (`--only GPT-6.7B`, with `remat=True`) after the "
            "first full sweep, with the planner as of that later time; the other rows come from "
            "the full sweep." if any("remat" in p["model"] for p in plans) and not args.quick

@@ -14,19 +14,19 @@ Writes ``benchmarks/results/plan_time.md`` and ``plan_time.csv``.
 """
 from __future__ import annotations
 
-import _common  # noqa: F401  (sets XLA_FLAGS before jax is imported)
-
 import dataclasses  # noqa: E402
 import math  # noqa: E402
 import time  # noqa: E402
 
+import _common  # noqa: F401  (sets XLA_FLAGS before jax is imported)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import autopar  # noqa: E402
 from autopar.models import gpt  # noqa: E402
 
-MESHES = {"8-1d": {"data": 8}, 8: {"data": 2, "model": 4}, 64: {"data": 8, "model": 8}, 512: {"data": 64, "model": 8}}
+MESHES = {"8-1d": {"data": 8}, 8: {"data": 2, "model": 4}, 64: {"data": 8, "model": 8},
+          512: {"data": 64, "model": 8}}
 HEADER = ("model", "layers", "mesh", "devices", "trace_s", "build_s", "solve_s", "total_s",
           "wall_s", "status", "gap", "groups", "vars", "predicted step ms")
 
@@ -93,10 +93,11 @@ def main(argv=None):
         "`autopar.plan(train_step, state, batch, mesh=..., hardware=\"h100\", time_limit_s=10)` on",
         "abstract inputs (no memory is allocated; the devices need not exist). Global batch is 2",
         "sequences per device. `trace_s`, `build_s` (sharding rules, costs, groups) and `solve_s`",
-        "(CP-SAT) come from `plan.solver`; `total_s` is their sum and `wall_s` is the wall time of the",
-        "`autopar.plan` call. `time_limit_s` is CP-SAT's *deterministic* time, so `solve_s` (wall)",
-        "can exceed 10 s on a loaded machine; `status` FEASIBLE means the limit was hit and the best",
-        "plan found so far is returned, with the relative `gap` to the solver's lower bound.",
+        "(CP-SAT) come from `plan.solver`; `total_s` is their sum and `wall_s` is the wall time",
+        "of the `autopar.plan` call. `time_limit_s` is CP-SAT's *deterministic* time, so",
+        "`solve_s` (wall) can exceed 10 s on a loaded machine; `status` FEASIBLE means the limit",
+        "was hit and the best plan found so far is returned, with the relative `gap` to the",
+        "solver's lower bound.",
         "",
         "Model rows: the GPT-125M width (d_model 768, 12 heads, seq 1024, vocab 51200) with its",
         "layers as one `nn.scan` loop region (`scan=True`) or unrolled; GPT-39B and GPT-175B use",

@@ -91,7 +91,7 @@ class CostModel:
 
     def group_link(self, axes: Sequence[str]) -> Link:
         """The slowest link among the axes of a group (``axes`` must be non-empty)."""
-        return min((self.axis_link(a) for a in axes), key=lambda l: l.bandwidth_bytes_per_s)
+        return min((self.axis_link(a) for a in axes), key=lambda link: link.bandwidth_bytes_per_s)
 
     # ---- compute ----------------------------------------------------------------------------
     def compute_time_s(

@@ -30,10 +30,10 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
+from ir.dce import effectful, eliminate_dead_ops
 from ir.errors import UnsupportedPrimitiveError
 from ir.flops import FLOP_RULES, NOT_CONST, Cost, fold, op_cost
 from ir.graph import Graph, Op, Region, TensorType
-from ir.dce import effectful, eliminate_dead_ops
 from ir.layers import find_layers
 from ir.params import reduce_params
 
@@ -225,7 +225,7 @@ def _make_op(b: _Builder, eqn: Any, ctx: _Ctx, ins: tuple[int, ...], outs: tuple
 
 
 def _inline(b: _Builder, eqn: Any, env: dict[Any, int], ctx: _Ctx) -> list[Op]:
-    """Inlines a call: its jaxpr's invars alias the call's inputs, its outvars the call's outputs."""
+    """Inlines a call: its jaxpr's invars alias the call's inputs, its outvars its outputs."""
     key, marker = INLINE_RULES[eqn.primitive.name]
     sub = eqn.params.get(key)
     if sub is None:

@@ -7,8 +7,8 @@ included: a scan body's values have ids distinct from the enclosing graph's.
 Structure:
   * ``Graph.values[v]`` is the ``TensorType`` of value ``v`` (every value, nested ones too).
   * ``Graph.ops`` holds the top-level ops in topological order. An op with a loop or branch
-    (``scan``, ``while``, ``cond``) keeps its body as ``Region``s, each again a topologically ordered
-    tuple of ops; a scan body is *not* unrolled: its costs count ``trip_count`` times.
+    (``scan``, ``while``, ``cond``) keeps its body as ``Region``s, each again a topologically
+    ordered tuple of ops; a scan body is *not* unrolled: its costs count ``trip_count`` times.
   * ``jit`` calls are inlined. ``remat2``, ``custom_jvp_call`` and ``custom_vjp_call`` are inlined
     too, with the marker kept in each inlined op's ``scope``.
   * ``origin`` of an op is the path of equation indices that leads to it from the top-level jaxpr
@@ -65,7 +65,7 @@ class Region:
     ``inputs`` are the body's parameters in jaxpr order; ``outputs`` its results in order.
     """
 
-    ops: tuple["Op", ...]
+    ops: tuple[Op, ...]
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
 
@@ -88,7 +88,8 @@ class Op:
       name: the name stack (flax module path and transforms), e.g. ``"jvp(GPT)/layer_0/mlp/fc1"``.
       scope: markers of inlined wrappers, outermost first, e.g. ``("remat2",)``.
       origin: equation-index path from the top-level jaxpr (see module docstring).
-      regions: nested bodies (scan/while: ``(body,)``; while also its cond as the 2nd; cond: branches).
+      regions: nested bodies (scan/while: ``(body,)``; while also its cond as the 2nd; cond:
+        branches).
       trip_count: how often the regions run per execution of this op (scan length; 1 if unknown).
       layer: index into ``Graph.layers`` or ``None``.
     """
@@ -138,7 +139,7 @@ class Graph:
     values: tuple[TensorType, ...]
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
-    input_paths: tuple[str, ...]         # pytree path of each input, e.g. "[0]['params']['wte']['embedding']"
+    input_paths: tuple[str, ...]         # pytree paths: "[0]['params']['wte']['embedding']"
     output_paths: tuple[str, ...]
     donated: tuple[bool, ...]            # per input
     literals: tuple[tuple[int, Any], ...] = ()   # (value id, python scalar) for literal constants

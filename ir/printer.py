@@ -84,6 +84,10 @@ def window(graph: Graph, op_id: int, radius: int = 10) -> str:
     return "\n".join(lines)
 
 
+def _donated_bytes(graph: Graph) -> int:
+    return sum(graph.values[v].nbytes for v, d in zip(graph.inputs, graph.donated) if d)
+
+
 def summary(graph: Graph) -> str:
     """Op counts by primitive, FLOPs, input bytes, layers."""
     ops = graph.all_ops()
@@ -95,7 +99,7 @@ def summary(graph: Graph) -> str:
         f"  total flops: {human(graph.total_flops)}  transcendentals: "
         f"{human(sum(op.transcendentals for op in graph.ops))}",
         f"  input bytes: {human(graph.input_bytes)}B  "
-        f"(donated {human(sum(graph.values[v].nbytes for v, d in zip(graph.inputs, graph.donated) if d))}B)",
+        f"(donated {human(_donated_bytes(graph))}B)",
         "  ops: " + ", ".join(f"{p} {n}" for p, n in counts.most_common()),
     ]
     if fallback:

@@ -1,7 +1,8 @@
 """Test set-up: 8 emulated CPU devices, requested before jax is imported anywhere."""
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+_FLAG = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
 os.environ.setdefault("AUTOPAR_CHECKS", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

@@ -12,7 +12,7 @@ import pytest
 from jax.extend import core as jcore
 
 import ir
-from autopar.models import convnet, gpt, moe, mlp, nnx_mlp
+from autopar.models import convnet, gpt, mlp, moe, nnx_mlp
 
 SMALL = gpt.GPTConfig(layers=2, d_model=32, heads=2, d_ff=64, seq=16, vocab=64)
 
@@ -47,7 +47,8 @@ def test_flops_match_xla(model):
     g = ir.verify(ir.trace(step, state, batch))
     assert g.fallbacks == (), g.summary()
     expected = xla_flops(step, state, batch)
-    assert g.total_flops == pytest.approx(expected, rel=0.01), f"expected {expected}, got {g.total_flops}"
+    got = g.total_flops
+    assert got == pytest.approx(expected, rel=0.01), f"expected {expected}, got {got}"
 
 
 def test_gpt_unrolled_flops_match_xla(gpt_unrolled_remat):

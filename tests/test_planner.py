@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractMesh, Mesh, PartitionSpec as P
+from jax.sharding import AbstractMesh, Mesh
+from jax.sharding import PartitionSpec as P
 
 import autopar
 from autopar.models import gpt, mlp, moe
@@ -180,8 +181,8 @@ def test_random_valid_strategies_compile_to_correct_executables(small_gpt):
     import cost_models
     import ir
     from autopar import codegen
-    from autopar.planner import assemble, problem
     from autopar.plan import SolverStats
+    from autopar.planner import assemble, problem
 
     step, state, batch, ref = small_gpt
     graph = ir.trace(step, state, batch)

@@ -20,7 +20,7 @@ import autopar
 import ir
 from autopar import strategies
 from autopar.models import gpt, moe
-from autopar.planner.sharding import enumerate_shardings, to_spec
+from autopar.sharding import enumerate_shardings, to_spec
 
 CFG = gpt.GPTConfig(vocab=128, seq=16, d_model=64, heads=4, d_ff=128, layers=2)
 GPT_STRATEGIES = ("dp", "zero1", "zero2", "zero3", "megatron", "megatron_sp", "fsdp_tp")
@@ -33,7 +33,7 @@ def _mesh_2x4():
     return jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def small_gpt_comparison():
     """One compare call: every GPT strategy plus auto and a bogus name, planned and measured."""
     step, state, batch = gpt.concrete(CFG, 8)
@@ -43,7 +43,7 @@ def small_gpt_comparison():
     return step, state, batch, cmp
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _abstract_graph(scan: bool = False) -> ir.Graph:
     step, state, batch = gpt.abstract(dataclasses.replace(CFG, scan=scan), 8)
     return ir.trace(step, state, batch)
@@ -324,7 +324,7 @@ def _assert_same_step(compiled, step, state, batch) -> None:
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-6)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _moe_ep():
     step, state, batch = moe.concrete(moe.MoEConfig(layers=1), 8)
     cmp = autopar.compare(step, state, batch, mesh=_mesh_2x4(), hardware="h100",

@@ -9,10 +9,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 
 from autopar.models import adamw_step
 from autopar.models.mlp import make_batch  # same regression batch as the linen MLP
-from flax import nnx
 
 
 class MLP(nnx.Module):

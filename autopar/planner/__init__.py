@@ -8,13 +8,13 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 
-from ir import Graph
-
 from autopar.errors import ShardingError
+from autopar.options import PlannerOptions
 from autopar.plan import Collective, CostBreakdown, Plan, SolverStats
 from autopar.planner import ilp, problem
 from autopar.planner.reshard import reshard_plan
-from autopar.planner.sharding import Sharding, fmt
+from autopar.sharding import Sharding, fmt
+from ir import Graph
 
 __all__ = ["make_plan"]
 
@@ -103,31 +103,30 @@ def _best_start(prob: problem.Problem, cm, allowed, starts, hint, budget):
     return best[1] if best else free
 
 
-def make_plan(graph: Graph, mesh: Mapping[str, int], cost_model, *, hardware_name: str,
-              strategy: str = "auto", memory_budget: float | None = None,
-              fixed_inputs: Mapping[int, Sharding] | None = None, op_filter=None,
-              time_limit_s: float = 30.0, trace_s: float = 0.0,
-              hint: Mapping[int, int] | None = None, starts=()) -> Plan:
-    """Plan ``graph`` on ``mesh``.
+def make_plan(graph: Graph, mesh: Mapping[str, int], cost_model,
+              options: PlannerOptions | None = None, *, trace_s: float = 0.0) -> Plan:
+    """Plan ``graph`` on ``mesh`` under ``options`` (see ``autopar.options.PlannerOptions``).
 
-    ``fixed_inputs`` pins input layouts (input index -> Sharding); ``op_filter(op, strategy)``
-    returns False for op strategies a hand-written strategy rules out. ``starts`` are
-    hand-written strategies (objects with ``fix_inputs``/``allows``) whose layouts seed the ILP:
-    each one's descent solution is costed and the cheapest that fits is the starting point, so
-    the plan is never predicted slower than the starts' descent solutions.
+    With ``options.starts`` (hand-written strategies) each one's descent solution is costed and
+    the cheapest that fits the budget is the solver's starting point, so the plan is never
+    predicted slower than the starts' descent solutions.
     """
+    options = options or PlannerOptions()
     t0 = time.perf_counter()
     prob = problem.build(graph, mesh, cost_model)
-    allowed = _allowed(prob, fixed_inputs or {})
-    if op_filter is not None:
-        _filtered(prob, op_filter, allowed)
-    if starts:
-        hint = _best_start(prob, cost_model, allowed, starts, hint, memory_budget)
+    allowed = _allowed(prob, options.fixed_inputs or {})
+    if options.op_filter is not None:
+        _filtered(prob, options.op_filter, allowed)
+    hint = options.hint
+    if options.starts:
+        hint = _best_start(prob, cost_model, allowed, options.starts, hint,
+                           options.memory_budget)
     build_s = time.perf_counter() - t0
-    sol = ilp.solve(prob, cost_model, memory_budget, time_limit_s, allowed, hint)
+    sol = ilp.solve(prob, cost_model, options.memory_budget, options.time_limit_s, allowed, hint)
     stats = SolverStats(sol.status, sol.gap, sol.solve_s, build_s, trace_s, len(prob.groups),
                         sol.num_vars, sol.num_constraints)
-    return assemble(prob, sol.choice, cost_model, hardware_name, strategy, memory_budget, stats)
+    return assemble(prob, sol.choice, cost_model, cost_model.hw.name, options.strategy,
+                    options.memory_budget, stats)
 
 
 def _layout(prob: problem.Problem, choice, v: int) -> Sharding:

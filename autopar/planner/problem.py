@@ -23,13 +23,11 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from ir import Graph, Op
-
 from autopar.planner import rules
 from autopar.planner.reshard import reshard_s
 from autopar.planner.rules import Choices, Follow, RuleContext, Strategy
-from autopar.planner.sharding import Sharding, replicated, shard_factor
-
+from autopar.sharding import Sharding, replicated, shard_factor
+from ir import Graph, Op
 
 _CONTRACTIONS = ("dot_general", "conv_general_dilated")
 FUSIBLE = frozenset(rules.ELEMENTWISE) | {
@@ -76,7 +74,7 @@ class Problem:
     output_pairs: dict[int, int]                  # output index -> input index it replaces
     mem_points: list[list[int]]                   # per check point: live intermediate value ids
     const_values: list[int]                       # values always live (inputs, consts)
-    reshard: "ReshardCache"
+    reshard: ReshardCache
 
     def reshard_s(self, v: int, src: Sharding, dst: Sharding) -> float:
         return self.reshard(self.graph.values[v], src, dst)

@@ -13,9 +13,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+from autopar.sharding import Sharding
 from ir import TensorType
-
-from autopar.planner.sharding import Sharding
 
 
 def _placement(s: Sharding) -> dict[str, tuple[int, tuple[str, ...]]]:

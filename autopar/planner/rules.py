@@ -21,9 +21,7 @@ import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 
-from ir import Op, TensorType
-
-from autopar.planner.sharding import (
+from autopar.sharding import (
     Sharding,
     divides,
     enumerate_shardings,
@@ -31,6 +29,7 @@ from autopar.planner.sharding import (
     replicated,
     shard_factor,
 )
+from ir import Op, TensorType
 
 
 @dataclasses.dataclass(frozen=True)

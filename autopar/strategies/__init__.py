@@ -37,11 +37,10 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
-from ir import Graph
-
 from autopar.errors import ShardingError
-from autopar.planner.sharding import Sharding
+from autopar.sharding import Sharding
 from autopar.strategies.logical import LOGICAL_RULES, InputAxes, annotate
+from ir import Graph
 
 __all__ = ["LOGICAL_RULES", "NAMES", "HandWritten", "annotate", "get"]
 
