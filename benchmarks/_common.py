@@ -70,13 +70,36 @@ def _cell(x) -> str:
     return str(x)
 
 
+def git_commit() -> str:
+    """The commit the benchmark ran on (``+dirty`` when the tree had uncommitted changes)."""
+    import subprocess
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=root, check=True,
+                              capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=root, check=True, capture_output=True, text=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty.strip() else "")
+
+
+def machine_load() -> str:
+    """Load averages over 1, 5 and 15 minutes against the host's cores."""
+    if not hasattr(os, "getloadavg"):
+        return "load unknown"
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.2f} / {five:.2f} / {fifteen:.2f} on {os.cpu_count()} cores"
+
+
 def environment() -> str:
+    """One line for every results file: commit, machine load, software and devices, date."""
     import jax
 
-    load = f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
-    return (f"jax {jax.__version__}, {len(jax.devices())} x {jax.devices()[0].platform} devices, "
-            f"python {platform.python_version()}, {os.cpu_count()} host cores{load}, "
-            f"{datetime.date.today().isoformat()}")
+    return (f"commit {git_commit()}, {machine_load()}, jax {jax.__version__}, "
+            f"{len(jax.devices())} x {jax.devices()[0].platform} devices, "
+            f"python {platform.python_version()}, {datetime.date.today().isoformat()}")
 
 
 def mesh_str(mesh: dict) -> str:
