@@ -10,6 +10,7 @@ from autopar.api import autoparallel, plan
 from autopar.compare import compare
 from autopar.errors import AutoparError, PlanError, ShardingError
 from autopar.plan import Plan
+from autopar.verify import verify
 
 __all__ = ["AutoparError", "Plan", "PlanError", "ShardingError", "autoparallel", "compare", "plan",
-           "strategies"]
+           "strategies", "verify"]

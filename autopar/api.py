@@ -120,6 +120,7 @@ class AutoParallel:
         self._cache: dict[tuple, tuple[Plan, Any, Any, ir.Graph]] = {}
         self._executables: dict[tuple, Any] = {}
         self._last: Plan | None = None
+        self._last_key: tuple | None = None
 
     @property
     def plan(self) -> Plan | None:
@@ -159,6 +160,7 @@ class AutoParallel:
         exe = self._executables.get(key)
         if exe is None:
             exe = self._executables[key] = self._compile(plan, jitted, args, graph)
+        self._last_key = key
         return exe(*args)
 
     def _compile(self, plan: Plan, jitted, args, graph: ir.Graph):
@@ -177,6 +179,22 @@ class AutoParallel:
             unpinned = dataclasses.replace(plan, pins=())
             jitted, _ = codegen.build(graph, unpinned, self.mesh, self.donate_argnums)
             return jitted.lower(*args).compile()
+
+    def verify(self, *args, **tolerances):
+        """``autopar.verify`` of the executable of ``args``' signature (default: the last one
+        called) against its plan."""
+        from autopar.verify import verify
+
+        if args:
+            key = _signature(args)
+            plan, jitted, _, graph = self._compiled(args, key)
+            exe = self._executables.get(key) or jitted.lower(*args).compile()
+        elif self._last_key is not None:
+            plan, exe = self._cache[self._last_key][0], self._executables[self._last_key]
+        else:
+            raise AutoparError("step.verify() needs the step to have run once, or arguments "
+                               "to compile it for: step.verify(state, batch)")
+        return verify(plan, exe, **tolerances)
 
     def lower(self, *args):
         """Like ``jax.jit(...).lower``: arguments may be ShapeDtypeStructs."""

@@ -13,16 +13,37 @@ import jax
 
 from autopar.sharding import Sharding, to_spec
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+PIN_SLOTS = ("out", "in", "arg", "res")
+
+
+@dataclasses.dataclass(frozen=True)
+class Pin:
+    """A layout codegen enforces inside the step (see ``autopar.planner.pins``): at the equation
+    or region ``path``, the value in ``slot`` (``out``, ``in``, ``arg``, ``res``) number ``index``
+    passes through the layouts of ``chain``, ending in the plan's."""
+
+    path: tuple[int, ...]
+    slot: str
+    index: int
+    chain: tuple[Sharding, ...]
 
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
-    where: str                 # "op17 dot_general @ model.py:31" or "edge op12:arg1"
+    """One collective the plan issues. ``nbytes`` is per device and per execution, sized as HLO
+    sizes it (the result for all-reduce, all-gather, all-to-all and collective-permute, the
+    operand for reduce-scatter: the ``cost_models`` conventions); ``count`` is how often it runs
+    per step (a scan body's trip count), and ``time_s`` already includes it."""
+
+    where: str                 # "op17 dot_general @ model.py:31" or "edge op12:arg1 ..."
     kind: str
     axes: tuple[str, ...]
-    nbytes: float              # per device, cost_models conventions
-    time_s: float              # including the op's multiplier (a scan body's trip count)
+    nbytes: float
+    time_s: float
+    count: float = 1.0
+    source: str = ""           # the user's "file.py:LINE" of the op it belongs to
+    name: str = ""             # that op's name stack ("jvp(GPT)/layer_0/mlp/fc1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +56,8 @@ class CostBreakdown:
     memory_budget_bytes: float | None
     comm_by_kind: tuple[tuple[str, float], ...]
     dispatch_s: float = 0.0    # launching the step's program, once
+    comm_bytes_by_kind: tuple[tuple[str, float], ...] = ()   # per device per step, HLO's sizes
+    hbm_bytes: float = 0.0     # per device per step: bytes the fused kernels read and write
 
     def __str__(self) -> str:
         kinds = ", ".join(f"{k} {_ms(t)}" for k, t in self.comm_by_kind) or "none"
@@ -62,8 +85,7 @@ class Plan:
 
     ``input_shardings``/``output_shardings`` are flat, in the order of the flattened arguments
     and results; ``input_specs``/``output_specs`` give them as pytrees of ``PartitionSpec``.
-    ``pins`` are the sharding constraints codegen places inside the step: (equation path, output
-    index, layout).
+    ``pins`` are every layout codegen enforces inside the step (``Pin``).
     """
 
     mesh: tuple[tuple[str, int], ...]
@@ -75,7 +97,7 @@ class Plan:
     input_shapes: tuple[tuple[int, ...], ...]
     input_shardings: tuple[Sharding, ...]
     output_shardings: tuple[Sharding, ...]
-    pins: tuple[tuple[tuple[int, ...], int, Sharding], ...]
+    pins: tuple[Pin, ...]
     choices: tuple[tuple[int, str, str, str], ...]      # (op id, prim, source, strategy name)
     collectives: tuple[Collective, ...]
     cost: CostBreakdown
@@ -144,11 +166,13 @@ class Plan:
             input_paths=tuple(d["input_paths"]), output_paths=tuple(d["output_paths"]),
             input_shapes=t(d["input_shapes"]), input_shardings=t(d["input_shardings"]),
             output_shardings=t(d["output_shardings"]),
-            pins=tuple((tuple(p), int(k), t(s)) for p, k, s in d["pins"]),
+            pins=tuple(Pin(tuple(p["path"]), p["slot"], int(p["index"]), t(p["chain"]))
+                       for p in d["pins"]),
             choices=tuple(tuple(c) for c in d["choices"]),
-            collectives=tuple(Collective(c["where"], c["kind"], tuple(c["axes"]), c["nbytes"],
-                                         c["time_s"]) for c in d["collectives"]),
-            cost=CostBreakdown(**{**d["cost"], "comm_by_kind": t(d["cost"]["comm_by_kind"])}),
+            collectives=tuple(Collective(**{**c, "axes": tuple(c["axes"])})
+                              for c in d["collectives"]),
+            cost=CostBreakdown(**{**d["cost"], "comm_by_kind": t(d["cost"]["comm_by_kind"]),
+                                  "comm_bytes_by_kind": t(d["cost"]["comm_bytes_by_kind"])}),
             solver=SolverStats(**d["solver"]),
         )
 

@@ -11,9 +11,11 @@ Structure:
     ordered tuple of ops; a scan body is *not* unrolled: its costs count ``trip_count`` times.
   * ``jit`` calls are inlined. ``remat2``, ``custom_jvp_call`` and ``custom_vjp_call`` are inlined
     too, with the marker kept in each inlined op's ``scope``.
-  * ``origin`` of an op is the path of equation indices that leads to it from the top-level jaxpr
-    (``(12, 3)``: equation 3 of the jaxpr called by top-level equation 12). Codegen uses it to find
-    the equation again when it re-evaluates the jaxpr.
+  * ``origin`` of an op is the path that leads to its equation from the top-level jaxpr: an
+    equation index per level, and after a loop or branch equation the index of its region
+    (``(12, 3)``: equation 3 of the jaxpr called by top-level equation 12; ``(7, 0, 4)``:
+    equation 4 of the body (region 0) of the scan at top-level equation 7). Codegen uses it to
+    find the equation again when it re-evaluates the jaxpr.
 
 A pass returns a new Graph; nothing here is edited in place.
 """

@@ -267,7 +267,10 @@ def test_zero12_shard_optimizer_state_only(name):
 def test_zero1_all_reduces_zero2_may_reduce_scatter():
     z1 = [c for c in _row("zero1").plan.choices if c[1] == "dot_general"]
     assert z1 and not any("|RS" in c[3] for c in z1)
-    assert "reduce-scatter" in _row("zero2").plan.collective_counts()
+    # On 2x4 a gradient scattered over `data` stays replicated over `model`, so XLA (and the
+    # plan) implement the scatter as an all-reduce of one tile plus a collective-permute.
+    z2 = [c for c in _row("zero2").plan.choices if c[1] == "dot_general"]
+    assert any("|RS" in c[3] for c in z2)
 
 
 @pytest.mark.xfail(reason="XLA:CPU emits no reduce-scatter instruction: the planner's reduce-"

@@ -11,15 +11,12 @@ from collections.abc import Mapping
 from autopar.errors import ShardingError
 from autopar.options import PlannerOptions
 from autopar.plan import Collective, CostBreakdown, Plan, SolverStats
-from autopar.planner import ilp, problem
-from autopar.planner.reshard import reshard_plan
+from autopar.planner import ilp, pins, problem
+from autopar.planner.reshard import reshard_steps, step_bytes
 from autopar.sharding import Sharding, fmt
 from ir import Graph
 
 __all__ = ["make_plan"]
-
-# Ops whose chosen layout codegen pins with a sharding constraint.
-PINNED_PRIMS = {"dot_general", "conv_general_dilated", "gather", "scatter-add", "scatter_add"}
 
 
 def _allowed(prob: problem.Problem, fixed: Mapping[int, Sharding]) -> dict[int, set[int]]:
@@ -137,6 +134,7 @@ def _layout(prob: problem.Problem, choice, v: int) -> Sharding:
 
 
 def _collectives(prob: problem.Problem, choice, cm) -> tuple[list[Collective], float, float, float]:
+    """Every collective of the plan, with compute, op-collective and transition seconds."""
     out: list[Collective] = []
     compute = comm = 0.0
     for g in prob.groups:
@@ -144,25 +142,39 @@ def _collectives(prob: problem.Problem, choice, cm) -> tuple[list[Collective], f
         compute += g.compute_s[i]
         comm += g.comm_s[i]
         for op_id, per_i in g.members.items():
+            mult = g.mults.get(op_id, 1.0)
             for c in per_i[i].comms:
-                mult = g.mults.get(op_id, 1.0)
                 out.append(Collective(_where(prob, op_id), c.kind, c.axes, c.nbytes,
-                                      mult * cm.collective_time_s(c.kind, c.nbytes, c.axes)))
+                                      mult * cm.collective_time_s(c.kind, c.nbytes, c.axes),
+                                      mult, *_source(prob, op_id)))
+        for e in g.self_edges:
+            out += _edge_collectives(prob, e, g.shard[e.value][i], e.need[i], cm)
     transition = 0.0
-    for e in prob.edges:
-        src = prob.groups[e.src].shard[e.value][choice[e.src]]
-        need = e.need[choice[e.dst]]
-        if src == need:
-            continue
-        t = prob.graph.values[e.value]
-        cost = e.mult * prob.reshard_s(e.value, src, need)
-        transition += cost
-        gather, a2a = reshard_plan(src, need)
-        for kind, axes in (("all-gather", gather), ("all-to-all", a2a)):
-            if axes:
-                out.append(Collective(f"edge {e.where} {fmt(src)}->{fmt(need)}", kind, axes,
-                                      float(t.nbytes), cost))
+    for es in prob.edge_sets():   # a value moved to one layout for several readers moves once
+        src = prob.groups[es[0].src].shard[es[0].value][choice[es[0].src]]
+        moves = {}
+        for e in es:
+            moves.setdefault(e.need[choice[e.dst]], e)
+        for need, e in moves.items():
+            colls = _edge_collectives(prob, e, src, need, cm)
+            transition += sum(c.time_s for c in colls)
+            out += colls
     return out, compute, comm, transition
+
+
+def _edge_collectives(prob: problem.Problem, e, src: Sharding, need: Sharding,
+                      cm) -> list[Collective]:
+    """The collectives of one resharding edge, one per step of its staged transition."""
+    t = prob.graph.values[e.value]
+    out = []
+    for step in reshard_steps(src, need, prob.mesh):
+        if step.kind == "slice":
+            continue
+        nbytes = step_bytes(t, step, prob.mesh)
+        out.append(Collective(f"edge {e.where} {fmt(src)}->{fmt(need)}", step.kind, step.axes,
+                              nbytes, e.mult * cm.collective_time_s(step.kind, nbytes, step.axes),
+                              e.mult, *_source(prob, e.op)))
+    return out
 
 
 def _where(prob: problem.Problem, op_id: int) -> str:
@@ -172,13 +184,19 @@ def _where(prob: problem.Problem, op_id: int) -> str:
     return f"op{op_id} {op.prim}" + (f" @ {op.source}" if op.source else "")
 
 
-def _pins(prob: problem.Problem, choice) -> tuple:
-    pins = []
-    for op in prob.graph.ops:  # top level only: codegen re-evaluates these equations
-        if op.prim in PINNED_PRIMS and not op.scope and op.id in prob.group_of_op:
-            for k, v in enumerate(op.outs):
-                pins.append((tuple(op.origin), k, _layout(prob, choice, v)))
-    return tuple(pins)
+def _source(prob: problem.Problem, op_id: int) -> tuple[str, str]:
+    """(``file.py:LINE`` of an op's user source, its name stack), ``("", "")`` for none."""
+    if op_id < 0:
+        return "", ""
+    op = prob.graph.op(op_id)
+    return op.source.split(" ")[0], op.name
+
+
+def _bytes_by_kind(colls) -> tuple[tuple[str, float], ...]:
+    out: dict[str, float] = {}
+    for c in colls:
+        out[c.kind] = out.get(c.kind, 0.0) + c.nbytes * c.count
+    return tuple(sorted(out.items()))
 
 
 def assemble(prob: problem.Problem, choice, cm, hardware_name: str, strategy: str,
@@ -191,7 +209,8 @@ def assemble(prob: problem.Problem, choice, cm, hardware_name: str, strategy: st
     dispatch = float(getattr(cm.hw, "dispatch_s", 0.0))
     cost = CostBreakdown(compute + comm + transition + dispatch, compute, comm, transition,
                          ilp.memory_of(prob, choice), memory_budget,
-                         tuple(sorted(by_kind.items(), key=lambda kv: -kv[1])), dispatch)
+                         tuple(sorted(by_kind.items(), key=lambda kv: -kv[1])), dispatch,
+                         _bytes_by_kind(colls))
     in_layout = tuple(prob.groups[prob.input_group[k]].shard[v][choice[prob.input_group[k]]]
                       for k, v in enumerate(g.inputs))
     out_layout = tuple(in_layout[prob.output_pairs[j]] if j in prob.output_pairs
@@ -201,5 +220,5 @@ def assemble(prob: problem.Problem, choice, cm, hardware_name: str, strategy: st
                     for grp in prob.groups if grp.leader >= 0)
     return Plan(tuple(prob.mesh.items()), hardware_name, strategy, g.fingerprint(),
                 g.input_paths, g.output_paths, tuple(g.values[v].shape for v in g.inputs),
-                in_layout, out_layout, _pins(prob, choice), choices, tuple(colls), cost, stats,
+                in_layout, out_layout, pins.pins(prob, choice), choices, tuple(colls), cost, stats,
                 in_tree=g.in_tree, out_tree=g.out_tree)

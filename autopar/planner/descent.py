@@ -132,6 +132,7 @@ def _icm(unary, pair, incident, choice: dict[int, int], sweeps: int) -> dict[int
 
 
 def objective(p: Problem, cm, choice: dict[int, int]) -> float:
-    unary, pair = edge_matrices(p, cm)
-    return float(sum(u[choice[r]] for r, u in unary.items())
-                 + sum(m[choice[s], choice[d]] for s, d, m in pair))
+    """The plan's exact objective (the descent itself works on pairwise edge costs, which count
+    a value resharded for several readers once per reader; see ``Problem.edge_sets``)."""
+    unary = sum(g.compute_s[choice[g.id]] + g.comm_s[choice[g.id]] for g in p.groups)
+    return float(unary + p.transition_s(choice))

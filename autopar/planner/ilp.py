@@ -65,6 +65,7 @@ class _Model:
         self.obj: list = []
         self.flows: list = []   # (edge, y vars) for completing hints
         self.edge_costs: list = []  # (c_e, edge, scaled costs) of big-M edges, for hints
+        self.shares: list = []      # (edges, u vars) of shared edge sets, for hints
         self.root = {g.id: self._root(g.id) for g in p.groups}
         for g in p.groups:
             if self.root[g.id] == g.id:
@@ -88,16 +89,76 @@ class _Model:
             self.obj += [(int(round(c * PS)), x) for c, x in zip(cost, self.xs(g.id)) if c > 0]
 
     def add_edges(self) -> None:
-        """Edges that repeat between the same tied groups with the same layouts are one edge
-        carrying the sum of their multipliers, so the model does not grow with depth."""
-        merged: dict[tuple, object] = {}
-        for e in self.p.edges:
-            have = tuple(self.p.groups[e.src].shard[e.value])
-            key = (self.root[e.src], self.root[e.dst], self.p.graph.values[e.value], have, e.need)
+        """Edge sets (a value and its readers, ``Problem.edge_sets``) that repeat between the same
+        tied groups with the same layouts are one set carrying the sum of their multipliers, so
+        the model does not grow with depth."""
+        merged: dict[tuple, list] = {}
+        for es in self.p.edge_sets():
+            e0 = es[0]
+            have = tuple(self.p.groups[e0.src].shard[e0.value])
+            key = (self.root[e0.src], self.p.graph.values[e0.value], have,
+                   tuple((self.root[e.dst], e.need) for e in es))
             old = merged.get(key)
-            merged[key] = e if old is None else dataclasses.replace(old, mult=old.mult + e.mult)
-        for k, e in enumerate(merged.values()):
-            self.add_edge(k, e)
+            merged[key] = es if old is None else [
+                dataclasses.replace(o, mult=o.mult + e.mult) for o, e in zip(old, es)]
+        for k, es in enumerate(merged.values()):
+            if len(es) == 1:
+                self.add_edge(k, es[0])
+            else:
+                self.add_edge_set(k, es)
+
+    def add_edge_set(self, k: int, es) -> None:
+        """One value read by several groups: ``u[o, r]`` is 1 when the value, made in layout
+        ``o``, is moved to layout ``r`` for at least one reader, and carries that move's cost
+        once: u[o, r] >= y[e, o, r] for every edge e (``share:k``)."""
+        e0 = es[0]
+        have = self.p.groups[e0.src].shard[e0.value]
+        outs = _distinct(have)
+        needs = _distinct([n for e in es for n in e.need])
+        cost = {(o, r): e0.mult * self.reshard(e0.value, o, r) for o in outs for r in needs}
+        cost = {key: c for key, c in cost.items() if c > 0}
+        if not cost:
+            return
+        shared = []
+        for j, e in enumerate(es):
+            pairs = len(outs) * len(_distinct(e.need))
+            if self.root[e.src] == self.root[e.dst] or len(cost) > FLOW_PAIRS_MAX or (
+                    pairs > FLOW_PAIRS_MAX):
+                self.add_edge(f"{k}.{j}", e)     # no sharing: each reader pays its move
+            else:
+                shared.append(e)
+        if not shared:
+            return
+        u = {key: self.m.NewBoolVar(f"u{k}") for key in cost}
+        self.shares.append((shared, u))
+        for j, e in enumerate(shared):
+            for key, ind in self._indicators(f"{k}.{j}", e, have, outs).items():
+                if key in u:
+                    self.m.Add(u[key] >= ind).WithName(f"share:{k}")
+        self.obj += [(int(round(cost[key] * PS)), var) for key, var in u.items()]
+
+    def _indicators(self, k, e, have, outs) -> dict:
+        """(o, r) -> a 0/1 expression: edge ``e`` moves its value from ``o`` to ``r``."""
+        xs, xd = self.xs(e.src), self.xs(e.dst)
+        needs = _distinct(e.need)
+        if len(outs) == 1:
+            return {(outs[0], r): sum(x for x, n in zip(xd, e.need) if n == r) for r in needs}
+        if len(needs) == 1:
+            return {(o, needs[0]): sum(x for x, h in zip(xs, have) if h == o) for o in outs}
+        return self._flows(k, e, have, outs, needs)
+
+    def _flows(self, k, e, have, outs, needs) -> dict:
+        """y[o, r] with Σ_r y = [src picks o] and Σ_o y = [dst picks r]."""
+        xs, xd = self.xs(e.src), self.xs(e.dst)
+        y = {(o, r): self.m.NewBoolVar(f"y{k}") for o in outs for r in needs}
+        self.flows.append((e, y))
+        for o in outs:
+            self.m.Add(sum(y[o, r] for r in needs) == sum(x for x, h in zip(xs, have) if h == o)
+                       ).WithName(f"flow-out:{k}")
+        for r in needs:
+            self.m.Add(sum(y[o, r] for o in outs) == sum(x for x, n in zip(xd, e.need) if n == r)
+                       ).WithName(f"flow-in:{k}")
+        return y
 
     def add_edge(self, k: int, e) -> None:
         have = self.p.groups[e.src].shard[e.value]
@@ -121,14 +182,7 @@ class _Model:
         if len(outs) * len(needs) > FLOW_PAIRS_MAX:
             self.add_edge_big_m(k, e, have, outs, needs, cost)
             return
-        y = {(o, r): self.m.NewBoolVar(f"y{k}") for o in outs for r in needs}
-        self.flows.append((e, y))
-        for o in outs:
-            self.m.Add(sum(y[o, r] for r in needs) == sum(x for x, h in zip(xs, have) if h == o)
-                       ).WithName(f"flow-out:{k}")
-        for r in needs:
-            self.m.Add(sum(y[o, r] for o in outs) == sum(x for x, n in zip(xd, e.need) if n == r)
-                       ).WithName(f"flow-in:{k}")
+        y = self._flows(k, e, have, outs, needs)
         self.obj += [(int(round(c * PS)), y[key]) for key, c in cost.items() if c > 0]
 
     def add_edge_big_m(self, k: int, e, have, outs, needs, cost) -> None:
@@ -190,6 +244,11 @@ class _Model:
         for c_e, e, scaled in self.edge_costs:
             o = self.p.groups[e.src].shard[e.value][pick[self.root[e.src]]]
             self.m.AddHint(c_e, scaled[(o, e.need[pick[self.root[e.dst]]])])
+        for es, u in self.shares:
+            o = self.p.groups[es[0].src].shard[es[0].value][pick[self.root[es[0].src]]]
+            moved = {e.need[pick[self.root[e.dst]]] for e in es}
+            for (oo, rr), var in u.items():
+                self.m.AddHint(var, oo == o and rr in moved)
 
 
 def _distinct(layouts) -> list:

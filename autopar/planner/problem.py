@@ -35,6 +35,17 @@ FUSIBLE = frozenset(rules.ELEMENTWISE) | {
     "pad", "concatenate", "select_n", "convert_element_type", "rev", "dynamic_slice"}
 
 
+@dataclasses.dataclass(frozen=True)
+class Edge:
+    src: int
+    dst: int
+    value: int
+    need: tuple[Sharding, ...]                    # per dst strategy
+    mult: float
+    where: str                                    # "op12:arg1", for explanations
+    op: int = -1                                  # the op that reads the value (-1: none)
+
+
 @dataclasses.dataclass
 class Group:
     id: int
@@ -45,20 +56,11 @@ class Group:
     members: dict[int, list[Strategy]] = dataclasses.field(default_factory=dict)
     shard: dict[int, list[Sharding]] = dataclasses.field(default_factory=dict)  # value -> per i
     mults: dict[int, float] = dataclasses.field(default_factory=dict)  # member op -> multiplier
+    self_edges: list[Edge] = dataclasses.field(default_factory=list)   # both ends in this group
 
     @property
     def n(self) -> int:
         return len(self.strategies)
-
-
-@dataclasses.dataclass(frozen=True)
-class Edge:
-    src: int
-    dst: int
-    value: int
-    need: tuple[Sharding, ...]                    # per dst strategy
-    mult: float
-    where: str                                    # "op12:arg1", for explanations
 
 
 @dataclasses.dataclass
@@ -78,6 +80,28 @@ class Problem:
 
     def reshard_s(self, v: int, src: Sharding, dst: Sharding) -> float:
         return self.reshard(self.graph.values[v], src, dst)
+
+    def edge_sets(self) -> list[list[Edge]]:
+        """Edges that move the same value from the same group in the same region: XLA reshards
+        a value once per layout its readers need (identical reshards are common
+        subexpressions), so a set costs each distinct needed layout once."""
+        memo = self.__dict__.get("_edge_sets")
+        if memo is None:
+            by_key: dict[tuple, list[Edge]] = {}
+            for e in self.edges:
+                by_key.setdefault((e.src, e.value, e.mult), []).append(e)
+            memo = self.__dict__["_edge_sets"] = list(by_key.values())
+        return memo
+
+    def transition_s(self, choice) -> float:
+        """Resharding seconds of the plan ``choice`` (group -> strategy index) on the edges
+        between groups, each distinct (value, layout) move counted once (``edge_sets``)."""
+        total = 0.0
+        for es in self.edge_sets():
+            have = self.groups[es[0].src].shard[es[0].value][choice[es[0].src]]
+            for need in {e.need[choice[e.dst]] for e in es} - {have}:
+                total += es[0].mult * self.reshard_s(es[0].value, have, need)
+        return total
 
 
 class ReshardCache:
@@ -165,17 +189,20 @@ class _Builder:
                 continue
             need = tuple(st.ins[k] if k < len(st.ins) and st.ins[k] is not None
                          else replicated(len(self.g.values[v].shape)) for st in per_i)
-            self.add_edge(self.gv[v], grp.id, v, need, mult, f"op{op.id}:arg{k}")
+            self.add_edge(self.gv[v], grp.id, v, need, mult, f"op{op.id}:arg{k}", op.id)
 
     def add_edge(self, src: int, dst: int, v: int, need: tuple[Sharding, ...], mult: float,
-                 where: str) -> None:
+                 where: str, op: int = -1) -> None:
         if src == dst:  # both ends decided by one variable: a per-strategy cost
             grp = self.groups[src]
+            if any(e.value == v and e.need == need and e.mult == mult for e in grp.self_edges):
+                return   # the same move again: XLA computes it once
             have = grp.shard[v]
             for i in range(grp.n):
                 grp.comm_s[i] += mult * self.reshard(self.g.values[v], have[i], need[i])
+            grp.self_edges.append(Edge(src, dst, v, need, mult, where, op))
             return
-        self.edges.append(Edge(src, dst, v, need, mult, where))
+        self.edges.append(Edge(src, dst, v, need, mult, where, op))
 
     # -- walking the graph ------------------------------------------------------------------
     def add_inputs(self) -> list[int]:
@@ -234,8 +261,11 @@ class _Builder:
             if cout in self.gv and cin in self.gv:
                 need = tuple(self.groups[self.gv[cin]].shard[cin])
                 self.add_edge(self.gv[cout], self.gv[cin], cout, need, mult * trip,
-                              f"op{op.id}:carry{k}")
+                              f"op{op.id}:carry{k}", op.id)
         for k, (inner, outer) in enumerate(zip(body.outputs, op.outs)):
+            # a carry leaves the loop in its carry-in layout (the carry edge above moves it there)
+            if k < ncarry and body.inputs[nc + k] in self.gv:
+                inner = body.inputs[nc + k]
             if inner not in self.gv:
                 continue
             derive = _alias_same if k < ncarry else _alias_add0

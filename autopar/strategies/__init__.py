@@ -39,7 +39,7 @@ from collections.abc import Mapping, Sequence
 
 from autopar.errors import ShardingError
 from autopar.sharding import Sharding
-from autopar.strategies.logical import LOGICAL_RULES, InputAxes, annotate
+from autopar.strategies.logical import LOGICAL_RULES, InputAxes, annotate, names_for, path_keys
 from ir import Graph
 
 __all__ = ["LOGICAL_RULES", "NAMES", "HandWritten", "annotate", "get"]
@@ -144,7 +144,20 @@ class HandWritten:
             # tensor parallelism computes with its model-split weights as stored, never gathered
             if self.tensor_parallel and not any(model in dim for dim in s):
                 return False
+            # expert parallelism keeps each expert's weights on its devices
+            if self.experts and _is_expert(origin, len(s)) and not any(
+                    (self.expert_axis or model) in dim for dim in s):
+                return False
         return any(data in dim for s in strategy.ins if s for dim in s)
+
+
+def _is_expert(origin: str, rank: int) -> bool:
+    """The parameter at pytree path ``origin`` has a logical "expert" dim."""
+    keys = path_keys(origin)
+    if "params" not in keys:
+        return False
+    names = names_for(keys[len(keys) - keys[::-1].index("params"):], rank)
+    return bool(names) and "expert" in names
 
 
 def _default(mesh: Mapping[str, int], want: str, fallback: str, one_axis_ok: bool) -> str | None:
