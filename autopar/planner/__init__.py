@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from autopar.errors import ShardingError
+from autopar.errors import PlanError, ShardingError
 from autopar.options import PlannerOptions
 from autopar.plan import Collective, CostBreakdown, Plan, SolverStats
 from autopar.planner import ilp, problem
@@ -127,6 +127,20 @@ def _cheapest_alone(prob: problem.Problem, allowed, hint=None) -> dict[int, int]
     return _expand(prob, {r: hint.get(r, int(np.argmin(c))) for r, c in cost.items()})
 
 
+def _allowed_in_time(prob: problem.Problem, options: PlannerOptions, clock: Clock):
+    """``_allowed``; a build cut short by the time limit offers inputs only whole, which is no
+    fault of the strategy's layouts: say so."""
+    try:
+        return _allowed(prob, options.fixed_inputs or {})
+    except ShardingError as e:
+        if not clock.spent(SEARCH_BEFORE):
+            raise
+        raise PlanError(f"time_limit_s={clock.limit_s:g} ran out while the problem was built "
+                        f"({clock.elapsed_s():.1f} s), before the layouts strategy "
+                        f"{options.strategy!r} fixes were offered ({e}); raise time_limit_s"
+                        ) from None
+
+
 def make_plan(graph: Graph, mesh: Mapping[str, int], cost_model,
               options: PlannerOptions | None = None, *, trace_s: float = 0.0) -> Plan:
     """Plan ``graph`` on ``mesh`` under ``options`` (see ``autopar.options.PlannerOptions``).
@@ -140,7 +154,7 @@ def make_plan(graph: Graph, mesh: Mapping[str, int], cost_model,
     clock = Clock(t0 - trace_s, options.time_limit_s, options.deterministic)
     warn_many_axes(mesh, clock)
     prob = problem.build(graph, mesh, cost_model, clock=clock)
-    allowed = _allowed(prob, options.fixed_inputs or {})
+    allowed = _allowed_in_time(prob, options, clock)
     if options.op_filter is not None:
         _filtered(prob, options.op_filter, allowed)
     hint, hint_name = options.hint, "HINT"
