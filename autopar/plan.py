@@ -104,10 +104,10 @@ class Plan:
 
     def spec_of(self, path_fragment: str):
         """The spec of the one input whose pytree path contains ``path_fragment``."""
-        hits = [k for k, p in enumerate(self.input_paths) if path_fragment in p]
+        hits = [k for k, p in enumerate(self.input_paths) if str(path_fragment) in p]
         if len(hits) != 1:
-            raise KeyError(f"{len(hits)} inputs match {path_fragment!r}; inputs are e.g. "
-                           f"{list(self.input_paths[:5])}")
+            raise PlanError(f"{len(hits)} inputs match {path_fragment!r}; give a fragment of "
+                            f"exactly one input path, e.g. {list(self.input_paths[:5])}")
         return to_spec(self.input_shardings[hits[0]])
 
     def collective_counts(self) -> dict[str, int]:
@@ -143,9 +143,15 @@ class Plan:
         axes that exist and divide the input shapes); any flaw is a ``PlanError`` naming it."""
         try:
             d = json.loads(text)
-        except (json.JSONDecodeError, TypeError, ValueError) as e:
+        except (TypeError, ValueError, RecursionError) as e:
             raise PlanError(f"Plan.from_json: the text is not JSON ({e}); pass what "
                             f"Plan.to_json() wrote") from None
+        version = d.get("format_version", FORMAT_VERSION) if isinstance(d, dict) else None
+        if version != FORMAT_VERSION and isinstance(version, int) and not isinstance(version,
+                                                                                     bool):
+            raise PlanError(f"Plan.from_json: the plan has format_version {version}; this autopar "
+                            f"reads version {FORMAT_VERSION} (its fingerprint also covers op "
+                            f"parameters): plan again with this version")
         try:
             return _plan_from_dict(d)
         except AutoparError as e:

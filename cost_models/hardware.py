@@ -142,7 +142,7 @@ class Hardware:
     def from_json(text: str) -> Hardware:
         try:
             data = json.loads(text)
-        except (json.JSONDecodeError, TypeError) as e:
+        except (TypeError, ValueError, RecursionError) as e:
             raise CostModelError(f"a Hardware profile must be JSON text (as Hardware.to_json() "
                                  f"writes it); parsing failed: {e}") from None
         return Hardware.from_dict(data)
