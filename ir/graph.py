@@ -48,7 +48,7 @@ class TensorType:
             return 1
         if self.dtype.startswith("key<"):  # a PRNG key: threefry keys are 2 x uint32
             return 8
-        if self.dtype == "token":
+        if self.dtype == "token" or "float0" in self.dtype:  # float0: gradients of ints, no data
             return 0
         return np.dtype(self.dtype).itemsize
 
@@ -220,13 +220,18 @@ class Graph:
         return to_networkx(self)
 
     def fingerprint(self) -> str:
-        """A stable hash of the graph's structure (prims, shapes, wiring), for plan matching."""
+        """A stable hash of everything that makes the program: each op's primitive, parameters
+        (``sum(0)`` is not ``sum(1)``), wiring, scope and trip count, every value's type, the
+        literal constants, the inputs and outputs with their pytree paths, and donation. Source
+        lines and names are left out: moving code does not change the program."""
         import hashlib
 
         h = hashlib.sha256()
         for op in self.all_ops():
-            h.update(f"{op.id}:{op.prim}:{op.ins}:{op.outs}:{op.trip_count};".encode())
+            h.update(f"{op.id}:{op.prim}:{op.ins}:{op.outs}:{op.trip_count}:{op.scope}:"
+                     f"{op.params!r};".encode())
         for v in self.values:
             h.update(f"{v};".encode())
-        h.update(repr((self.inputs, self.outputs, self.input_paths)).encode())
+        h.update(repr((self.inputs, self.outputs, self.input_paths, self.output_paths,
+                       self.donated, self.literals, self.consts)).encode())
         return h.hexdigest()[:16]

@@ -8,10 +8,13 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 
-from autopar.errors import ShardingError
+import numpy as np
+
+from autopar.errors import PlanError, ShardingError
 from autopar.options import PlannerOptions
 from autopar.plan import Collective, CostBreakdown, Plan, SolverStats
 from autopar.planner import ilp, pins, problem
+from autopar.planner.budget import SEARCH_BEFORE, START_BEFORE, Clock, warn_many_axes
 from autopar.planner.reshard import reshard_steps, step_bytes
 from autopar.sharding import Sharding, fmt
 from ir import Graph
@@ -72,10 +75,11 @@ def _filtered(prob: problem.Problem, op_filter, allowed: dict[int, set[int]]) ->
             allowed[grp.id] = ok
 
 
-def _best_start(prob: problem.Problem, cm, allowed, starts, hint, budget):
+def _best_start(prob: problem.Problem, cm, allowed, starts, hint, budget, clock: Clock):
     """The cheapest descent solution that fits ``budget`` among the hand-written starts, the
     free descent and ``hint``. A start over the budget would leave CP-SAT to repair it, which
-    under a time limit ends far from the optimum."""
+    under a time limit ends far from the optimum. Starts are tried while the call is within
+    ``START_BEFORE`` times its time limit (see ``planner.budget``)."""
     from autopar.planner import descent
 
     sizes = dict(prob.mesh)
@@ -85,7 +89,10 @@ def _best_start(prob: problem.Problem, cm, allowed, starts, hint, budget):
 
     free = descent.descend(prob, cm, dict(hint) if hint else None, allowed=allowed)
     best = (descent.objective(prob, cm, free), free) if fits(free) else None
-    for strat in starts:
+    for k, strat in enumerate(starts):
+        if clock.spent(START_BEFORE):
+            clock.note(f"time limit: tried {k} of {len(starts)} hand-written starts")
+            break
         try:
             fixed = _allowed(prob, strat.fix_inputs(prob.graph, sizes))
             if getattr(strat, "allows", None) is not None:
@@ -100,6 +107,37 @@ def _best_start(prob: problem.Problem, cm, allowed, starts, hint, budget):
     return best[1] if best else free
 
 
+def _cheapest_alone(prob: problem.Problem, allowed, hint=None) -> dict[int, int]:
+    """``hint``'s choices, else each decision group's cheapest allowed strategy, resharding
+    ignored: a valid plan that needs none of descent's edge matrices (which cost about as much as
+    building the problem)."""
+    from autopar.planner.descent import _expand, _root
+
+    cost: dict[int, np.ndarray] = {}
+    for g in prob.groups:
+        r = _root(prob, g.id)
+        cost[r] = cost.get(r, 0) + g.compute_s + g.comm_s
+    for g, ok in allowed.items():
+        r = _root(prob, g)
+        cost[r] = cost[r] + np.array([0.0 if i in ok else np.inf for i in range(len(cost[r]))])
+    hint = hint or {}
+    return _expand(prob, {r: hint.get(r, int(np.argmin(c))) for r, c in cost.items()})
+
+
+def _allowed_in_time(prob: problem.Problem, options: PlannerOptions, clock: Clock):
+    """``_allowed``; a build cut short by the time limit offers inputs only whole, which is no
+    fault of the strategy's layouts: say so."""
+    try:
+        return _allowed(prob, options.fixed_inputs or {})
+    except ShardingError as e:
+        if not clock.spent(SEARCH_BEFORE):
+            raise
+        raise PlanError(f"time_limit_s={clock.limit_s:g} ran out while the problem was built "
+                        f"({clock.elapsed_s():.1f} s), before the layouts strategy "
+                        f"{options.strategy!r} fixes were offered ({e}); raise time_limit_s"
+                        ) from None
+
+
 def make_plan(graph: Graph, mesh: Mapping[str, int], cost_model,
               options: PlannerOptions | None = None, *, trace_s: float = 0.0) -> Plan:
     """Plan ``graph`` on ``mesh`` under ``options`` (see ``autopar.options.PlannerOptions``).
@@ -110,16 +148,23 @@ def make_plan(graph: Graph, mesh: Mapping[str, int], cost_model,
     """
     options = options or PlannerOptions()
     t0 = time.perf_counter()
-    prob = problem.build(graph, mesh, cost_model)
-    allowed = _allowed(prob, options.fixed_inputs or {})
+    clock = Clock(t0 - trace_s, options.time_limit_s, options.deterministic)
+    warn_many_axes(mesh, clock)
+    prob = problem.build(graph, mesh, cost_model, clock=clock)
+    allowed = _allowed_in_time(prob, options, clock)
     if options.op_filter is not None:
         _filtered(prob, options.op_filter, allowed)
-    hint = options.hint
-    if options.starts:
-        hint = _best_start(prob, cost_model, allowed, options.starts, hint,
-                           options.memory_budget)
+    hint, hint_name = options.hint, "HINT"
+    if clock.spent(SEARCH_BEFORE):
+        clock.note(f"building the problem ({len(prob.groups)} decision groups) spent the time "
+                   f"limit; each group takes its cheapest strategy alone, no descent or ILP")
+        hint, hint_name = _cheapest_alone(prob, allowed, hint), "GREEDY"
+    elif options.starts:
+        hint, hint_name = _best_start(prob, cost_model, allowed, options.starts, hint,
+                                      options.memory_budget, clock), "DESCENT"
     build_s = time.perf_counter() - t0
-    sol = ilp.solve(prob, cost_model, options.memory_budget, options.time_limit_s, allowed, hint)
+    sol = ilp.solve(prob, cost_model, options.memory_budget, options.time_limit_s, allowed, hint,
+                    clock=clock, hint_name=hint_name)
     stats = SolverStats(sol.status, sol.gap, sol.solve_s, build_s, trace_s, len(prob.groups),
                         sol.num_vars, sol.num_constraints)
     return assemble(prob, sol.choice, cost_model, cost_model.hw.name, options.strategy,

@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from autopar.planner import rules
+from autopar.planner.budget import SEARCH_BEFORE
 from autopar.planner.reshard import reshard_s
 from autopar.planner.rules import Choices, Follow, RuleContext, Strategy
 from autopar.sharding import Sharding, replicated, shard_factor
@@ -120,13 +121,16 @@ class ReshardCache:
 
 
 class _Builder:
-    def __init__(self, graph: Graph, mesh: Mapping[str, int], cost_model, max_strategies: int):
+    def __init__(self, graph: Graph, mesh: Mapping[str, int], cost_model, max_strategies: int,
+                 clock=None):
+        self.clock = clock    # planner.budget.Clock: past its search limit, ops run replicated
+        self.late_ops = 0
         self.g = graph
         self.mesh = dict(mesh)
         self.cm = cost_model
         lit = frozenset(v for v, _ in graph.literals)
         producers = {v: op.prim for op in graph.all_ops() for v in op.outs}
-        self.ctx = RuleContext(graph.values, lit, producers, self.mesh, max_strategies)
+        self.ctx = RuleContext(graph.values, lit, producers, self.mesh, max_strategies, clock)
         self.groups: list[Group] = []
         self.edges: list[Edge] = []
         self.gv: dict[int, int] = {}
@@ -205,11 +209,20 @@ class _Builder:
         self.edges.append(Edge(src, dst, v, need, mult, where, op))
 
     # -- walking the graph ------------------------------------------------------------------
+    def late(self) -> bool:
+        """Past the plan call's time limit for enumerating strategies (``planner.budget``)."""
+        return self.clock is not None and self.clock.spent(SEARCH_BEFORE)
+
     def add_inputs(self) -> list[int]:
         out = []
         for k, v in enumerate(self.g.inputs):
             shape = self.g.values[v].shape
-            grp = self.new_group(-1 - k, rules.input_choices(shape, self.mesh), None, 1.0)
+            if self.late():   # only the replicated layout: no time left to enumerate them all
+                self.late_ops += 1
+                choices = (Strategy("R", (), (replicated(len(shape)),), 1),)
+            else:
+                choices = rules.input_choices(shape, self.mesh)
+            grp = self.new_group(-1 - k, choices, None, 1.0)
             grp.shard[v] = [s.outs[0] for s in grp.strategies]
             self.gv[v] = grp.id
             out.append(grp.id)
@@ -233,6 +246,9 @@ class _Builder:
 
     def add_op(self, op: Op, mult: float) -> None:
         if op.regions:  # while / cond: opaque, replicated
+            rule = rules.fallback_rule(op, self.ctx)
+        elif self.late():
+            self.late_ops += 1   # the time limit has passed: no more strategies to enumerate
             rule = rules.fallback_rule(op, self.ctx)
         else:
             rule = rules.rule_for(op, self.ctx)
@@ -372,10 +388,13 @@ def _memory_points(graph: Graph, pairs: Mapping[int, int], n_points: int) -> lis
 
 
 def build(graph: Graph, mesh: Mapping[str, int], cost_model, max_strategies: int = 96,
-          memory_points: int = 6) -> Problem:
-    b = _Builder(graph, mesh, cost_model, max_strategies)
+          memory_points: int = 6, clock=None) -> Problem:
+    b = _Builder(graph, mesh, cost_model, max_strategies, clock)
     input_group = b.add_inputs()
     b.walk(graph.ops, 1.0)
+    if b.late_ops:
+        clock.note(f"time limit while building the problem: the last {b.late_ops} inputs and "
+                   f"ops stay replicated (no sharding strategies enumerated)")
     pairs = _output_pairs(graph)
     for j, k in pairs.items():  # donated state: the new value lands in the old one's layout
         v_out, v_in = graph.outputs[j], graph.inputs[k]

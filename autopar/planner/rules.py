@@ -21,6 +21,7 @@ import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 
+from autopar.planner.budget import SEARCH_BEFORE
 from autopar.sharding import (
     Sharding,
     divides,
@@ -72,6 +73,7 @@ class RuleContext:
     producers: Mapping[int, str]         # value id -> producing primitive (absent for inputs)
     mesh: Mapping[str, int]
     max_strategies: int = 96
+    clock: object = None                 # planner.budget.Clock: enumeration stops when spent
 
     def t(self, v: int) -> TensorType:
         return self.types[v]
@@ -511,8 +513,12 @@ def _gather_classes(op: Op, ctx: RuleContext):
 
 def _indexed_layouts(classes, shapes, ctx: RuleContext):
     """Each valid way to place the mesh axes on ``classes`` (tuples of one dim per tensor, or
-    None, plus a partial flag): (a layout per tensor in ``shapes``, the partial-sum axes)."""
-    for assign in _assignments(len(classes), ctx.mesh):
+    None, plus a partial flag): (a layout per tensor in ``shapes``, the partial-sum axes).
+    On many-axis meshes there are (classes + 1) ** axes ways: past the plan call's time limit
+    (``ctx.clock``) the enumeration stops with the ways found so far."""
+    for n, assign in enumerate(_assignments(len(classes), ctx.mesh)):
+        if ctx.clock is not None and n % 4096 == 4095 and ctx.clock.spent(SEARCH_BEFORE):
+            return
         dims = [[[] for _ in shape] for shape in shapes]
         partial = []
         for axis, ci in assign.items():
