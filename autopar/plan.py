@@ -174,8 +174,8 @@ class Plan:
         if version != FORMAT_VERSION and isinstance(version, int) and not isinstance(version,
                                                                                      bool):
             raise PlanError(f"Plan.from_json: the plan has format_version {version}; this autopar "
-                            f"reads version {FORMAT_VERSION} (its fingerprint also covers op "
-                            f"parameters): plan again with this version")
+                            f"reads version {FORMAT_VERSION} (see FORMAT_VERSION's history in "
+                            f"autopar/plan.py): plan again with this version")
         try:
             return _plan_from_dict(d)
         except AutoparError as e:

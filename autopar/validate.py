@@ -274,17 +274,32 @@ def plan_applies(plan, graph) -> None:
                         f"; plan again for this step, or call it with the arguments the plan was "
                         f"made for")
     mesh = dict(plan.mesh)
-    by_origin = {tuple(op.origin): op for op in graph.ops}
-    for path, k, s in plan.pins:
-        op = by_origin.get(tuple(path))
-        if op is None or k >= len(op.outs):
-            raise PlanError(f"the loaded plan pins output {k} of equation {tuple(path)}, which "
-                            f"this step does not have; the plan file was edited: plan again")
-        layout_for(s, graph.values[op.outs[k]].shape, mesh,
-                   f"plan pin on op {op.id} {op.prim} @ {op.source or '?'}", PlanError)
+    by_origin = {tuple(op.origin): op for op in graph.all_ops()}
+    for pin in plan.pins:
+        v, op = _pinned_value(pin, by_origin)
+        if v is None:
+            raise PlanError(f"the loaded plan pins {pin.slot} {pin.index} of equation "
+                            f"{tuple(pin.path)}, which this step does not have; the plan file "
+                            f"was edited: plan again")
+        for s in pin.chain:
+            layout_for(s, graph.values[v].shape, mesh,
+                       f"plan pin on op {op.id} {op.prim} @ {op.source or '?'}", PlanError)
     for j, (s, v) in enumerate(zip(plan.output_shardings, graph.outputs)):
         layout_for(s, graph.values[v].shape, mesh, f"plan output {graph.output_paths[j]}",
                    PlanError)
+
+
+def _pinned_value(pin, by_origin):
+    """(value id, op) a pin addresses, or (None, None) when the graph has no such place."""
+    if pin.slot in ("out", "in"):
+        op = by_origin.get(tuple(pin.path))
+        vals = () if op is None else (op.outs if pin.slot == "out" else op.ins)
+    else:   # a region's parameter or result: the path ends with the region's index
+        op = by_origin.get(tuple(pin.path[:-1])) if pin.path else None
+        r = pin.path[-1] if pin.path else -1
+        region = op.regions[r] if op is not None and 0 <= r < len(op.regions) else None
+        vals = () if region is None else (region.inputs if pin.slot == "arg" else region.outputs)
+    return (vals[pin.index], op) if 0 <= pin.index < len(vals) else (None, None)
 
 
 def _difference(plan, graph) -> str:

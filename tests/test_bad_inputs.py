@@ -398,9 +398,9 @@ PLAN_CASES = [
     ("plan-no-version", lambda: _load(_drop("format_version")), PlanError,
      r"no format_version field"),
     ("plan-old-version", lambda: _load(_set(["format_version"], 1)), PlanError,
-     r"has format_version 1; this autopar reads version 2.*plan again with this version"),
-    ("plan-version-string", lambda: _load(_set(["format_version"], "2")), PlanError,
-     r"format_version '2' is not 2"),
+     r"has format_version 1; this autopar reads version 3.*plan again with this version"),
+    ("plan-version-string", lambda: _load(_set(["format_version"], "3")), PlanError,
+     r"format_version '3' is not 3"),
     ("plan-unknown-field", lambda: _load(_set(["extra"], 1)), PlanError,
      r"unknown fields \['extra'\]"),
     ("plan-missing-field", lambda: _load(_drop("pins")), PlanError, r"missing fields \['pins'\]"),
@@ -423,8 +423,9 @@ PLAN_CASES = [
      r"input_shardings has 1 entries where 2 were expected"),
     ("plan-shape-negative", lambda: _load(_set(["input_shapes", 0], [-16, 8])), PlanError,
      r"input_shapes\[0\]\[0\] must be an integer >= 0; got -16"),
-    ("plan-pin-path-type", lambda: _load(_set(["pins"], [["x", 0, []]])), PlanError,
-     r"pins\[0\]\[0\] must be a JSON list"),
+    ("plan-pin-path-type", lambda: _load(_set(["pins"], [{"path": "x", "slot": "out",
+                                                            "index": 0, "chain": []}])),
+     PlanError, r"pins\[0\].path must be a JSON list"),
     ("plan-cost-nan", lambda: _load(_set(["cost", "step_time_s"], math.nan)), PlanError,
      r"cost\.step_time_s must be a finite number >= 0; got nan"),
     ("plan-cost-negative", lambda: _load(_set(["cost", "compute_s"], -1.0)), PlanError,
@@ -434,7 +435,8 @@ PLAN_CASES = [
     ("plan-solver-type", lambda: _load(_set(["solver", "num_vars"], "many")), PlanError,
      r"solver\.num_vars must be an integer"),
     ("plan-collective-axis", lambda: _load(lambda d: d["collectives"].append(
-        {"where": "x", "kind": "all-reduce", "axes": ["zz"], "nbytes": 1.0, "time_s": 0.0})),
+        {"where": "x", "kind": "all-reduce", "axes": ["zz"], "nbytes": 1.0, "time_s": 0.0,
+         "count": 1.0, "source": "", "name": ""})),
      PlanError, r"names mesh axis 'zz'"),
     ("plan-hardware-type", lambda: _load(_set(["hardware"], 7)), PlanError,
      r"hardware must be a string; got 7"),
@@ -449,8 +451,8 @@ PLAN_CASES = [
     ("plan-applied-to-other-program",
      lambda: _apply(lambda d: None, fn=lambda w, x: (x @ w * 2.0, (x @ w).sum())), PlanError,
      r"input paths and shapes match but the traced program differs"),
-    ("plan-pin-edited", lambda: _apply(lambda d: d["pins"][0].__setitem__(0, [999])), PlanError,
-     r"pins output 0 of equation \(999,\), which this step does not have"),
+    ("plan-pin-edited", lambda: _apply(lambda d: d["pins"][0].__setitem__("path", [999])),
+     PlanError, r"pins out 0 of equation \(999,\), which this step does not have"),
     ("plan-output-layout-edited",
      lambda: _apply(_set(["output_shardings", 0], [["model"], []])), PlanError,
      r"plan output \[0\]: dim 0 of size 6 is split over \('model',\)"),
@@ -664,7 +666,7 @@ def test_html_escapes_text_from_a_crafted_plan():
         d["hardware"] = evil
         d["input_paths"][0] = evil
         d["collectives"].append({"where": evil, "kind": evil, "axes": ["data"], "nbytes": 1.0,
-                                 "time_s": 0.0})
+                                 "time_s": 0.0, "count": 1.0, "source": evil, "name": evil})
     page = _load(craft)._repr_html_()
     assert "<script>" not in page and page.count("&lt;script&gt;") == 4
 
