@@ -15,7 +15,7 @@ import jax
 
 import cost_models
 import ir
-from autopar import codegen
+from autopar import codegen, distributed
 from autopar.errors import AutoparError, ShardingError
 from autopar.mesh import axis_sizes, concrete_mesh, default_hardware
 from autopar.options import PlannerOptions, checks_enabled
@@ -51,7 +51,7 @@ def plan_graph(graph: ir.Graph, mesh, *, hardware=None, memory_budget=None, stra
     """Plan an already traced graph (see ``plan``)."""
     sizes = axis_sizes(mesh)
     hw = _hardware(hardware, mesh)
-    cm = cost_models.CostModel(hw, sizes)
+    cm = cost_models.CostModel(hw, sizes, device_nodes=distributed.device_nodes(mesh))
     name, strat = _resolve_strategy(strategy)
     fixed = strat.fix_inputs(graph, sizes) if strat is not None else None
     op_filter = getattr(strat, "allows", None)
@@ -108,7 +108,7 @@ class AutoParallel:
 
     def __init__(self, fn: Callable, *, mesh, hardware=None, memory_budget=None,
                  strategy="auto", donate_argnums=(), time_limit_s: float = 30.0,
-                 plan: Plan | None = None):
+                 plan: Plan | None = None, host_local_argnums=()):
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.mesh = concrete_mesh(mesh)
@@ -117,6 +117,9 @@ class AutoParallel:
         self.donate_argnums = tuple(donate_argnums) if not isinstance(donate_argnums, int) else (
             donate_argnums,)
         self._given_plan = plan
+        # Arguments holding this process's rows of the batch (see autopar.distributed).
+        self.host_local_argnums = ((host_local_argnums,) if isinstance(host_local_argnums, int)
+                                   else tuple(host_local_argnums))
         self._cache: dict[tuple, tuple[Plan, Any, Any, ir.Graph]] = {}
         self._executables: dict[tuple, Any] = {}
         self._last: Plan | None = None
@@ -126,20 +129,24 @@ class AutoParallel:
         """The plan of the last signature this step was called or lowered with."""
         return self._last
 
-    def _compiled(self, args, key=None):
+    def _compiled(self, args, key=None, given: Plan | None = None):
         key = _signature(args) if key is None else key
         hit = self._cache.get(key)
-        if hit is None:
-            graph, trace_s = _trace(self.fn, args, {}, self.donate_argnums)
-            plan = self._plan_for(graph, trace_s)
+        if hit is None or given is not None:
+            traced = distributed.global_args(args, self.host_local_argnums)
+            graph, trace_s = _trace(self.fn, traced, {}, self.donate_argnums)
+            distributed.check_same_graph(graph)       # no-ops in a one-process job
+            plan = self._plan_for(graph, trace_s, given)
+            distributed.check_same_plan(plan)
             jitted, in_shardings = codegen.build(graph, plan, self.mesh, self.donate_argnums)
             hit = (plan, jitted, in_shardings, graph)
             self._cache[key] = hit
+            self._executables.pop(key, None)
         self._last = hit[0]
         return hit
 
-    def _plan_for(self, graph: ir.Graph, trace_s: float) -> Plan:
-        given = self._given_plan
+    def _plan_for(self, graph: ir.Graph, trace_s: float, given: Plan | None = None) -> Plan:
+        given = given if given is not None else self._given_plan
         if given is not None:
             if given.graph_fingerprint != graph.fingerprint():
                 raise ShardingError(
@@ -155,6 +162,7 @@ class AutoParallel:
     def __call__(self, *args):
         key = _signature(args)   # placing arrays changes no shape or dtype: one key serves both
         plan, jitted, in_shardings, graph = self._compiled(args, key)
+        args = distributed.place_host_local(args, self.host_local_argnums, in_shardings)
         args = jax.tree_util.tree_map(_place, args, in_shardings)
         exe = self._executables.get(key)
         if exe is None:
@@ -181,7 +189,13 @@ class AutoParallel:
     def lower(self, *args):
         """Like ``jax.jit(...).lower``: arguments may be ShapeDtypeStructs."""
         _, jitted, _, _ = self._compiled(args)
-        return jitted.lower(*args)
+        return jitted.lower(*distributed.global_args(args, self.host_local_argnums))
+
+    def input_shardings(self, *args, plan: Plan | None = None):
+        """The ``NamedSharding`` of every argument (a pytree like ``args``, which may be
+        ShapeDtypeStructs): plans for this signature if needed, or applies ``plan`` to it. Use it
+        to load arrays straight into their layouts (``autopar.checkpoint.restore`` does)."""
+        return self._compiled(args, given=plan)[2]
 
 
 def _place(x, sharding):
@@ -194,16 +208,19 @@ def _place(x, sharding):
 
 def autoparallel(fn: Callable | None = None, *, mesh, hardware=None,
                  memory_budget: float | None = None, strategy="auto", donate_argnums=(),
-                 time_limit_s: float = 30.0, plan: Plan | None = None):
+                 time_limit_s: float = 30.0, plan: Plan | None = None, host_local_argnums=()):
     """Decorate a training step so it runs sharded over ``mesh`` by a plan autopar chooses.
 
     ``autoparallel(fn, mesh=...)`` and ``@autoparallel(mesh=...)`` both work. The first call with
     a new abstract signature traces, plans and compiles; later calls reuse the executable.
-    ``plan=`` applies a saved plan (``Plan.from_json``) without solving.
+    ``plan=`` applies a saved plan (``Plan.from_json``) without solving. Under
+    ``jax.distributed`` every process calls the step alike; the arguments in
+    ``host_local_argnums`` hold this process's rows of the batch (see ``autopar.distributed``).
     """
     def wrap(f):
         return AutoParallel(f, mesh=mesh, hardware=hardware, memory_budget=memory_budget,
                             strategy=strategy, donate_argnums=donate_argnums,
-                            time_limit_s=time_limit_s, plan=plan)
+                            time_limit_s=time_limit_s, plan=plan,
+                            host_local_argnums=host_local_argnums)
 
     return wrap(fn) if fn is not None else wrap
