@@ -79,7 +79,7 @@ class Checkpointer:
     def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = 3,
                  async_save: bool = True):
         ocp = _orbax()
-        self.directory = os.path.abspath(os.fspath(directory))
+        self.directory = _normpath(directory)
         options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
                                                enable_async_checkpointing=async_save)
         handlers = {"state": ocp.StandardCheckpointHandler(), "plan": ocp.JsonCheckpointHandler(),
@@ -169,8 +169,8 @@ class Checkpointer:
         target, used, replanned = _targets(like, saved, train_step, tuple(args), state_argnum,
                                            plan, replan, mesh, shardings)
         ocp = _orbax()
-        abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s),
-                                like, target)
+        abstract = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(np.shape(x), _dtype(x), sharding=s), like, target)
         got = self._manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract)))
         return Restored(got["state"], int(meta["step"]), used, replanned, saved, meta)
@@ -198,8 +198,14 @@ class Checkpointer:
 _open: dict[str, Checkpointer] = {}
 
 
+def _normpath(path) -> str:
+    """An absolute local path; a URL (``gs://...``, which orbax also takes) as given."""
+    text = os.fspath(path)
+    return text if "://" in text else os.path.abspath(text)
+
+
 def _checkpointer(path) -> Checkpointer:
-    key = os.path.abspath(os.fspath(path))
+    key = _normpath(path)
     if key not in _open:
         _open[key] = Checkpointer(key)
     return _open[key]
@@ -223,7 +229,7 @@ def restore(path, like, **kwargs) -> Restored:
 def wait(path=None) -> None:
     """Finish the asynchronous saves to ``path`` (default: to every directory)."""
     for key, ckpt in list(_open.items()):
-        if path is None or key == os.path.abspath(os.fspath(path)):
+        if path is None or key == _normpath(path):
             ckpt.wait()
 
 
@@ -246,14 +252,19 @@ def _meta(step: int, state, plan: Plan | None) -> dict:
             "mesh": None if plan is None else dict(plan.mesh),
             "graph_fingerprint": None if plan is None else plan.graph_fingerprint,
             "paths": [p for p, _ in leaves], "shapes": [list(np.shape(x)) for _, x in leaves],
-            "dtypes": [str(x.dtype) for _, x in leaves]}
+            "dtypes": [str(_dtype(x)) for _, x in leaves]}
+
+
+def _dtype(x):
+    """A leaf's dtype without moving it (python scalars included)."""
+    return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
 
 
 def _check_like(like, meta: dict, directory: str, step: int) -> None:
     """Raise unless ``like`` has the saved leaves, shapes and dtypes (orbax's own error would
     come from deep inside tensorstore)."""
     saved = {p: (tuple(s), d) for p, s, d in zip(meta["paths"], meta["shapes"], meta["dtypes"])}
-    given = {p: (tuple(np.shape(x)), str(x.dtype)) for p, x in _leaves(like)}
+    given = {p: (tuple(np.shape(x)), str(_dtype(x))) for p, x in _leaves(like)}
     where = f"checkpoint {directory}/{step}"
     missing, extra = sorted(saved.keys() - given.keys()), sorted(given.keys() - saved.keys())
     if missing or extra:
@@ -288,6 +299,10 @@ def _targets(like, saved: Plan | None, train_step, args: tuple, argnum: int, pla
 
 
 def _from_step(like, saved, train_step, args, argnum, plan, replan):
+    if replan is False and plan is None and saved is None:
+        raise AutoparError("restore(replan=False) takes the saved plan, but this checkpoint was "
+                           "saved without one (save(..., plan=step.plan)); allow a re-plan or "
+                           "pass plan=")
     full = args[:argnum] + (like,) + args[argnum:]
     given = plan
     if given is None and replan is not True and saved is not None:

@@ -210,12 +210,16 @@ def global_args(args: tuple, argnums: Sequence[int]) -> tuple:
 
 
 def _global_shape(x, n: int, argnum: int, path) -> tuple[int, ...]:
+    where = f"host-local argument {argnum}{jax.tree_util.keystr(path)}"
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        raise AutoparError(f"{where} is already a global array ({x.shape} over "
+                           f"{len(x.sharding.device_set)} devices); pass this process's rows "
+                           f"(a numpy array) or leave the argument out of host_local_argnums")
     shape = tuple(np.shape(x))
     if not shape:
         raise AutoparError(
-            f"host-local argument {argnum}{jax.tree_util.keystr(path)} is a scalar; host-local "
-            f"arguments are split over processes along their first dim, so pass batches there "
-            f"and leave scalars out of host_local_argnums")
+            f"{where} is a scalar; host-local arguments are split over processes along their "
+            f"first dim, so pass batches there and leave scalars out of host_local_argnums")
     return (shape[0] * n,) + shape[1:]
 
 
@@ -242,14 +246,19 @@ def to_global(local, sharding: NamedSharding) -> jax.Array:
     return jax.device_put(staged, sharding)
 
 
-def _rows_of_process(sharding: NamedSharding, shape: tuple[int, ...]) -> tuple[int, int]:
-    """The range of first-dim rows this process's devices hold under ``sharding``."""
-    starts, stops = [], []
+def _rows_of_process(sharding: NamedSharding, shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """The first-dim rows this process's devices hold under ``sharding`` as one range
+    ``(start, stop)``, or ``None`` when they are not one contiguous range."""
+    spans = set()
     for index in sharding.addressable_devices_indices_map(shape).values():
         rows = index[0] if index else slice(None)
-        starts.append(rows.start or 0)
-        stops.append(shape[0] if rows.stop is None else rows.stop)
-    return min(starts), max(stops)
+        spans.add((rows.start or 0, shape[0] if rows.stop is None else rows.stop))
+    start, stop = min(a for a, _ in spans), min(a for a, _ in spans)
+    for a, b in sorted(spans):
+        if a > stop:
+            return None
+        stop = max(stop, b)
+    return start, stop
 
 
 def _by_process(mesh: Mesh) -> NamedSharding:

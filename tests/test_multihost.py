@@ -203,6 +203,23 @@ def test_processes_that_trace_or_plan_differently_get_a_clear_error(tmp_path):
         assert got["global"] == [True, True]
 
 
+class _Spans:
+    """A stand-in sharding whose devices hold the given first-dim row ranges."""
+
+    def __init__(self, spans):
+        self.spans = spans
+
+    def addressable_devices_indices_map(self, shape):
+        return {k: (slice(a, b),) for k, (a, b) in enumerate(self.spans)}
+
+
+def test_host_local_rows_go_straight_in_only_when_contiguous():
+    assert distributed._rows_of_process(_Spans([(6, 8), (4, 6), (4, 6)]), (8,)) == (4, 8)
+    assert distributed._rows_of_process(_Spans([(0, 2), (6, 8)]), (8,)) is None
+    with pytest.raises(autopar.AutoparError, match=r"argument 1\['n'\] is a scalar"):
+        distributed._global_shape(np.float32(1), 2, 1, (jax.tree_util.DictKey("n"),))
+
+
 def test_single_process_runs_need_no_set_up():
     """Without a coordinator, initialize() is a one-process job and the checks are no-ops."""
     info = distributed.initialize()
