@@ -47,7 +47,7 @@ ROWS = 8                 # global batch rows
 HEADER = ("config", "processes", "params_M", "state_MB", "disk_MB", "save_return_s",
           "save_total_s", "write_MB_s", "restore_saved_plan_s", "restore_read_s",
           "replan_4dev_s", "restore_4dev_s", "read_MB_s")
-REPLAN_HEADER = ("model", "from", "to", "plan_from_s", "replan_s", "status", "gap",
+REPLAN_HEADER = ("model", "from", "to", "plan_from_s", "status_from", "replan_s", "status", "gap",
                  "predicted step ms (from)", "predicted step ms (to)")
 
 
@@ -58,7 +58,7 @@ def configs(quick: bool) -> list[tuple[str, gpt.GPTConfig]]:
     return [tiny,
             ("GPT-5M", gpt.GPTConfig(vocab=8192, seq=128, d_model=256, heads=4, d_ff=1024,
                                      layers=4)),
-            ("GPT-42M", gpt.GPTConfig(vocab=32768, seq=256, d_model=512, heads=8, d_ff=2048,
+            ("GPT-59M", gpt.GPTConfig(vocab=32768, seq=256, d_model=512, heads=8, d_ff=2048,
                                       layers=8))]
 
 
@@ -247,7 +247,7 @@ def replan_rows(quick: bool) -> list[tuple]:
         before, t_before = _plan(fn, state, batch, {"data": 8, "model": 8})
         after, t_after = _plan(fn, state, batch, {"data": 7, "model": 8})
         rows.append((f"GPT-{name} scan", "64 H100 (data8 x model8)", "56 H100 (data7 x model8)",
-                     t_before, t_after, after.solver.status, after.solver.gap,
+                     t_before, before.solver.status, t_after, after.solver.status, after.solver.gap,
                      before.cost.step_time_s * 1e3, after.cost.step_time_s * 1e3))
         print("  " + "  ".join(_common._cell(x) for x in rows[-1]), flush=True)
     return rows
