@@ -203,7 +203,7 @@ def _place(x, sharding):
         return x
     if isinstance(x, jax.ShapeDtypeStruct):
         return x
-    return jax.device_put(x, sharding)
+    return jax.device_put(distributed.local_value(x, sharding), sharding)
 
 
 def autoparallel(fn: Callable | None = None, *, mesh, hardware=None,

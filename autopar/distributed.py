@@ -233,6 +233,17 @@ def place_host_local(args: tuple, argnums: Sequence[int], shardings: tuple) -> t
     return tuple(out)
 
 
+def local_value(x, sharding):
+    """What to hand ``jax.device_put`` for ``sharding``: an array held by this process's devices
+    that must reach other processes' devices goes through its host copy (jax refuses to move a
+    committed one). Every process must pass the same value, as for any argument that is not
+    host-local (a state made from the same seed, or already global, e.g. a restored one)."""
+    if (isinstance(x, jax.Array) and x.is_fully_addressable
+            and not sharding.is_fully_addressable):
+        return np.asarray(x)
+    return x
+
+
 def to_global(local, sharding: NamedSharding) -> jax.Array:
     """This process's rows ``local`` of a global array stacked over processes in process order,
     laid out as ``sharding``. When the layout gives each process exactly its own rows they are

@@ -24,6 +24,7 @@ import numpy as np
 
 import autopar
 from autopar import checkpoint, distributed
+from autopar.api import _place
 from autopar.models import gpt
 
 T0 = time.time()
@@ -120,8 +121,8 @@ def _error_of(fn) -> str | None:
 
 
 def _global_arrays(batch) -> list[bool]:
-    """Host-local rows placed as global arrays in a process-split and a replicated layout hold
-    the global batch."""
+    """Host-local rows placed as global arrays in a process-split and a replicated layout, and a
+    committed local array placed like the state, hold the global batch."""
     from jax.experimental import multihost_utils
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -132,6 +133,11 @@ def _global_arrays(batch) -> list[bool]:
         g = distributed.to_global(local_rows(batch)["tokens"], NamedSharding(mesh, spec))
         whole = multihost_utils.process_allgather(g, tiled=True)
         out.append(bool(np.array_equal(np.asarray(whole), want)))
+    # A whole array committed to one local device, placed the way the step places its state.
+    committed = jax.device_put(batch["tokens"], jax.local_devices()[0])
+    g = _place(committed, NamedSharding(mesh, PartitionSpec("data")))
+    out.append(bool(np.array_equal(np.asarray(multihost_utils.process_allgather(g, tiled=True)),
+                                   want)))
     return out
 
 

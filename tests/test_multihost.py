@@ -200,7 +200,7 @@ def test_processes_that_trace_or_plan_differently_get_a_clear_error(tmp_path):
         assert "same number of rows on every process" in got["graph"]
         assert "the plan differs across processes" in got["plan"]
         assert "plan=autopar.Plan.from_json" in got["plan"]
-        assert got["global"] == [True, True]
+        assert got["global"] == [True, True, True]
 
 
 class _Spans:
