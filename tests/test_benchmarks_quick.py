@@ -19,6 +19,7 @@ CASES = {
     "handwritten_vs_auto.py": ("handwritten_vs_auto.md", "handwritten_vs_auto.csv",
                                "handwritten_vs_auto_plans.csv", "handwritten_vs_auto.png"),
     "cpu_measured.py": ("cpu_measured.md", "cpu_measured.csv", "cpu_measured.png"),
+    "checkpoint.py": ("checkpoint.md", "checkpoint.csv"),
 }
 
 
