@@ -15,7 +15,7 @@ import jax
 
 import cost_models
 import ir
-from autopar import codegen, validate
+from autopar import codegen, distributed, validate
 from autopar.errors import AutoparError, PlanError, ShardingError
 from autopar.mesh import axis_sizes, concrete_mesh, default_hardware, on_mesh, without_mesh
 from autopar.options import PlannerOptions, checks_enabled, deterministic_default
@@ -47,7 +47,7 @@ def plan_graph(graph: ir.Graph, mesh, *, hardware=None, memory_budget=None, stra
     hw = _hardware(hardware, mesh)
     budget = validate.memory_budget(memory_budget)
     time_limit_s = validate.time_limit(time_limit_s)
-    cm = cost_models.CostModel(hw, sizes)
+    cm = cost_models.CostModel(hw, sizes, device_nodes=distributed.device_nodes(mesh))
     name, strat = validate.strategy(strategy)
     fixed = (validate.fixed_layouts(strat.fix_inputs(graph, sizes), graph, sizes, name)
              if strat is not None else None)
@@ -135,7 +135,8 @@ class AutoParallel:
 
     def __init__(self, fn: Callable, *, mesh, hardware=None, memory_budget=None,
                  strategy="auto", donate_argnums=(), time_limit_s: float = 30.0,
-                 plan: Plan | None = None, deterministic: bool | None = None):
+                 plan: Plan | None = None, deterministic: bool | None = None,
+                 host_local_argnums=()):
         validate.callable_fn(fn, "autopar.autoparallel")
         functools.update_wrapper(self, fn)
         self.fn = fn
@@ -146,6 +147,9 @@ class AutoParallel:
         _check_options(self.options, self.mesh)
         self.donate_argnums = validate.donate_argnums(donate_argnums)
         self._given_plan = _given_plan(plan, self.options, self.mesh)
+        # Arguments holding this process's rows of the batch (see autopar.distributed).
+        self.host_local_argnums = ((host_local_argnums,) if isinstance(host_local_argnums, int)
+                                   else tuple(host_local_argnums))
         self._cache: dict[tuple, tuple[Plan, Any, Any, ir.Graph]] = {}
         self._executables: dict[tuple, Any] = {}
         self._last: Plan | None = None
@@ -156,19 +160,25 @@ class AutoParallel:
         """The plan of the last signature this step was called or lowered with."""
         return self._last
 
-    def _compiled(self, args, types, key):
+    def _compiled(self, args, types, key, given: Plan | None = None):
         hit = self._cache.get(key)
-        if hit is None:
-            graph, trace_s = _trace(self.fn, args, types, self.donate_argnums)
-            plan = self._plan_for(graph, trace_s)
+        if hit is None or given is not None:
+            traced = distributed.global_args(args, self.host_local_argnums)
+            if traced is not args:
+                types = validate.leaf_types(traced, run=False)
+            graph, trace_s = _trace(self.fn, traced, types, self.donate_argnums)
+            distributed.check_same_graph(graph)       # no-ops in a one-process job
+            plan = self._plan_for(graph, trace_s, given)
+            distributed.check_same_plan(plan)
             jitted, in_shardings = codegen.build(graph, plan, self.mesh, self.donate_argnums)
             hit = (plan, jitted, in_shardings, graph)
             self._cache[key] = hit
+            self._executables.pop(key, None)
         self._last = hit[0]
         return hit
 
-    def _plan_for(self, graph: ir.Graph, trace_s: float) -> Plan:
-        given = self._given_plan
+    def _plan_for(self, graph: ir.Graph, trace_s: float, given: Plan | None = None) -> Plan:
+        given = given if given is not None else self._given_plan
         if given is not None:
             validate.plan_applies(given, graph)
             return given.with_trees(graph.in_tree, graph.out_tree)
@@ -180,6 +190,7 @@ class AutoParallel:
         key = validate.signature(args, types)  # placing arrays changes no type: one key for both
         with on_mesh(self.mesh):
             plan, jitted, in_shardings, graph = self._compiled(args, types, key)
+            args = distributed.place_host_local(args, self.host_local_argnums, in_shardings)
             args = jax.tree_util.tree_map(_place, args, in_shardings)
             exe = self._executables.get(key)
             if exe is None:
@@ -228,7 +239,15 @@ class AutoParallel:
         types = validate.leaf_types(args, run=False)
         with on_mesh(self.mesh):
             _, jitted, _, _ = self._compiled(args, types, validate.signature(args, types))
-            return jitted.lower(*args)
+            return jitted.lower(*distributed.global_args(args, self.host_local_argnums))
+
+    def input_shardings(self, *args, plan: Plan | None = None):
+        """The ``NamedSharding`` of every argument (a pytree like ``args``, which may be
+        ShapeDtypeStructs): plans for this signature if needed, or applies ``plan`` to it. Use it
+        to load arrays straight into their layouts (``autopar.checkpoint.restore`` does)."""
+        types = validate.leaf_types(args, run=False)
+        with on_mesh(self.mesh):
+            return self._compiled(args, types, validate.signature(args, types), given=plan)[2]
 
 
 def _no_kwargs(step: AutoParallel, kwargs) -> None:
@@ -274,25 +293,28 @@ def _given_plan(plan, options: dict, mesh) -> Plan | None:
 def _place(x, sharding):
     if isinstance(x, jax.Array) and x.sharding == sharding:
         return x
-    return jax.device_put(x, sharding)
+    return jax.device_put(distributed.local_value(x, sharding), sharding)
 
 
 def autoparallel(fn: Callable | None = None, *, mesh=None, hardware=None,
                  memory_budget: float | None = None, strategy="auto", donate_argnums=(),
                  time_limit_s: float = 30.0, plan: Plan | None = None,
-                 deterministic: bool | None = None, **options):
+                 deterministic: bool | None = None, host_local_argnums=(), **options):
     """Decorate a training step so it runs sharded over ``mesh`` by a plan autopar chooses.
 
     ``autoparallel(fn, mesh=...)`` and ``@autoparallel(mesh=...)`` both work. The first call with
     a new abstract signature traces, plans and compiles; later calls reuse the executable.
     ``plan=`` applies a saved plan (``Plan.from_json``) without solving. The options are those of
-    ``autopar.plan``; every one is checked here, before the first call.
+    ``autopar.plan``; every one is checked here, before the first call. Under
+    ``jax.distributed`` every process calls the step alike; the arguments in
+    ``host_local_argnums`` hold this process's rows of the batch (see ``autopar.distributed``).
     """
     validate.reject_unknown(options, AUTOPARALLEL_OPTIONS, "autoparallel")
 
     def wrap(f):
         return AutoParallel(f, mesh=mesh, hardware=hardware, memory_budget=memory_budget,
                             strategy=strategy, donate_argnums=donate_argnums,
-                            time_limit_s=time_limit_s, plan=plan, deterministic=deterministic)
+                            time_limit_s=time_limit_s, plan=plan, deterministic=deterministic,
+                            host_local_argnums=host_local_argnums)
 
     return wrap(fn) if fn is not None else wrap
