@@ -43,6 +43,9 @@ class AdamWHyper:
     weight_decay: float = 1e-4
 
 
+DEFAULT_HYPER = AdamWHyper()
+
+
 @dataclasses.dataclass(frozen=True)
 class _Cfg:
     hyper: AdamWHyper

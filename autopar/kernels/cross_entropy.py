@@ -50,6 +50,9 @@ class XentBlocks:
     num_stages: int = 2
 
 
+DEFAULT_BLOCKS = XentBlocks()
+
+
 @dataclasses.dataclass(frozen=True)
 class _Cfg:
     vocab: int            # unpadded columns of w (this shard's)

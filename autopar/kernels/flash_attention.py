@@ -50,6 +50,9 @@ class AttentionBlocks:
     num_stages: int = 2
 
 
+DEFAULT_BLOCKS = AttentionBlocks()
+
+
 @dataclasses.dataclass(frozen=True)
 class _Cfg:
     causal: bool
