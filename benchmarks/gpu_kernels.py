@@ -36,8 +36,6 @@ if not INTERPRET:
     os.environ.setdefault("JAX_PLATFORMS", "")   # keep the GPU: _common defaults to the CPU
 
 import dataclasses  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 
 import _common  # noqa: E402
@@ -49,6 +47,7 @@ import optax  # noqa: E402
 import cost_models  # noqa: E402
 from autopar import kernels as K  # noqa: E402
 from autopar.kernels import costs as C  # noqa: E402
+from cost_models.measure import median_time_s  # noqa: E402
 
 HEADER = ("kernel", "model", "shape", "mode", "impl", "median_ms", "throughput", "unit",
           "temp_MB", "predicted_ms", "measured/predicted", "speedup_vs_xla", "status")
@@ -212,14 +211,7 @@ def measure(case: Case, repeats: int, hw) -> list:
         compiled = fn.lower(*a).compile()
         temp = compiled.memory_analysis()
         temp_mb = temp.temp_size_in_bytes / 2**20 if temp is not None else float("nan")
-        for _ in range(2):
-            jax.block_until_ready(compiled(*a))
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(compiled(*a))
-            times.append(time.perf_counter() - t0)
-        t = statistics.median(times)
+        t = median_time_s(compiled, a, repeats, warmup=2)
     except Exception as e:  # a failing implementation is a result: say why, keep going
         msg = f"error: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
         print(f"  {case.kernel} {case.model} {case.mode} {case.impl}: {msg}")

@@ -67,7 +67,7 @@ class _Cfg:
 
 
 def lm_head_cross_entropy(h, w, targets, *, vocab_axis: str | tuple[str, ...] | None = None,
-                          blocks: XentBlocks = XentBlocks(), backend: str | None = None):
+                          blocks: XentBlocks = DEFAULT_BLOCKS, backend: str | None = None):
     """Per-token softmax cross-entropy of the logits ``h @ w`` without materialising them.
 
     Args:
@@ -83,6 +83,34 @@ def lm_head_cross_entropy(h, w, targets, *, vocab_axis: str | tuple[str, ...] | 
       ``(...)`` float32 losses. Differentiable in ``h`` and ``w``.
     """
     _check(h, w, targets)
+    return _xent(h, w, targets, _Static(vocab_axis, blocks, backend))
+
+
+def xent_fwd(h, w, targets, *, vocab_axis: str | tuple[str, ...] | None = None,
+             blocks: XentBlocks = DEFAULT_BLOCKS, backend: str | None = None):
+    """The forward kernel (and, on a vocabulary shard, the two all-reduces) alone:
+    ``(loss, lse)``, both shaped like ``targets``; ``lse`` is what ``xent_bwd`` reads."""
+    _check(h, w, targets)
+    cfg, hp, wp, tp = _layout(h, w, targets, vocab_axis, blocks, backend)
+    loss, lse = _loss_and_lse(hp, wp, tp, cfg)
+    n = targets.size
+    return loss[:n].reshape(targets.shape), lse[:n].reshape(targets.shape)
+
+
+def xent_bwd(h, w, targets, lse, dloss, *, vocab_axis: str | tuple[str, ...] | None = None,
+             blocks: XentBlocks = DEFAULT_BLOCKS, backend: str | None = None):
+    """The backward alone: ``(dh, dw)`` from the forward's ``lse`` and the per-token cotangent
+    ``dloss``. On a vocabulary shard ``dh`` is this shard's partial sum (see the module
+    docstring for who sums it)."""
+    cfg, hp, wp, tp = _layout(h, w, targets, vocab_axis, blocks, backend)
+    n, (d, v) = targets.size, w.shape
+    rows = (lambda a: kp.pad_to(a.reshape(n).astype(jnp.float32), 0, hp.shape[0]))
+    dh, dw = _backward(hp, wp, tp, rows(lse), rows(dloss), cfg)
+    return dh[:n, :d].reshape(h.shape), dw[:d, :v]
+
+
+def _layout(h, w, targets, vocab_axis, blocks: XentBlocks, backend):
+    """The kernel config and the padded ``(N', D')``, ``(D', V')``, ``(N',)`` operands."""
     d, v = w.shape
     n = targets.size
     bn, bv, bd = (kp.block(n, blocks.block_rows), kp.block(v, blocks.block_vocab),
@@ -94,7 +122,7 @@ def lm_head_cross_entropy(h, w, targets, *, vocab_axis: str | tuple[str, ...] | 
     hp = kp.pad_to(kp.pad_to(h.reshape(n, d), 0, n_p), 1, d_p)          # (N', D')
     wp = kp.pad_to(kp.pad_to(w, 0, d_p), 1, v_p)                          # (D', V')
     tp = kp.pad_to(targets.reshape(n).astype(jnp.int32), 0, n_p, value=-1)
-    return _xent(hp, wp, tp, cfg)[:n].reshape(targets.shape)
+    return cfg, hp, wp, tp
 
 
 def _check(h, w, targets) -> None:
@@ -115,12 +143,6 @@ def _offset(cfg: _Cfg):
     return kp.scalar_array(lax.axis_index(cfg.axis) * cfg.vocab)
 
 
-# ---- the custom VJP ---------------------------------------------------------------------------
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _xent(h, w, targets, cfg: _Cfg):
-    return _loss_and_lse(h, w, targets, cfg)[0]
-
-
 def _loss_and_lse(h, w, targets, cfg: _Cfg):
     m, s, tgt = _stats(h, w, targets, _offset(cfg), cfg)
     if cfg.axis is not None:                                  # the two all-reduces
@@ -131,13 +153,8 @@ def _loss_and_lse(h, w, targets, cfg: _Cfg):
     return lse - tgt, lse
 
 
-def _xent_fwd(h, w, targets, cfg: _Cfg):
-    loss, lse = _loss_and_lse(h, w, targets, cfg)
-    return loss, (h, w, targets, lse)
-
-
-def _xent_bwd(cfg: _Cfg, res, dloss):
-    h, w, targets, lse = res
+def _backward(h, w, targets, lse, dloss, cfg: _Cfg):
+    """Padded operands in, padded ``(dh, dw)`` out; see the module docstring."""
     if cfg.axis is not None:
         dloss = lax.psum(dloss, cfg.axis)
     offset = _offset(cfg)
@@ -148,7 +165,34 @@ def _xent_bwd(cfg: _Cfg, res, dloss):
         g = _grad_logits(h, w_c, targets, lse, dloss, offset + start, start, cfg)  # (N', C)
         dh = dh + kp.mm(g, w_c, trans_b=True)
         dws.append(kp.mm(h, g, trans_a=True).astype(w.dtype))
-    return dh.astype(h.dtype), jnp.concatenate(dws, axis=1), None
+    return dh.astype(h.dtype), jnp.concatenate(dws, axis=1)
+
+
+# ---- the custom VJP: the two halves above ------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    vocab_axis: str | tuple[str, ...] | None
+    blocks: XentBlocks
+    backend: str | None
+
+    def kwargs(self) -> dict:
+        return {"vocab_axis": self.vocab_axis, "blocks": self.blocks, "backend": self.backend}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _xent(h, w, targets, static: _Static):
+    return xent_fwd(h, w, targets, **static.kwargs())[0]
+
+
+def _xent_fwd(h, w, targets, static: _Static):
+    loss, lse = xent_fwd(h, w, targets, **static.kwargs())
+    return loss, (h, w, targets, lse)
+
+
+def _xent_bwd(static: _Static, res, dloss):
+    h, w, targets, lse = res
+    dh, dw = xent_bwd(h, w, targets, lse, dloss, **static.kwargs())
+    return dh, dw, None
 
 
 _xent.defvjp(_xent_fwd, _xent_bwd)

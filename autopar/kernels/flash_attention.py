@@ -69,7 +69,7 @@ class _Cfg:
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
               scale: float | None = None, q_offset: jax.Array | int = 0,
-              blocks: AttentionBlocks = AttentionBlocks(), backend: str | None = None) -> jax.Array:
+              blocks: AttentionBlocks = DEFAULT_BLOCKS, backend: str | None = None) -> jax.Array:
     """Softmax attention ``softmax(scale * q k^T + mask) v`` as one Pallas kernel.
 
     Args:
@@ -89,23 +89,59 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
 
 
 def attention_with_lse(q, k, v, *, causal=True, scale=None, q_offset=0,
-                       blocks: AttentionBlocks = AttentionBlocks(), backend=None):
+                       blocks: AttentionBlocks = DEFAULT_BLOCKS, backend=None):
     """``attention`` that also returns ``lse (B, Hq, Sq)`` (float32), differentiable too."""
+    static = _Static(bool(causal), scale, blocks, backend)
+    return _flash(q, k, v, jnp.asarray(q_offset, jnp.int32), static)
+
+
+def attention_fwd(q, k, v, *, causal: bool = True, scale: float | None = None,
+                  q_offset: jax.Array | int = 0, blocks: AttentionBlocks = DEFAULT_BLOCKS,
+                  backend: str | None = None):
+    """The forward kernel alone: ``(out, lse)``, the residuals ``attention_bwd`` reads."""
     _check(q, k, v)
-    b, sq, hq, d = q.shape
-    sk = k.shape[1]
-    cfg = _Cfg(bool(causal), float(1 / math.sqrt(d) if scale is None else scale), sk,
-               kp.block(sq, blocks.block_q), kp.block(sk, blocks.block_k),
-               kp.block(sq, blocks.block_q_bwd), kp.block(sk, blocks.block_k_bwd),
-               kp.resolve_backend(backend), blocks.num_warps, blocks.num_stages)
-    dp = kp.next_pow2(d)
-    sq_p = kp.round_up(sq, max(cfg.bq, cfg.bq_bwd))
-    sk_p = kp.round_up(sk, max(cfg.bk, cfg.bk_bwd))
-    qp = kp.pad_to(kp.pad_to(q, 1, sq_p), 3, dp)            # (B, Sq', Hq, D')
-    kp_ = kp.pad_to(kp.pad_to(k, 1, sk_p), 3, dp)            # (B, Sk', Hkv, D')
-    vp = kp.pad_to(kp.pad_to(v, 1, sk_p), 3, dp)
-    out, lse = _flash(qp, kp_, vp, kp.scalar_array(q_offset), cfg)
+    cfg = _config(q, k, causal, scale, blocks, backend)
+    sq, d = q.shape[1], q.shape[3]
+    out, lse = _forward(*_padded(cfg, q, k, v), kp.scalar_array(q_offset), cfg)
     return out[:, :sq, :, :d], lse[:, :, :sq]
+
+
+def attention_bwd(q, k, v, out, lse, dout, dlse=None, *, causal: bool = True,
+                  scale: float | None = None, q_offset: jax.Array | int = 0,
+                  blocks: AttentionBlocks = DEFAULT_BLOCKS, backend: str | None = None):
+    """The backward kernels alone: ``(dq, dk, dv)`` from the forward's ``out`` and ``lse`` and
+    the cotangents ``dout`` (and ``dlse``, if the LSE was used)."""
+    _check(q, k, v)
+    cfg = _config(q, k, causal, scale, blocks, backend)
+    sq, d = q.shape[1], q.shape[3]
+    delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), dout.astype(jnp.float32))
+    if dlse is not None:
+        delta = delta - dlse                                  # (B, Hq, Sq)
+    qp, kp_, vp, dop = _padded(cfg, q, k, v, dout.astype(q.dtype))
+    rows = (lambda a: kp.pad_to(a, 2, qp.shape[1]))
+    offset = kp.scalar_array(q_offset)
+    dq = _dq(qp, kp_, vp, dop, rows(lse), rows(delta), offset, cfg)
+    dk, dv = _dkdv(qp, kp_, vp, dop, rows(lse), rows(delta), offset, cfg)
+    sk = k.shape[1]
+    return dq[:, :sq, :, :d], dk[:, :sk, :, :d], dv[:, :sk, :, :d]
+
+
+def _config(q, k, causal, scale, blocks: AttentionBlocks, backend) -> _Cfg:
+    sq, d, sk = q.shape[1], q.shape[3], k.shape[1]
+    return _Cfg(bool(causal), float(1 / math.sqrt(d) if scale is None else scale), sk,
+                kp.block(sq, blocks.block_q), kp.block(sk, blocks.block_k),
+                kp.block(sq, blocks.block_q_bwd), kp.block(sk, blocks.block_k_bwd),
+                kp.resolve_backend(backend), blocks.num_warps, blocks.num_stages)
+
+
+def _padded(cfg: _Cfg, q, k, v, *more_q):
+    """Pads the sequences to the blocks and the head width to a power of two."""
+    dp = kp.next_pow2(q.shape[3])
+    sq_p = kp.round_up(q.shape[1], max(cfg.bq, cfg.bq_bwd))
+    sk_p = kp.round_up(k.shape[1], max(cfg.bk, cfg.bk_bwd))
+    qs = [kp.pad_to(kp.pad_to(x, 1, sq_p), 3, dp) for x in (q, *more_q)]   # (B, Sq', H, D')
+    ks = [kp.pad_to(kp.pad_to(x, 1, sk_p), 3, dp) for x in (k, v)]          # (B, Sk', Hkv, D')
+    return (qs[0], *ks, *qs[1:])
 
 
 def _check(q, k, v) -> None:
@@ -123,25 +159,32 @@ def _check(q, k, v) -> None:
                            f"{v.dtype}); cast them to one dtype first")
 
 
-# ---- the custom VJP ---------------------------------------------------------------------------
+# ---- the custom VJP: the two halves above ------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    causal: bool
+    scale: float | None
+    blocks: AttentionBlocks
+    backend: str | None
+
+    def kwargs(self, offset) -> dict:
+        return {"causal": self.causal, "scale": self.scale, "q_offset": offset,
+                "blocks": self.blocks, "backend": self.backend}
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _flash(q, k, v, offset, cfg: _Cfg):
-    return _forward(q, k, v, offset, cfg)
+def _flash(q, k, v, offset, static: _Static):
+    return attention_fwd(q, k, v, **static.kwargs(offset))
 
 
-def _flash_fwd(q, k, v, offset, cfg: _Cfg):
-    out, lse = _forward(q, k, v, offset, cfg)
+def _flash_fwd(q, k, v, offset, static: _Static):
+    out, lse = attention_fwd(q, k, v, **static.kwargs(offset))
     return (out, lse), (q, k, v, offset, out, lse)
 
 
-def _flash_bwd(cfg: _Cfg, res, cts):
+def _flash_bwd(static: _Static, res, cts):
     q, k, v, offset, out, lse = res
-    dout, dlse = cts
-    delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), dout.astype(jnp.float32))
-    delta = delta - dlse                                      # (B, Hq, Sq)
-    dout = dout.astype(q.dtype)
-    dq = _dq(q, k, v, dout, lse, delta, offset, cfg)
-    dk, dv = _dkdv(q, k, v, dout, lse, delta, offset, cfg)
+    dq, dk, dv = attention_bwd(q, k, v, out, lse, cts[0], cts[1], **static.kwargs(offset))
     return dq, dk, dv, None
 
 

@@ -69,21 +69,60 @@ def rms_norm(x, scale, residual=None, *, eps: float = 1e-6, block_rows: int = 16
 
 
 def _apply(kind, x, scale, bias, residual, eps, block_rows, backend):
+    static = _Static(kind, float(eps), block_rows, backend, bias is not None,
+                     residual is not None)
+    y, h = _norm(x, residual, scale, bias, static)
+    return y if residual is None else (y, h)
+
+
+def norm_fwd(kind: str, x, scale, bias=None, residual=None, *, eps: float = 1e-6,
+             block_rows: int = 16, backend: str | None = None):
+    """The forward kernel alone: ``(y, h, mean, rstd)``; ``h = x + residual`` (``x`` without
+    one), ``mean`` and ``rstd`` of shape ``x.shape[:-1]`` (float32, ``mean`` zero for RMSNorm):
+    the residuals ``norm_bwd`` reads."""
     _check(kind, x, scale, bias, residual)
+    cfg, rows, vec, unrows = _layout(kind, x, eps, block_rows, backend, residual is not None,
+                                     bias is not None)
+    y, h, mean, rstd = _forward(rows(x), None if residual is None else rows(residual),
+                                vec(scale), vec(bias), cfg)
+    lead, n = x.shape[:-1], x.size // x.shape[-1]
+    h = x if residual is None else unrows(h)
+    return unrows(y), h, mean[:n].reshape(lead), rstd[:n].reshape(lead)
+
+
+def norm_bwd(kind: str, h, scale, mean, rstd, dy, dh=None, *, bias: bool = False,
+             eps: float = 1e-6, block_rows: int = 16, backend: str | None = None):
+    """The backward kernel alone: ``(dx, dscale, dbias)`` (``dbias`` ``None`` without a bias)
+    from the forward's ``h``, ``mean``, ``rstd`` and the cotangents ``dy`` of ``y`` and ``dh``
+    of ``h`` (the residual stream's, if any); ``dx`` is also the residual's gradient."""
+    cfg, rows, vec, unrows = _layout(kind, h, eps, block_rows, backend, dh is not None, bias)
+    n = h.size // h.shape[-1]
+    stat = (lambda a: kp.pad_to(a.reshape(n), 0, kp.round_up(n, cfg.block_rows)))
+    dx, dscale, dbias = _backward(rows(h), vec(scale), stat(mean), stat(rstd), rows(dy),
+                                  None if dh is None else rows(dh), cfg)
+    d = h.shape[-1]
+    return (unrows(dx), dscale[0, :d].astype(scale.dtype),
+            dbias[0, :d].astype(scale.dtype) if bias else None)
+
+
+def _layout(kind, x, eps, block_rows, backend, residual: bool, bias: bool):
+    """The kernel config and the (..., D) <-> padded (N', D') conversions."""
     d = x.shape[-1]
     n = x.size // d
-    cfg = _Cfg(kind, float(eps), d, kp.block(n, block_rows), residual is not None,
-               bias is not None, kp.resolve_backend(backend), None)
+    cfg = _Cfg(kind, float(eps), d, kp.block(n, block_rows), residual, bias,
+               kp.resolve_backend(backend), None)
     n_p, d_p = kp.round_up(n, cfg.block_rows), kp.next_pow2(d)
 
     def rows(a):                                               # (..., D) -> (N', D')
         return kp.pad_to(kp.pad_to(a.reshape(n, d), 0, n_p), 1, d_p)
 
-    vec = (lambda a: None if a is None else kp.pad_to(a.reshape(1, d), 1, d_p))
-    r = None if residual is None else rows(residual)
-    y, h = _norm(rows(x), r, vec(scale), vec(bias), cfg)
-    y = y[:n, :d].reshape(x.shape)
-    return y if residual is None else (y, h[:n, :d].reshape(x.shape))
+    def vec(a):                                                # (D,) -> (1, D')
+        return None if a is None else kp.pad_to(a.reshape(1, d), 1, d_p)
+
+    def unrows(a):
+        return a[:n, :d].reshape(x.shape)
+
+    return cfg, rows, vec, unrows
 
 
 def _check(kind, x, scale, bias, residual) -> None:
@@ -101,24 +140,38 @@ def _check(kind, x, scale, bias, residual) -> None:
             f"{x.dtype}{tuple(x.shape)}; cast or broadcast it first")
 
 
-# ---- the custom VJP ---------------------------------------------------------------------------
+# ---- the custom VJP: the two halves above ------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    kind: str
+    eps: float
+    block_rows: int
+    backend: str | None
+    bias: bool
+    residual: bool
+
+    def kwargs(self) -> dict:
+        return {"eps": self.eps, "block_rows": self.block_rows, "backend": self.backend}
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _norm(x, r, scale, bias, cfg: _Cfg):
-    y, h, _, _ = _forward(x, r, scale, bias, cfg)
+def _norm(x, r, scale, bias, static: _Static):
+    y, h, _, _ = norm_fwd(static.kind, x, scale, bias, r, **static.kwargs())
     return y, h
 
 
-def _norm_fwd(x, r, scale, bias, cfg: _Cfg):
-    y, h, mean, rstd = _forward(x, r, scale, bias, cfg)
+def _norm_fwd(x, r, scale, bias, static: _Static):
+    y, h, mean, rstd = norm_fwd(static.kind, x, scale, bias, r, **static.kwargs())
     return (y, h), (h, scale, mean, rstd)
 
 
-def _norm_bwd(cfg: _Cfg, res, cts):
+def _norm_bwd(static: _Static, res, cts):
     h, scale, mean, rstd = res
     dy, dh = cts
-    dx, dscale, dbias = _backward(h, scale, mean, rstd, dy, dh if cfg.has_residual else None, cfg)
-    return (dx, dx if cfg.has_residual else None, dscale.astype(scale.dtype),
-            dbias.astype(scale.dtype) if cfg.has_bias else None)
+    dx, dscale, dbias = norm_bwd(static.kind, h, scale, mean, rstd, dy,
+                                 dh if static.residual else None, bias=static.bias,
+                                 **static.kwargs())
+    return dx, dx if static.residual else None, dscale, dbias
 
 
 _norm.defvjp(_norm_fwd, _norm_bwd)

@@ -15,10 +15,9 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
 
-from autopar.models import abstract_of, adamw_step, concrete_of, token_batch
-from autopar.models.gpt import loss_fn
+from autopar.models import abstract_of, concrete_of
+from autopar.models.gpt import lm_train_step, make_batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,19 +123,7 @@ class Llama(nn.Module):
 
 def make_train_step(cfg: LlamaConfig, lr: float = 1e-3):
     """Returns ``(train_step, init_state)``; state is a dict of params and adamw state."""
-    model = Llama(cfg)
-    tx = optax.adamw(lr, weight_decay=0.01)
-    train_step = adamw_step(lambda params, batch: loss_fn(params, model, batch), tx)
-
-    def init_state(rng, batch_size: int):
-        params = model.init(rng, jnp.zeros((batch_size, cfg.seq), jnp.int32))["params"]
-        return {"params": params, "opt_state": tx.init(params)}
-
-    return train_step, init_state
-
-
-def make_batch(cfg: LlamaConfig, batch_size: int, seed: int = 0):
-    return token_batch(cfg.vocab, cfg.seq, batch_size, seed)
+    return lm_train_step(Llama(cfg), cfg.seq, lr)
 
 
 def concrete(cfg: LlamaConfig, batch_size: int, seed: int = 0):
