@@ -25,11 +25,15 @@ from autopar.kernels import (
     adamw_tree_update,
     adamw_update,
     attention,
+    attention_bwd,
+    attention_fwd,
     attention_reference,
     attention_with_lse,
     cross_entropy_reference,
     layer_norm,
     lm_head_cross_entropy,
+    norm_bwd,
+    norm_fwd,
     norm_reference,
     rms_norm,
 )
@@ -104,6 +108,28 @@ def test_attention_query_offset_and_bf16():
     assert got.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(got, np.float32),
                                np.asarray(attention_reference(qb, kb, vb), np.float32), atol=3e-2)
+
+
+def test_forward_and_backward_halves():
+    """The halves codegen substitutes for matched ops: the backward from the forward's
+    residuals equals the reference's VJP; a norm's ``dh`` is added to ``dx``."""
+    q, k, v = _qkv(1, 16, 4, 2, 8)
+    jit = functools.partial(jax.jit, compiler_options=FAST_COMPILE)
+    out, lse = jit(functools.partial(attention_fwd, blocks=ATTN_BLOCKS))(q, k, v)
+    dout = _randn(20, out.shape)
+    got = jit(functools.partial(attention_bwd, blocks=ATTN_BLOCKS))(q, k, v, out, lse, dout)
+    want = jit(lambda *a: jax.vjp(attention_reference, *a)[1](dout))(q, k, v)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, atol=2e-5)
+    x, _, scale, bias = _norm_args("layer", (4, 8), 16, False)
+    y, h, mean, rstd = jit(functools.partial(norm_fwd, "layer"))(x, scale, bias)
+    dy, dh = _randn(21, x.shape), _randn(22, x.shape)
+    dx, dscale, dbias = jit(functools.partial(norm_bwd, "layer", bias=True))(
+        h, scale, mean, rstd, dy, dh)
+    want = jit(lambda *a: jax.vjp(functools.partial(norm_reference, "layer"), *a)[1](dy))(
+        x, scale, bias)
+    for g, w in zip((dx - dh, dscale, dbias), want):
+        np.testing.assert_allclose(g, w, atol=2e-5)
 
 
 @pytest.mark.parametrize("shape, specs", [
