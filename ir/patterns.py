@@ -11,11 +11,12 @@
   xent_bwd        dloss, h, w, targets, saved...        dh, dw
   adamw           param, grad, mu, nu, bc1, bc2 [, lr]  param, mu, nu
 
-How forward patterns are found (``ir.pattern_rules``): each recogniser starts at an anchor
-primitive (``exp`` for softmax attention, ``rsqrt`` for norms, ``log`` for log-softmax
-cross-entropy, ``sqrt`` for Adam) and checks the dataflow around it: the score matmul, mask and
-scale before a softmax and the value matmul after it; a norm's statistics; the LM-head matmul,
-log-softmax and target pick; the two moment updates around Adam's square root. The match's ops
+How forward patterns are found (``ir.rules_*``, registered in ``ir.pattern_rules``): each
+recogniser starts at an anchor primitive (``exp`` for softmax attention, ``rsqrt`` for norms,
+``log`` for log-softmax cross-entropy, ``sqrt`` for Adam) and checks the dataflow around it:
+the score matmul, mask and scale before a softmax and the value matmul after it; a norm's
+statistics; the LM-head matmul, log-softmax and target pick; the two moment updates around
+Adam's square root. The match's ops
 are the ancestors of its outputs back to its inputs (``cone``), so everything the kernel
 replaces (masks built from iotas, scale constants, parameter reshapes) is included and nothing
 that is used elsewhere is, except the inputs.
@@ -370,7 +371,7 @@ def backward_inputs(index: Index, fwd: Match, ops: set[int], touched: set[int]):
     forward input or output, ``saved`` for other forward values, ``const`` for constants,
     ``cotangent`` for the rest (a value shaped like a forward output is its cotangent even if
     it is a constant, as the ``1/N`` of a mean loss is)."""
-    from ir.pattern_rules import is_constant
+    from ir.dataflow import is_constant
 
     out_shapes = {index.shape(v) for _, v in fwd.outputs}
 
