@@ -169,7 +169,27 @@ class Index:
         return v
 
     def key(self, op: Op) -> tuple[str, str]:
-        return op.source, module_path(op.name)
+        return self.keys[op.id]
+
+    @property
+    def keys(self) -> dict[int, tuple[str, str]]:
+        """Op id -> (source line, module path): what a backward op shares with its forward."""
+        cache = self.__dict__.get("_keys")
+        if cache is None:
+            paths: dict[str, str] = {}
+            cache = self.__dict__["_keys"] = {
+                op.id: (op.source, paths.setdefault(op.name, module_path(op.name)))
+                for op in self.ops}
+        return cache
+
+    @property
+    def by_key(self) -> dict[tuple[str, str], list[Op]]:
+        cache = self.__dict__.get("_by_key")
+        if cache is None:
+            cache = self.__dict__["_by_key"] = defaultdict(list)
+            for op in self.ops:
+                cache[self.keys[op.id]].append(op)
+        return cache
 
     def local_producer(self, v: int, op: Op) -> Op | None:
         """The producer of ``v`` if it is in the same region as ``op``."""
@@ -263,6 +283,8 @@ def find_patterns(graph: Graph) -> tuple[Match, ...]:
     forward.sort(key=lambda m: index.order[m.op_ids[0]])
     result = list(forward)
     for i, fwd in enumerate(forward):
+        if not fwd.pattern.endswith("_fwd"):
+            continue                          # the optimizer update has no backward
         bwd = _backward_of(index, fwd, i, claimed)
         if bwd is not None:
             result.append(bwd)
@@ -286,8 +308,9 @@ def make_match(index: Index, pattern: str, op_ids: Iterable[int], inputs, output
 # ---- backward ---------------------------------------------------------------------------------
 def _backward_of(index: Index, fwd: Match, position: int, claimed: set[int]) -> Match | None:
     keys = {index.key(index.ops[index.order[i]]) for i in fwd.op_ids}
-    candidates = [op for op in index.ops if op.id not in claimed and not op.regions
-                  and index.key(op) in keys]
+    candidates = sorted((op for key in keys for op in index.by_key.get(key, ())
+                         if op.id not in claimed and not op.regions),
+                        key=lambda op: index.order[op.id])
     before = _ancestors_among(index, fwd, [op for op in candidates
                                            if index.order[op.id] < index.order[fwd.op_ids[0]]])
     candidates = [op for op in candidates if op.id not in before]

@@ -26,6 +26,8 @@ from ir.dataflow import (
 from ir.graph import Op
 from ir.patterns import Index, Match, cone, externals, make_match
 
+_CONVERT = frozenset({"convert_element_type"})
+
 
 # ---- attention --------------------------------------------------------------------------------
 def find_attention(index: Index, exp: Op) -> Match | None:
@@ -69,7 +71,8 @@ def _normalised(index: Index, exp: Op, axis: int) -> int | None:
     u = exp.outs[0]
     for div in consumers(index, u, "div", exp):
         s = sum_of(index, div.ins[1], exp)
-        if div.ins[0] == u and s is not None and s.ins[0] == u and s.param("axes") == (axis,):
+        summed = strip(index, s.ins[0], exp, _CONVERT) if s is not None else None
+        if div.ins[0] == u and summed == u and s.param("axes") == (axis,):   # bf16: f32 sum
             return div.outs[0]
     return None
 
@@ -152,14 +155,16 @@ def _keeps(index: Index, pred: int, keep_true: bool, shape, q_dim: int, k_dim: i
 # ---- norms ------------------------------------------------------------------------------------
 def find_norm(index: Index, rsqrt: Op) -> Match | None:
     """LayerNorm / RMSNorm (flax's fast and two-pass variance) anchored at ``rsqrt``, with the
-    residual add that produces its input when there is one."""
+    residual add that produces its input when there is one. The input is taken before any
+    dtype conversion (flax computes bf16 norms' statistics in float32)."""
     add = producer(index, strip(index, rsqrt.ins[0], rsqrt), rsqrt, "add")
     eps = split_literal(index, add) if add is not None else None
     stats = _norm_input(index, eps[0], rsqrt) if eps is not None else None
     if stats is None:
         return None
-    x, kind = stats
-    y = _norm_output(index, rsqrt, x)
+    x_stats, kind = stats
+    x = strip(index, x_stats, rsqrt, _CONVERT)
+    y = _norm_output(index, rsqrt, x, x_stats)
     res = producer(index, x, rsqrt, "add")
     residual = res is not None and index.shape(res.ins[0]) == index.shape(res.ins[1]) == \
         index.shape(x) and not any(i in index.literals for i in res.ins)
@@ -205,12 +210,12 @@ _NORM_PRIMS = frozenset({"mul", "add", "sub", "div", "max", "square", "integer_p
                          "reduce_sum", "squeeze", "select_n", "eq"})
 
 
-def _norm_output(index: Index, rsqrt: Op, x: int) -> int | None:
+def _norm_output(index: Index, rsqrt: Op, x: int, x_stats: int) -> int | None:
     """The normalised output: the last ``x``-shaped value that depends on ``rsqrt`` among the
-    values computed from ``x`` by elementwise ops whose other operands are parameters or
-    constants (which keeps the backward's cotangents out)."""
-    local, after_rsqrt = {x}, set(rsqrt.outs)
-    frontier, best = [x], None
+    values computed from ``x`` (or its float32 copy ``x_stats``) by elementwise ops whose other
+    operands are parameters or constants (which keeps the backward's cotangents out)."""
+    local, after_rsqrt = {x, x_stats}, set(rsqrt.outs)
+    frontier, best = [x, x_stats], None
     while frontier:
         for c in index.consumers.get(frontier.pop(), ()):
             if (c.prim not in _NORM_PRIMS and c.id != rsqrt.id) or c.outs[0] in local \

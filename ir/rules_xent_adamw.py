@@ -25,7 +25,8 @@ def find_xent(index: Index, log: Op) -> Match | None:
     """``-log_softmax(h @ w)[target]`` (flax/jax form) or ``logsumexp(h @ w) - (h @ w)[target]``
     (optax form), anchored at the ``log`` of the log-sum-exp."""
     s = sum_of(index, strip(index, log.ins[0], log, LAYOUT | {"abs"}), log)
-    exp = producer(index, s.ins[0], log, "exp") if s is not None else None
+    exp = producer(index, strip(index, s.ins[0], log, frozenset({"convert_element_type"})), log,
+                   "exp") if s is not None else None
     shifted = shifted_softmax_input(index, exp) if exp is not None else None
     if shifted is None:
         return None
