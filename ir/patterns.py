@@ -37,13 +37,13 @@ never imports ``autopar``.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from ir.consteval import Evaluator
 from ir.graph import Graph, Op
+from ir.layers import _NOT_MODULES, _TRANSFORM  # the name-stack grammar layers already parses
 
 PATTERNS = ("attention_fwd", "attention_bwd", "norm_fwd", "norm_bwd", "xent_fwd", "xent_bwd",
             "adamw")
@@ -101,10 +101,6 @@ def counts(matches: Iterable[Match]) -> Counter:
 
 
 # ---- graph index ------------------------------------------------------------------------------
-_TRANSFORM = re.compile(r"^[\w.-]+\((.*)\)$")
-_NOT_MODULES = frozenset({"rematted_computation", "checkpoint", "remat", "jit", "pjit", ""})
-
-
 def module_path(name: str) -> str:
     """``"transpose(jvp(GPT))/layer_0/attn"`` -> ``"GPT/layer_0/attn"`` (transforms, remat
     segments and repeated segments dropped), the key backward ops share with forward ones."""
