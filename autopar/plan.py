@@ -50,6 +50,7 @@ class Collective:
     count: float = 1.0
     source: str = ""           # the user's "file.py:LINE" of the op it belongs to
     name: str = ""             # that op's name stack ("jvp(GPT)/layer_0/mlp/fc1")
+    hbm_bytes: float = 0.0     # per execution: what it and its layout copies read and write
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,7 +272,8 @@ def _choice(x, k: int):
 
 def _collective(x, sizes, k: int) -> Collective:
     where = f"collectives[{k}]"
-    d = _fields(x, where, [f.name for f in dataclasses.fields(Collective)])
+    d = _fields(x, where, [f.name for f in dataclasses.fields(Collective)],
+                optional=("hbm_bytes",))    # plans saved before it was recorded
     axes = _strs(d["axes"], f"{where}.axes")
     for a in axes:
         if a not in sizes:
@@ -279,7 +281,8 @@ def _collective(x, sizes, k: int) -> Collective:
     return Collective(_str(d["where"], where), _str(d["kind"], where), axes,
                       _num(d["nbytes"], f"{where}.nbytes"), _num(d["time_s"], f"{where}.time_s"),
                       _num(d["count"], f"{where}.count"), _str(d["source"], f"{where}.source"),
-                      _str(d["name"], f"{where}.name"))
+                      _str(d["name"], f"{where}.name"),
+                      _num(d.get("hbm_bytes", 0.0), f"{where}.hbm_bytes"))
 
 
 def _cost(x) -> CostBreakdown:

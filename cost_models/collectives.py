@@ -86,3 +86,30 @@ COLLECTIVE_RULES: dict[str, CollectiveFn] = {
     "all-to-all": all_to_all_time_s,
     "collective-permute": collective_permute_time_s,
 }
+
+
+def hbm_bytes(kind: str, nbytes: float, n: int, major: bool = True) -> float:
+    """Bytes a collective and the copies XLA puts around it read and write on one device.
+
+    ``nbytes`` follows the module's conventions. Measured on XLA:CPU (``cost_analysis()``, jax
+    0.10; the transposes are the layout changes any backend needs to move contiguous chunks):
+
+      all-reduce          in + out                       = 2 S
+      reduce-scatter      all-reduce + local slice       = 2 S + 2 S/n
+      all-gather          in + out (gathered dim major)  = S/n + S, three times that when the
+                          gathered dim is not the outermost (a transpose before and after)
+      all-to-all          (5 + n) S: the exchange and the transposes that make the split and
+                          concatenated dims outermost
+      collective-permute  in + out                       = 2 S
+    """
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    if kind == "all-reduce" or kind == "collective-permute":
+        return 2.0 * nbytes
+    if kind == "reduce-scatter":
+        return 2.0 * nbytes + 2.0 * nbytes / n
+    if kind == "all-gather":
+        return (nbytes / n + nbytes) * (1.0 if major else 3.0)
+    if kind == "all-to-all":
+        return (5.0 + n) * nbytes
+    raise ValueError(f"collective kind {kind!r} is unknown; use one of {list(KINDS)}")

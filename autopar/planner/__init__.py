@@ -5,6 +5,8 @@ Stages (each a pure function): ``problem.build`` (strategies from ``rules``, cos
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
 from collections.abc import Mapping
 
@@ -13,10 +15,11 @@ import numpy as np
 from autopar.errors import PlanError, ShardingError
 from autopar.options import PlannerOptions
 from autopar.plan import Collective, CostBreakdown, Plan, SolverStats
-from autopar.planner import ilp, pins, problem
-from autopar.planner.budget import SEARCH_BEFORE, START_BEFORE, Clock, warn_many_axes
-from autopar.planner.reshard import reshard_steps, step_bytes
+from autopar.planner import ilp, memory, pins, problem
+from autopar.planner.budget import LOG, SEARCH_BEFORE, START_BEFORE, Clock, warn_many_axes
+from autopar.planner.reshard import reshard_steps, step_bytes, step_hbm_bytes
 from autopar.sharding import Sharding, fmt
+from cost_models.collectives import hbm_bytes as collective_hbm_bytes
 from ir import Graph
 
 __all__ = ["make_plan"]
@@ -167,8 +170,22 @@ def make_plan(graph: Graph, mesh: Mapping[str, int], cost_model,
                     clock=clock, hint_name=hint_name)
     stats = SolverStats(sol.status, sol.gap, sol.solve_s, build_s, trace_s, len(prob.groups),
                         sol.num_vars, sol.num_constraints)
-    return assemble(prob, sol.choice, cost_model, cost_model.hw.name, options.strategy,
+    plan = assemble(prob, sol.choice, cost_model, cost_model.hw.name, options.strategy,
                     options.memory_budget, stats)
+    _warn_over_budget(plan, options.memory_budget)
+    return plan
+
+
+def _warn_over_budget(plan: Plan, budget: float | None) -> None:
+    """The ILP's memory constraint sees live values but not resharded copies (see
+    ``planner.memory``): say so when the full estimate of the chosen plan exceeds the budget."""
+    peak = plan.cost.peak_memory_bytes
+    if budget is not None and peak > budget:
+        LOG.warning("autopar: the plan's predicted peak memory %.3g GiB/device exceeds "
+                    "memory_budget %.3g GiB by the resharded copies its transitions make (the "
+                    "solver's memory constraint does not see them); pass a memory_budget about "
+                    "%.3g GiB lower to leave room for them", peak / 2**30, budget / 2**30,
+                    (peak - budget) / 2**30)
 
 
 def _layout(prob: problem.Problem, choice, v: int) -> Sharding:
@@ -178,48 +195,64 @@ def _layout(prob: problem.Problem, choice, v: int) -> Sharding:
     return prob.groups[g].shard[v][choice[g]]
 
 
-def _collectives(prob: problem.Problem, choice, cm) -> tuple[list[Collective], float, float, float]:
+@dataclasses.dataclass
+class _Tally:
+    """What a plan's choice adds up to: its collectives and seconds, and the bytes of the local
+    slices its transitions take (not collectives, but kernels that read and write memory)."""
+
+    collectives: list[Collective] = dataclasses.field(default_factory=list)
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    transition_s: float = 0.0
+    slice_bytes: float = 0.0
+
+
+def _collectives(prob: problem.Problem, choice, cm) -> _Tally:
     """Every collective of the plan, with compute, op-collective and transition seconds."""
-    out: list[Collective] = []
-    compute = comm = 0.0
+    tally = _Tally()
     for g in prob.groups:
         i = choice[g.id]
-        compute += g.compute_s[i]
-        comm += g.comm_s[i]
+        tally.compute_s += g.compute_s[i]
+        tally.comm_s += g.comm_s[i]
         for op_id, per_i in g.members.items():
             mult = g.mults.get(op_id, 1.0)
             for c in per_i[i].comms:
-                out.append(Collective(_where(prob, op_id), c.kind, c.axes, c.nbytes,
-                                      mult * cm.collective_time_s(c.kind, c.nbytes, c.axes),
-                                      mult, *_source(prob, op_id)))
+                n = math.prod(prob.mesh[a] for a in c.axes)
+                tally.collectives.append(Collective(
+                    _where(prob, op_id), c.kind, c.axes, c.nbytes,
+                    mult * cm.collective_time_s(c.kind, c.nbytes, c.axes), mult,
+                    *_source(prob, op_id), collective_hbm_bytes(c.kind, c.nbytes, n)))
         for e in g.self_edges:
-            out += _edge_collectives(prob, e, g.shard[e.value][i], e.need[i], cm)
-    transition = 0.0
+            _edge_collectives(prob, e, g.shard[e.value][i], e.need[i], cm, tally)
     for es in prob.edge_sets():   # a value moved to one layout for several readers moves once
         src = prob.groups[es[0].src].shard[es[0].value][choice[es[0].src]]
         moves = {}
         for e in es:
             moves.setdefault(e.need[choice[e.dst]], e)
         for need, e in moves.items():
-            colls = _edge_collectives(prob, e, src, need, cm)
-            transition += sum(c.time_s for c in colls)
-            out += colls
-    return out, compute, comm, transition
+            tally.transition_s += _edge_collectives(prob, e, src, need, cm, tally)
+    return tally
 
 
-def _edge_collectives(prob: problem.Problem, e, src: Sharding, need: Sharding,
-                      cm) -> list[Collective]:
-    """The collectives of one resharding edge, one per step of its staged transition."""
+def _edge_collectives(prob: problem.Problem, e, src: Sharding, need: Sharding, cm,
+                      tally: _Tally) -> float:
+    """Adds the collectives of one resharding edge to ``tally``, one per step of its staged
+    transition (a local slice adds its bytes only); returns their seconds."""
     t = prob.graph.values[e.value]
-    out = []
+    before, seconds = src, 0.0
     for step in reshard_steps(src, need, prob.mesh):
+        moved = step_hbm_bytes(t, before, step, prob.mesh)
+        before = step.layout
         if step.kind == "slice":
+            tally.slice_bytes += e.mult * moved
             continue
         nbytes = step_bytes(t, step, prob.mesh)
-        out.append(Collective(f"edge {e.where} {fmt(src)}->{fmt(need)}", step.kind, step.axes,
-                              nbytes, e.mult * cm.collective_time_s(step.kind, nbytes, step.axes),
-                              e.mult, *_source(prob, e.op)))
-    return out
+        time_s = e.mult * cm.collective_time_s(step.kind, nbytes, step.axes)
+        seconds += time_s
+        tally.collectives.append(Collective(
+            f"edge {e.where} {fmt(src)}->{fmt(need)}", step.kind, step.axes, nbytes, time_s,
+            e.mult, *_source(prob, e.op), moved))
+    return seconds
 
 
 def _where(prob: problem.Problem, op_id: int) -> str:
@@ -237,6 +270,14 @@ def _source(prob: problem.Problem, op_id: int) -> tuple[str, str]:
     return op.source.split(" ")[0], op.name
 
 
+def _hbm_bytes(prob: problem.Problem, choice, tally: _Tally) -> float:
+    """Per-device bytes the step's kernels and collectives read and write: each group's fused
+    kernels (``ir.fusion``), every collective with the copies around it, and local slices."""
+    kernels = sum(g.hbm_bytes[choice[g.id]] for g in prob.groups)
+    moved = sum(c.hbm_bytes * c.count for c in tally.collectives)
+    return float(kernels + moved + tally.slice_bytes)
+
+
 def _bytes_by_kind(colls) -> tuple[tuple[str, float], ...]:
     out: dict[str, float] = {}
     for c in colls:
@@ -247,15 +288,17 @@ def _bytes_by_kind(colls) -> tuple[tuple[str, float], ...]:
 def assemble(prob: problem.Problem, choice, cm, hardware_name: str, strategy: str,
              memory_budget: float | None, stats: SolverStats) -> Plan:
     g = prob.graph
-    colls, compute, comm, transition = _collectives(prob, choice, cm)
+    tally = _collectives(prob, choice, cm)
+    colls = tally.collectives
     by_kind: dict[str, float] = {}
     for c in colls:
         by_kind[c.kind] = by_kind.get(c.kind, 0.0) + c.time_s
     dispatch = float(getattr(cm.hw, "dispatch_s", 0.0))
+    compute, comm, transition = tally.compute_s, tally.comm_s, tally.transition_s
     cost = CostBreakdown(compute + comm + transition + dispatch, compute, comm, transition,
-                         ilp.memory_of(prob, choice), memory_budget,
+                         memory.estimate(prob, choice).peak, memory_budget,
                          tuple(sorted(by_kind.items(), key=lambda kv: -kv[1])), dispatch,
-                         _bytes_by_kind(colls))
+                         _bytes_by_kind(colls), _hbm_bytes(prob, choice, tally))
     in_layout = tuple(prob.groups[prob.input_group[k]].shard[v][choice[prob.input_group[k]]]
                       for k, v in enumerate(g.inputs))
     out_layout = tuple(in_layout[prob.output_pairs[j]] if j in prob.output_pairs

@@ -28,13 +28,11 @@ from autopar.planner.budget import SEARCH_BEFORE
 from autopar.planner.reshard import reshard_s
 from autopar.planner.rules import Choices, Follow, RuleContext, Strategy
 from autopar.sharding import Sharding, replicated, shard_factor
+from cost_models.compute import MATMUL_PRIMS
 from ir import Graph, Op
+from ir.fusion import Fusion, fuse
 
 _CONTRACTIONS = ("dot_general", "conv_general_dilated")
-FUSIBLE = frozenset(rules.ELEMENTWISE) | {
-    "broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "iota", "slice",
-    "pad", "concatenate", "select_n", "convert_element_type", "rev", "dynamic_slice"}
-
 
 @dataclasses.dataclass(frozen=True)
 class Edge:
@@ -54,6 +52,7 @@ class Group:
     strategies: tuple[Strategy, ...]              # the leader's
     compute_s: np.ndarray
     comm_s: np.ndarray
+    hbm_bytes: np.ndarray                         # per strategy: bytes its kernels move
     members: dict[int, list[Strategy]] = dataclasses.field(default_factory=dict)
     shard: dict[int, list[Sharding]] = dataclasses.field(default_factory=dict)  # value -> per i
     mults: dict[int, float] = dataclasses.field(default_factory=dict)  # member op -> multiplier
@@ -76,8 +75,9 @@ class Problem:
     ties: dict[int, int]                          # group -> representative group (layer tying)
     output_pairs: dict[int, int]                  # output index -> input index it replaces
     mem_points: list[list[int]]                   # per check point: live intermediate value ids
-    const_values: list[int]                       # values always live (inputs, consts)
+    const_values: list[int]               # held the whole step: args, consts, non-aliased results
     reshard: ReshardCache
+    fusion: Fusion                                # the kernels XLA makes of the graph
 
     def reshard_s(self, v: int, src: Sharding, dst: Sharding) -> float:
         return self.reshard(self.graph.values[v], src, dst)
@@ -136,12 +136,14 @@ class _Builder:
         self.gv: dict[int, int] = {}
         self.gop: dict[int, int] = {}
         self.reshard = ReshardCache(cost_model, mesh)
+        self.fusion = fuse(graph)
 
     # -- groups -----------------------------------------------------------------------------
     def new_group(self, leader: int, strategies: Sequence[Strategy], op: Op | None,
                   mult: float) -> Group:
         n = len(strategies)
-        grp = Group(len(self.groups), leader, tuple(strategies), np.zeros(n), np.zeros(n))
+        grp = Group(len(self.groups), leader, tuple(strategies), np.zeros(n), np.zeros(n),
+                    np.zeros(n))
         self.groups.append(grp)
         outs = op.outs if op is not None else ()
         grp.members[leader] = list(strategies)
@@ -160,16 +162,24 @@ class _Builder:
         return self.g.values[v].dtype if v is not None else "float32"
 
     def add_costs(self, grp: Group, op: Op, per_i: list[Strategy], mult: float) -> None:
+        """Each strategy's compute (a roofline of the op's FLOPs and the bytes its kernel moves
+        for it, ``ir.fusion``; the kernel's launch on its last op) and collectives."""
         dtype = self.compute_dtype(op)
-        # XLA fuses elementwise and layout ops into a neighbouring kernel: they pay their memory
-        # traffic but no launch of their own.
-        fused = self.cm.hw.kernel_launch_s if op.prim in FUSIBLE else 0.0
+        launch = 0.0 if op.id in self.fusion.roots else self.cm.hw.kernel_launch_s
+        matmul = op.prim in MATMUL_PRIMS
         for i, st in enumerate(per_i):
-            if op.flops or op.bytes_accessed:
-                t = self.cm.op_time_s(op, st.compute_div, dtype=dtype)
-                grp.compute_s[i] += mult * max(t - fused, 0.0)
+            nbytes = self.fused_bytes(op, st)
+            if op.flops or nbytes:
+                t = self.cm.compute_time_s(op.flops / st.compute_div, nbytes, dtype, matmul)
+                grp.compute_s[i] += mult * max(t - launch, 0.0)
+                grp.hbm_bytes[i] += mult * nbytes
             for c in st.comms:
                 grp.comm_s[i] += mult * self.cm.collective_time_s(c.kind, c.nbytes, c.axes)
+
+    def fused_bytes(self, op: Op, st: Strategy) -> float:
+        if op.prim == "alias":       # a loop's carry or slice seen from its body: no kernel
+            return 0.0
+        return op_hbm_bytes(self.g, self.fusion, self.mesh, op, st)
 
     def follow(self, op: Op, operand_value: int, derive, mult: float,
                out_values: Sequence[int] | None = None) -> Group:
@@ -289,6 +299,33 @@ class _Builder:
         self.gop[op.id] = self.gv.get(op.outs[0], -1) if op.outs else -1
 
 
+def op_hbm_bytes(graph: Graph, fusion, mesh: Mapping[str, int], op: Op, st: Strategy) -> float:
+    """Per-device bytes ``op`` reads and writes for its kernel under ``st``: operands from memory
+    in the layouts ``st`` needs, materialized results in its layouts, layout copies twice. A loop
+    or branch op (run replicated) counts its bodies' kernels whole."""
+    if op.regions:
+        inner = [o.id for r in op.regions for o in _walk(r.ops)]
+        return fusion.hbm_bytes(graph, inner + [op.id])
+
+    def per_device(v: int, layout: Sharding | None) -> float:
+        return graph.values[v].nbytes / (shard_factor(layout, mesh) if layout else 1)
+
+    total = 0.0
+    for v in fusion.reads.get(op.id, ()) + 2 * fusion.copies.get(op.id, ()):
+        k = op.ins.index(v)
+        total += per_device(v, st.ins[k] if k < len(st.ins) else None)
+    for v in fusion.writes.get(op.id, ()):
+        total += per_device(v, st.outs[op.outs.index(v)])
+    return total
+
+
+def _walk(ops):
+    for op in ops:
+        yield op
+        for r in op.regions:
+            yield from _walk(r.ops)
+
+
 def _alias_op(op: Op, src: int, dst: int) -> Op:
     return Op(id=op.id, prim="alias", ins=(src,), outs=(dst,))
 
@@ -365,26 +402,67 @@ def _ties(graph: Graph, b: _Builder) -> dict[int, int]:
     return ties
 
 
-def _memory_points(graph: Graph, pairs: Mapping[int, int], n_points: int) -> list[list[int]]:
-    """Live intermediate values at the ``n_points`` schedule positions with most live bytes."""
+def _memory_points(graph: Graph, n_points: int, fusion) -> list[list[int]]:
+    """Live temporaries at the ``n_points`` schedule positions with most live bytes.
+
+    XLA allocates a step's arguments and results for the whole execution (``_resident``) and
+    its temporaries from one pool, whose size is the peak of the temporaries live at once. Only
+    values a kernel writes to memory are temporaries (``ir.fusion``: what XLA fuses away never
+    exists). A loop's body runs inside its op: the values live at the body's own peak join the
+    live set at the loop's position (carries and stacked results are the loop op's values)."""
     ops = graph.ops
-    pos = {}
-    last_use: dict[int, int] = {}
+    resident = set(graph.inputs) | set(graph.outputs)
+    pos, last_use = {}, {}
     for t, op in enumerate(ops):
         for v in op.outs:
-            pos[v] = t
+            if v in fusion.materialized and v not in resident and v not in fusion.constants:
+                pos[v] = t
         for v in op.ins:
             last_use[v] = t
-    replaced = {graph.outputs[j] for j in pairs}
-    for v in graph.outputs:
-        if v not in replaced:
-            last_use[v] = len(ops)
     intervals = [(v, pos[v], last_use.get(v, pos[v])) for v in pos]
     live_bytes = np.zeros(len(ops) + 1)
     for v, a, b in intervals:
         live_bytes[a: b + 1] += graph.values[v].nbytes
+    inner = {t: _body_peak(graph, op, fusion) for t, op in enumerate(ops) if op.regions}
+    for t, (_, nbytes) in inner.items():
+        live_bytes[t] += nbytes
     points = np.argsort(-live_bytes, kind="stable")[:n_points]
-    return [[v for v, a, b in intervals if a <= t <= b] for t in sorted(points)]
+    return [[v for v, a, b in intervals if a <= t <= b] + inner.get(t, ([], 0))[0]
+            for t in sorted(points)]
+
+
+def _resident(graph: Graph, pairs: Mapping[int, int]) -> list[int]:
+    """Values held for the whole step: arguments, constants and results, except a result that
+    lands in a donated argument's buffer (XLA aliases the two)."""
+    aliased = {graph.outputs[j] for j, k in pairs.items() if graph.donated[k]}
+    out = dict.fromkeys(list(graph.inputs) + list(graph.consts))
+    out.update(dict.fromkeys(v for v in graph.outputs if v not in aliased))
+    return list(out)
+
+
+def _body_peak(graph: Graph, op: Op, fusion) -> tuple[list[int], float]:
+    """Values live at the peak of ``op``'s largest body (its inputs and outputs are the loop's
+    carries and slices, owned by the loop op: not counted again)."""
+    best: tuple[list[int], float] = ([], 0.0)
+    for region in op.regions:
+        ops = region.ops
+        pos, last = {}, {}
+        for t, o in enumerate(ops):
+            for v in o.outs:
+                if v in fusion.materialized and v not in region.outputs:
+                    pos[v] = t
+            for v in o.ins:
+                last[v] = t
+        live = np.zeros(len(ops) + 1)
+        for v, a in pos.items():
+            live[a: last.get(v, a) + 1] += graph.values[v].nbytes
+        for t, o in enumerate(ops):
+            if o.regions:
+                live[t] += _body_peak(graph, o, fusion)[1]
+        if len(ops) and live.max() > best[1]:
+            t = int(live.argmax())
+            best = ([v for v, a in pos.items() if a <= t <= last.get(v, a)], float(live[t]))
+    return best
 
 
 def build(graph: Graph, mesh: Mapping[str, int], cost_model, max_strategies: int = 96,
@@ -405,8 +483,8 @@ def build(graph: Graph, mesh: Mapping[str, int], cost_model, max_strategies: int
     _feed_costs(graph, b, input_group, pairs)
     ties = _ties(graph, b)
     return Problem(graph, dict(mesh), b.groups, b.edges, b.gv, b.gop, input_group, ties, pairs,
-                   _memory_points(graph, pairs, memory_points),
-                   list(graph.inputs) + list(graph.consts), b.reshard)
+                   _memory_points(graph, memory_points, b.fusion), _resident(graph, pairs),
+                   b.reshard, b.fusion)
 
 
 def value_bytes(problem: Problem, v: int) -> np.ndarray:

@@ -25,6 +25,7 @@ import math
 from collections.abc import Mapping
 
 from autopar.sharding import Sharding
+from cost_models.collectives import hbm_bytes as collective_hbm_bytes
 from ir import TensorType
 
 
@@ -126,6 +127,22 @@ def step_bytes(t: TensorType, step: Step, mesh: Mapping[str, int]) -> float:
     buffer (the tensor's shard after the step; an all-to-all keeps the shard size)."""
     div = math.prod(mesh[a] for d in step.layout for a in d)
     return t.nbytes / div
+
+
+def step_hbm_bytes(t: TensorType, before: Sharding, step: Step,
+                   mesh: Mapping[str, int]) -> float:
+    """Per-device bytes one step reads and writes (``cost_models.collectives.hbm_bytes``): a
+    slice reads and writes its output; a gather of a dim with non-unit dims outside it pays the
+    transposes around it."""
+    out = t.nbytes / math.prod(mesh[a] for d in step.layout for a in d)
+    if step.kind == "slice":
+        return 2.0 * out
+    n = math.prod(mesh[a] for a in step.axes)
+    nbytes = step_bytes(t, step, mesh)
+    dim = next((i for i, (a, b) in enumerate(zip(before, step.layout)) if a != b), 0)
+    local = [size // math.prod(mesh[a] for a in axes) for size, axes in zip(t.shape, before)]
+    major = all(size == 1 for size in local[:dim])
+    return collective_hbm_bytes(step.kind, nbytes, n, major)
 
 
 def reshard_s(cost_model, t: TensorType, src: Sharding, dst: Sharding,

@@ -1,0 +1,227 @@
+"""Which ops XLA fuses into one kernel, and so which values ever reach device memory.
+
+XLA runs a training step as a few hundred kernels, not one per primitive: elementwise and layout
+ops are fused into the kernel that consumes them, reductions absorb their elementwise inputs, and
+only a kernel's results that another kernel reads (or the step returns) are written to memory.
+The HBM traffic of a step is therefore the bytes its kernels read from and write to memory, and
+its temporaries are those written values; ``fuse`` models both.
+
+Rules (``fuse``), applied within each top-level op list and separately within each loop body:
+
+  * a *fusible producer* (``FUSIBLE``: elementwise, broadcast, reshape, transpose, convert,
+    slices, concatenate, pad, iota, select, gather) joins the kernel of its consumers when they
+    all belong to one kernel; when they belong to several it is duplicated into each of them,
+    unless it is ``EXPENSIVE`` (transcendental or a division), which XLA does not recompute: then
+    it is a kernel of its own whose result is written;
+  * *fusing consumers* are fusible ops and reductions (``ABSORBING``); contractions,
+    convolutions, scatters, sorts, loops and collectives take their operands from memory and
+    write their results;
+  * constant values (ops on literals only) are folded away by XLA: they cost nothing;
+  * a contraction whose operand's dims are not in the order XLA's dot emitter takes (batch dims
+    first, then free then contracting dims for the left operand, contracting then free for the
+    right; a 2-D operand may be either way round) gets a layout copy of that operand, a kernel
+    that reads and writes it (``copies``), unless the operand's only reader is this contraction
+    and its producer is a fused kernel that can write it in that order.
+
+A value is *materialized* when a kernel other than its producer's reads it, or the graph
+returns it. A kernel reads each materialized (or graph input) value it uses once. ``Fusion``
+attributes every read to the first op of the kernel that reads it and every write to the op that
+produces it, so per-op bytes add up to the kernel's bytes; the kernel's launch is attributed to
+its last op (``roots``).
+
+Measured against XLA:CPU's ``cost_analysis()["bytes accessed"]`` by ``autopar.verify`` (the
+rules are a model of XLA's instruction fusion, not a copy of it: multi-output fusion and
+backend-specific fusions are not modelled).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+
+from ir.graph import Graph, Op
+
+FUSIBLE = frozenset({
+    "add", "sub", "mul", "div", "rem", "pow", "max", "min", "neg", "exp", "exp2", "log", "log1p",
+    "expm1", "tanh", "logistic", "sqrt", "rsqrt", "cbrt", "abs", "sign", "integer_pow", "square",
+    "select_n", "convert_element_type", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not",
+    "xor", "is_finite", "stop_gradient", "add_any", "erf", "erfc", "erf_inv", "sin", "cos",
+    "tan", "atan2", "floor", "ceil", "round", "clamp", "nextafter", "copy", "copy_p", "real",
+    "imag", "reduce_precision", "shift_left", "shift_right_logical", "shift_right_arithmetic",
+    "population_count", "conj", "broadcast_in_dim", "reshape", "transpose", "squeeze",
+    "expand_dims", "iota", "slice", "pad", "concatenate", "rev", "dynamic_slice", "gather",
+    "bitcast_convert_type", "clz",
+})
+EXPENSIVE = frozenset({"exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sqrt",
+                       "rsqrt", "cbrt", "erf", "erfc", "erf_inv", "sin", "cos", "tan", "atan2",
+                       "div", "rem", "pow", "gather"})
+REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
+                        "reduce_or", "reduce_xor", "argmax", "argmin"})
+ABSORBING = FUSIBLE | REDUCTIONS
+# Ops XLA folds when every input is constant (the tracer's ``ir.flops.fold`` folds the same).
+_FOLDS = FUSIBLE - {"gather", "dynamic_slice"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Fusion:
+    """Kernels of a graph (every op, nested ones too, has a kernel id).
+
+    Attributes:
+      kernel_of: op id -> kernel id (ops of one kernel run as one launch).
+      reads: op id -> value ids the op reads from memory for its kernel.
+      writes: op id -> value ids the op writes to memory (its materialized results).
+      roots: op ids that launch their kernel (the last op of each kernel).
+      constants: value ids XLA folds to constants (never read or written).
+      copies: op id -> operand value ids copied into another layout before the op runs (one
+        more kernel each, reading and writing the operand).
+    """
+
+    kernel_of: Mapping[int, int]
+    reads: Mapping[int, tuple[int, ...]]
+    writes: Mapping[int, tuple[int, ...]]
+    roots: frozenset[int]
+    constants: frozenset[int]
+    copies: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def materialized(self) -> frozenset[int]:
+        return frozenset(v for vs in self.writes.values() for v in vs)
+
+    def kernels(self) -> int:
+        return len(set(self.kernel_of.values()))
+
+    def hbm_bytes(self, graph: Graph, op_ids: Sequence[int] | None = None) -> float:
+        """Bytes read and written by the kernels of ``op_ids`` (default: every op), unsharded."""
+        ids = self.kernel_of if op_ids is None else op_ids
+        return float(sum(graph.values[v].nbytes for i in ids
+                         for v in self.reads.get(i, ()) + self.writes.get(i, ())
+                         + 2 * self.copies.get(i, ())))
+
+
+def _constants(graph: Graph) -> set[int]:
+    const = {v for v, _ in graph.literals}
+    for op in graph.all_ops():
+        if op.prim in _FOLDS and op.ins and all(v in const for v in op.ins):
+            const.update(op.outs)
+        elif op.prim == "iota":
+            const.update(op.outs)
+    return const
+
+
+class _Kernels:
+    """Union of ops into kernels within one op list (a region or the top level)."""
+
+    def __init__(self, ops: Sequence[Op], const: set[int], outputs: set[int]):
+        self.ops, self.const, self.outputs = list(ops), const, outputs
+        self.pos = {op.id: t for t, op in enumerate(self.ops)}
+        self.consumers: dict[int, list[Op]] = defaultdict(list)
+        for op in self.ops:
+            for v in set(op.ins):
+                self.consumers[v].append(op)
+        self.kernel = {op.id: op.id for op in self.ops}
+        self.producer = {v: op for op in self.ops for v in op.outs}
+        self.copies: dict[int, set[int]] = defaultdict(set)  # op id -> kernels it is copied into
+
+    def find(self, op_id: int) -> int:
+        while self.kernel[op_id] != op_id:
+            self.kernel[op_id] = self.kernel[self.kernel[op_id]]
+            op_id = self.kernel[op_id]
+        return op_id
+
+    def user_kernels(self, v: int) -> set[int]:
+        """Kernels that read value ``v`` (a duplicated reader counts as each of its copies)."""
+        out: set[int] = set()
+        for u in self.consumers.get(v, ()):
+            out |= self.copies.get(u.id) or {self.find(u.id)}
+        return out
+
+    def fuse(self) -> None:
+        for op in reversed(self.ops):
+            if op.prim not in FUSIBLE or any(v in self.outputs for v in op.outs):
+                continue
+            users = [u for v in op.outs for u in self.consumers.get(v, ())]
+            if not users or any(u.prim not in ABSORBING for u in users):
+                continue
+            targets = set().union(*(self.user_kernels(v) for v in op.outs))
+            if len(targets) == 1:
+                self.kernel[op.id] = next(iter(targets))
+            elif op.prim not in EXPENSIVE:
+                self.copies[op.id] = targets
+
+    def members(self) -> dict[int, list[Op]]:
+        """kernel id -> its ops in order, duplicated producers included in each copy."""
+        out: dict[int, list[Op]] = defaultdict(list)
+        for op in self.ops:
+            for k in self.copies.get(op.id) or {self.find(op.id)}:
+                out[k].append(op)
+        return out
+
+
+def _kernel_io(ops: list[Op], kernel_id: int, k: _Kernels, reads: dict, writes: dict) -> None:
+    """Reads (first reader pays) and writes of one kernel's ops."""
+    inside = {v for op in ops for v in op.outs}
+    seen: set[int] = set()
+    for op in ops:
+        got = []
+        for v in op.ins:
+            if v in k.const or v in inside or v in seen:
+                continue
+            seen.add(v)
+            got.append(v)
+        if got:
+            reads[op.id] = reads.get(op.id, ()) + tuple(got)
+        if op.id in k.copies:
+            continue   # a duplicated producer writes nothing: each copy feeds its kernel
+        outs = tuple(v for v in op.outs if v not in k.const and (
+            v in k.outputs or k.user_kernels(v) - {kernel_id}))
+        if outs:
+            writes[op.id] = outs
+
+
+def _canonical(op: Op, side: int, rank: int) -> bool:
+    """The operand's dims are in the order XLA's dot emitter takes (see the module docstring)."""
+    (lc, rc), (lb, rb) = op.param("dimension_numbers")
+    contract, batch = (lc, lb) if side == 0 else (rc, rb)
+    free = [d for d in range(rank) if d not in contract and d not in batch]
+    order = list(batch) + (free + list(contract) if side == 0 else list(contract) + free)
+    return order == list(range(rank)) or (rank == 2 and not batch)
+
+
+def _layout_copies(op: Op, k: _Kernels, graph_values) -> tuple[int, ...]:
+    out = []
+    for side, v in enumerate(op.ins[:2]):
+        if v in k.const or _canonical(op, side, len(graph_values[v].shape)):
+            continue
+        producer = k.producer.get(v)
+        alone = len(k.consumers.get(v, ())) == 1
+        if alone and producer is not None and producer.prim in FUSIBLE | REDUCTIONS:
+            continue   # the producer's kernel writes it in the order the dot wants
+        out.append(v)
+    return tuple(out)
+
+
+def _fuse_list(ops: Sequence[Op], const: set[int], outputs: set[int], result: dict) -> None:
+    k = _Kernels(ops, const, outputs)
+    k.fuse()
+    for kernel_id, members in k.members().items():
+        _kernel_io(members, kernel_id, k, result["reads"], result["writes"])
+        result["roots"].add(members[-1].id)
+    for op in ops:
+        if op.prim == "dot_general":
+            copied = _layout_copies(op, k, result["values"])
+            if copied:
+                result["copies"][op.id] = copied
+    for op in ops:
+        result["kernel_of"][op.id] = k.find(op.id)
+        for region in op.regions:
+            _fuse_list(region.ops, const, set(region.outputs), result)
+
+
+def fuse(graph: Graph) -> Fusion:
+    """The kernels XLA makes of ``graph`` (see the module docstring)."""
+    const = _constants(graph)
+    result: dict = {"kernel_of": {}, "reads": {}, "writes": {}, "roots": set(), "copies": {},
+                    "values": graph.values}
+    _fuse_list(graph.ops, const, set(graph.outputs), result)
+    return Fusion(result["kernel_of"], result["reads"], result["writes"],
+                  frozenset(result["roots"]), frozenset(const), result["copies"])

@@ -1,0 +1,74 @@
+"""ir.fusion: which values reach memory, in closed form and against XLA's bytes accessed."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import ir
+import ir.fusion
+from autopar.models import gpt, mlp, moe
+
+F32 = 4
+
+
+def fused(fn, *args):
+    graph = ir.trace(fn, *args)
+    return graph, ir.fusion.fuse(graph)
+
+
+def xla_bytes(fn, *args) -> float:
+    return jax.jit(fn).lower(*args).compile().cost_analysis()["bytes accessed"]
+
+
+def test_elementwise_chain_is_one_kernel_reading_its_input_once():
+    x = jnp.ones((64, 32))
+    graph, fusion = fused(lambda x: jnp.sin(x * 2.0 + 1.0) * 3.0, x)
+    assert fusion.kernels() == 1
+    # one read of x, one write of the result: nothing in between reaches memory
+    assert fusion.hbm_bytes(graph) == 2 * x.size * F32
+
+
+def test_matmul_reads_its_operands_and_epilogue_fuses_into_the_consumer():
+    x, w = jnp.ones((16, 32)), jnp.ones((32, 8))
+    graph, fusion = fused(lambda x, w: jnp.tanh(x @ w).sum(), x, w)
+    # the dot is its own kernel (reads x, w; writes 16x8); tanh + sum read it once, write a scalar
+    expected = (x.size + w.size + 2 * 16 * 8 + 1) * F32
+    assert fusion.kernels() == 2
+    assert fusion.hbm_bytes(graph) == expected
+
+
+def test_expensive_producer_with_two_consumer_kernels_is_written_once():
+    x, w = jnp.ones((16, 32)), jnp.ones((32, 32))
+
+    def f(x, w):
+        e = jnp.exp(x)          # expensive: not recomputed in both consumers
+        return (e @ w).sum() + e.sum()
+
+    graph, fusion = fused(f, x, w)
+    exp_ops = [op for op in graph.ops if op.prim == "exp"]
+    assert len(exp_ops) == 1
+    assert fusion.writes[exp_ops[0].id] == exp_ops[0].outs
+
+
+def test_constants_cost_nothing():
+    x = jnp.ones((8, 8))
+    graph, fusion = fused(lambda x: x + jnp.arange(8.0) * 2.0, x)
+    assert fusion.constants
+    assert fusion.hbm_bytes(graph) == 2 * x.size * F32
+
+
+@pytest.mark.parametrize("make, low, high", [
+    (lambda: mlp.abstract(64, 256, 2, 32), 0.9, 1.1),
+    (lambda: gpt.abstract(gpt.GPTConfig(layers=2, d_model=64, heads=4, d_ff=128, seq=16,
+                                        vocab=128), 8), 0.9, 1.1),
+    (lambda: moe.abstract(moe.MoEConfig(), 8), 0.85, 1.1),
+], ids=["mlp", "gpt", "moe"])
+def test_step_bytes_match_xla_within_the_published_band(make, low, high):
+    """Unsharded training steps: the fused byte count against XLA:CPU's ``bytes accessed``.
+    (Measured ratios at this commit: MLP 0.996, GPT 0.975, MoE 0.923; the conv net is 0.50, as
+    XLA:CPU expands pooling gradients into scatters the model does not know: see the README.)"""
+    step, state, batch = make()
+    graph, fusion = fused(step, state, batch)
+    ratio = fusion.hbm_bytes(graph) / xla_bytes(step, state, batch)
+    assert low <= ratio <= high, ratio
