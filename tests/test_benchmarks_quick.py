@@ -21,6 +21,7 @@ CASES = {
     "cpu_measured.py": ("cpu_measured.md", "cpu_measured.csv", "cpu_measured.png"),
     "time_limit.py": ("time_limit.md", "time_limit.csv"),
     "checkpoint.py": ("checkpoint.md", "checkpoint.csv"),
+    "verify_matrix.py": ("verify_matrix.md", "verify_matrix.csv"),
 }
 
 

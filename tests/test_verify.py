@@ -1,0 +1,84 @@
+"""autopar.verify and autopar.hlo: the compiled executable held to its plan.
+
+Predictions are claims: these tests fail when a plan's collective bytes, peak memory or HBM
+traffic drift from what XLA compiles (the full matrix is ``benchmarks/verify_matrix.py``), and
+show that verify itself catches a plan that does not match its executable.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import autopar
+from autopar import hlo
+from autopar.models import gpt, moe
+
+CFG = gpt.GPTConfig(vocab=128, seq=16, d_model=64, heads=4, d_ff=128, layers=2)
+
+
+def _mesh8():
+    return jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",))
+
+
+@pytest.fixture(scope="module")
+def zero3():
+    train_step, state, batch = gpt.concrete(CFG, 16)
+    step = autopar.autoparallel(train_step, mesh=_mesh8(), hardware="cpu", strategy="zero3",
+                                time_limit_s=2)
+    step(state, batch)
+    return step
+
+
+def test_hlo_counts_an_all_reduce_with_its_bytes():
+    mesh = _mesh8()
+    f = jax.jit(lambda x: x.sum(0), in_shardings=NamedSharding(mesh, P("data")),
+                out_shardings=NamedSharding(mesh, P()))
+    compiled = f.lower(jax.ShapeDtypeStruct((64, 32), jnp.float32)).compile()
+    colls = hlo.collectives(hlo.parse(compiled.as_text()))
+    assert [c.kind for c in colls] == ["all-reduce"]
+    assert colls[0].nbytes == 32 * 4 and colls[0].group_size == 8
+
+
+def test_zero3_plan_matches_its_executable(zero3):
+    report = zero3.verify()
+    assert report.ok, str(report)
+    kinds = {c.metric: c for c in report.checks}
+    for kind in ("all-gather bytes", "reduce-scatter bytes"):
+        c = kinds[kind]
+        assert c.measured > 0 and abs(c.predicted - c.measured) <= 0.01 * c.measured, c
+
+
+def test_verify_catches_a_plan_that_is_not_its_executable(zero3):
+    plan, compiled = zero3.plan, zero3.lower(*_args()).compile()
+    wrong_memory = dataclasses.replace(
+        plan, cost=dataclasses.replace(plan.cost,
+                                       peak_memory_bytes=2 * plan.cost.peak_memory_bytes))
+    report = autopar.verify(wrong_memory, compiled)
+    assert not report.ok
+    assert [c.metric for c in report.checks if c.ok is False] == ["peak memory"]
+    no_gathers = dataclasses.replace(
+        plan, collectives=tuple(c for c in plan.collectives if c.kind != "all-gather"),
+        cost=dataclasses.replace(plan.cost, comm_bytes_by_kind=tuple(
+            (k, b) for k, b in plan.cost.comm_bytes_by_kind if k != "all-gather")))
+    report = autopar.verify(no_gathers, compiled)
+    assert "all-gather bytes" in [c.metric for c in report.checks if c.ok is False]
+    assert report.deviations and report.deviations[0].kind == "all-gather"
+
+
+def _args():
+    _, state, batch = gpt.abstract(CFG, 16)
+    return state, batch
+
+
+def test_moe_auto_plan_matches_its_executable():
+    train_step, state, batch = moe.concrete(moe.MoEConfig(), 8)
+    step = autopar.autoparallel(train_step, mesh=_mesh8(), hardware="cpu", time_limit_s=2)
+    step(state, batch)
+    report = step.verify()
+    assert report.ok, str(report)
