@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from autopar.errors import AutoparError, ShardingError
+from autopar.errors import AutoparError, PlanError, ShardingError
 from autopar.mesh import axis_sizes
 from autopar.plan import Plan
 
@@ -310,10 +310,10 @@ def _from_step(like, saved, train_step, args, argnum, plan, replan):
         given = saved if (same_mesh or replan is False) else None
     try:
         shardings = train_step.input_shardings(*full, plan=given)
-    except ShardingError:
+    except (ShardingError, PlanError):     # the step changed (ops, shapes or donation)
         if plan is not None or replan is False:
             raise
-        shardings, given = train_step.input_shardings(*full), None   # the step changed: re-plan
+        shardings, given = train_step.input_shardings(*full), None   # so re-plan
     return shardings[argnum], train_step.plan, given is None
 
 

@@ -34,8 +34,9 @@ ROWS = 8                     # global batch rows, split evenly over the processe
 
 def make_step(train_step, **kw):
     n = jax.device_count()
-    return autopar.autoparallel(train_step, mesh={"data": n}, hardware="cpu", time_limit_s=0.3,
-                                host_local_argnums=(1,), **kw)
+    solve = {} if "plan" in kw else dict(hardware="cpu", time_limit_s=0.3)  # a plan is not solved
+    return autopar.autoparallel(train_step, mesh={"data": n}, host_local_argnums=(1,), **solve,
+                                **kw)
 
 
 def local_rows(batch: dict) -> dict:
@@ -57,7 +58,7 @@ def host_params(state) -> dict:
 def train(a) -> None:
     info = distributed.initialize(timeout_s=60)
     train_step, init = gpt.make_train_step(CFG)
-    step = make_step(train_step)
+    step = make_step(train_step, strategy="zero3")    # parameters split across processes
     like = jax.eval_shape(lambda: init(jax.random.PRNGKey(0), ROWS))
     ckpt = checkpoint.Checkpointer(a.ckpt, max_to_keep=None)
     first = local_rows(gpt.make_batch(CFG, ROWS, seed=0))
@@ -96,7 +97,7 @@ def _log(out: str, row: dict) -> None:
 
 def agree(a) -> None:
     info = distributed.initialize(timeout_s=60)
-    train_step, state, _ = gpt.abstract(CFG, ROWS)     # the checks come before any array
+    train_step, state, _ = gpt.concrete(CFG, ROWS)     # the checks come before any placement
     batch = gpt.make_batch(CFG, ROWS)
     got = {"nodes": list(info.process_nodes)}
     rows = local_rows(batch)
