@@ -117,13 +117,14 @@ def make_plan(graph: Graph, mesh: Mapping[str, int], cost_model,
     allowed = _allowed(prob, options.fixed_inputs or {})
     if options.op_filter is not None:
         _filtered(prob, options.op_filter, allowed)
+    prob.untie(allowed)
     hint = options.hint
     if options.starts:
         hint = _best_start(prob, cost_model, allowed, options.starts, hint,
                            options.memory_budget)
     build_s = time.perf_counter() - t0
     sol = ilp.solve(prob, cost_model, options.memory_budget, options.time_limit_s, allowed, hint)
-    stats = SolverStats(sol.status, sol.gap, sol.solve_s, build_s, trace_s, len(prob.groups),
+    stats = SolverStats(sol.status, sol.gap, sol.solve_s, build_s, trace_s, prob.num_decisions,
                         sol.num_vars, sol.num_constraints)
     return assemble(prob, sol.choice, cost_model, cost_model.hw.name, options.strategy,
                     options.memory_budget, stats)

@@ -15,9 +15,7 @@ from autopar.planner.problem import Problem
 
 
 def _root(p: Problem, g: int) -> int:
-    while g in p.ties:
-        g = p.ties[g]
-    return g
+    return p.root(g)
 
 
 def _index(layouts) -> tuple[list, np.ndarray]:
@@ -40,12 +38,9 @@ def edge_matrices(p: Problem, cm):
     if memo is not None:
         return memo
     rs = p.reshard_s
-    unary: dict[int, np.ndarray] = {}
-    for g in p.groups:
-        r = _root(p, g.id)
-        unary[r] = unary.get(r, 0) + g.compute_s + g.comm_s
+    unary = p.root_costs()
     pair = []
-    for e in p.edges:
+    for e in p.merged_edges():   # repeated layers' edges arrive merged: depth costs nothing here
         s, d = _root(p, e.src), _root(p, e.dst)
         have = p.groups[e.src].shard[e.value]
         if s == d:

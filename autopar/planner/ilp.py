@@ -72,9 +72,7 @@ class _Model:
                 self.m.AddExactlyOne(self.x[g.id]).WithName(f"pick:{g.id}")
 
     def _root(self, g: int) -> int:
-        while g in self.p.ties:
-            g = self.p.ties[g]
-        return g
+        return self.p.root(g)
 
     def xs(self, g: int) -> list:
         return self.x[self.root[g]]
@@ -83,20 +81,15 @@ class _Model:
         return self.p.reshard_s(v, src, dst)
 
     def add_group_costs(self) -> None:
-        for g in self.p.groups:
-            cost = g.compute_s + g.comm_s
-            self.obj += [(int(round(c * PS)), x) for c, x in zip(cost, self.xs(g.id)) if c > 0]
+        """One term per root strategy: tied groups' costs are summed first."""
+        for r, cost in self.p.root_costs().items():
+            self.obj += [(int(round(c * PS)), x) for c, x in zip(cost, self.x[r]) if c > 0]
 
     def add_edges(self) -> None:
         """Edges that repeat between the same tied groups with the same layouts are one edge
-        carrying the sum of their multipliers, so the model does not grow with depth."""
-        merged: dict[tuple, object] = {}
-        for e in self.p.edges:
-            have = tuple(self.p.groups[e.src].shard[e.value])
-            key = (self.root[e.src], self.root[e.dst], self.p.graph.values[e.value], have, e.need)
-            old = merged.get(key)
-            merged[key] = e if old is None else dataclasses.replace(old, mult=old.mult + e.mult)
-        for k, e in enumerate(merged.values()):
+        carrying the sum of their multipliers (``Problem.merged_edges``), so the model does not
+        grow with depth."""
+        for k, e in enumerate(self.p.merged_edges()):
             self.add_edge(k, e)
 
     def add_edge(self, k: int, e) -> None:
@@ -258,8 +251,8 @@ def solve(p: Problem, cost_model, memory_budget: float | None = None, time_limit
         raise PlanError(f"the sharding ILP found no plan (solver status "
                         f"{solver.StatusName(status)} after {dt:.1f}s): raise time_limit_s or "
                         f"relax the fixed shardings")
-    choice = tuple(next(i for i, x in enumerate(mdl.xs(g.id)) if solver.Value(x))
-                   for g in p.groups)
+    picked = {r: next(i for i, x in enumerate(xs) if solver.Value(x)) for r, xs in mdl.x.items()}
+    choice = tuple(picked[p.root(g.id)] for g in p.groups)
     proto = mdl.m.Proto()
     return Solution(choice, solver.ObjectiveValue() / PS, solver.BestObjectiveBound() / PS,
                     solver.StatusName(status), dt, len(proto.variables), len(proto.constraints))
