@@ -53,6 +53,8 @@ def plan_graph(graph: ir.Graph, mesh, *, hardware=None, memory_budget=None, stra
     hw = _hardware(hardware, mesh)
     cm = cost_models.CostModel(hw, sizes)
     name, strat = _resolve_strategy(strategy)
+    if hasattr(strat, "bind"):   # hand-written: find parameters and their roles in this graph
+        strat = strat.bind(graph, sizes)
     fixed = strat.fix_inputs(graph, sizes) if strat is not None else None
     op_filter = getattr(strat, "allows", None)
     budget = hw.memory_bytes if memory_budget is None else float(memory_budget)
@@ -61,7 +63,13 @@ def plan_graph(graph: ir.Graph, mesh, *, hardware=None, memory_budget=None, stra
         ir.verify(graph)
     opts = PlannerOptions(strategy=name, memory_budget=budget, time_limit_s=time_limit_s,
                           fixed_inputs=fixed, op_filter=op_filter, starts=tuple(starts))
-    return make_plan(graph, sizes, cm, opts, trace_s=trace_s)
+    notes = tuple(getattr(strat, "notes", ()))
+    if notes:
+        warnings.warn(f"autopar: strategy {name!r} cannot place every parameter as it intends "
+                      f"(plan.summary() lists them):\n  " + "\n  ".join(notes), UserWarning,
+                      stacklevel=3)
+    plan = make_plan(graph, sizes, cm, opts, trace_s=trace_s)
+    return dataclasses.replace(plan, notes=notes) if notes else plan
 
 
 # Hand-written strategies the auto plan starts from: the cheapest one that fits seeds the ILP.

@@ -54,6 +54,7 @@ class SolverStats:
     num_groups: int
     num_vars: int
     num_constraints: int
+    candidates: int = 0      # > 0: solved over at most this many strategies per decision group
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +83,7 @@ class Plan:
     solver: SolverStats
     in_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
     out_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
+    notes: tuple[str, ...] = ()   # what a hand-written strategy could not place, and why
 
     # ---- views ------------------------------------------------------------------------------
     @property
@@ -150,6 +152,7 @@ class Plan:
                                          c["time_s"]) for c in d["collectives"]),
             cost=CostBreakdown(**{**d["cost"], "comm_by_kind": t(d["cost"]["comm_by_kind"])}),
             solver=SolverStats(**d["solver"]),
+            notes=tuple(d.get("notes", ())),
         )
 
     def with_trees(self, in_tree, out_tree) -> Plan:

@@ -130,3 +130,14 @@ def objective(p: Problem, cm, choice: dict[int, int]) -> float:
     unary, pair = edge_matrices(p, cm)
     return float(sum(u[choice[r]] for r, u in unary.items())
                  + sum(m[choice[s], choice[d]] for s, d, m in pair))
+
+
+def local_costs(p: Problem, cm, choice: dict[int, int]) -> dict[int, np.ndarray]:
+    """Per root: the total cost of each of its strategies with every other group kept at
+    ``choice`` (what one descent step compares)."""
+    unary, pair = edge_matrices(p, cm)
+    out = {r: u.copy() for r, u in unary.items()}
+    for s, d, m in pair:
+        out[s] += m[:, choice[d]]
+        out[d] += m[choice[s], :]
+    return out

@@ -23,13 +23,13 @@ limit keep the answer the same from run to run.
 from __future__ import annotations
 
 import dataclasses
-from collections import defaultdict
 from collections.abc import Mapping
 
+import numpy as np
 from ortools.sat.python import cp_model
 
 from autopar.errors import PlanError
-from autopar.planner.problem import Problem, value_bytes
+from autopar.planner.problem import Problem, flow_pairs, restrict, value_bytes
 
 # Integer units of the model. CP-SAT's LP works in doubles: with picoseconds a large model's
 # objective passed 2^53, presolve discarded a feasible hint and the bound rose above a known
@@ -49,6 +49,7 @@ class Solution:
     solve_s: float
     num_vars: int
     num_constraints: int
+    candidates: int = 0              # > 0: solved over at most this many strategies per group
 
     @property
     def gap(self) -> float:
@@ -154,14 +155,14 @@ class _Model:
         return exprs
 
     def _bytes_terms(self, values) -> dict[tuple[int, int], int]:
-        terms: dict[tuple[int, int], int] = defaultdict(int)
+        per_root: dict[int, np.ndarray] = {}
         for v in values:
             if v not in self.p.group_of_value:
                 continue
             g = self.root[self.p.group_of_value[v]]
-            for i, b in enumerate(value_bytes(self.p, v)):
-                terms[(g, i)] += int(round(b / KIB))
-        return terms
+            kib = np.rint(value_bytes(self.p, v) / KIB).astype(np.int64)
+            per_root[g] = per_root[g] + kib if g in per_root else kib
+        return {(g, i): int(b) for g, arr in per_root.items() for i, b in enumerate(arr)}
 
     def restrict(self, allowed: Mapping[int, set[int]]) -> None:
         for g, ok in allowed.items():
@@ -210,9 +211,59 @@ def _solver(time_limit_s: float) -> cp_model.CpSolver:
     return s
 
 
+# Above this many flow pairs the full model costs more to build and search than it gains over
+# the descent start: the solver works on the best few candidate strategies of each group.
+FULL_MODEL_PAIRS = 10_000
+CANDIDATES = 6
+
+
 def solve(p: Problem, cost_model, memory_budget: float | None = None, time_limit_s: float = 30.0,
           allowed: Mapping[int, set[int]] | None = None,
-          hint: Mapping[int, int] | None = None) -> Solution:
+          hint: Mapping[int, int] | None = None, seeds=()) -> Solution:
+    """The best plan CP-SAT finds within ``time_limit_s`` (deterministic seconds), started from
+    a descent from ``hint``. A model with more than ``FULL_MODEL_PAIRS`` flow pairs is solved
+    over candidates: per root group the strategies of the start and of ``seeds`` (other good
+    solutions, e.g. each hand-written start's), plus the ``CANDIDATES`` cheapest given the start;
+    the solution then says so (``candidates``) and its gap is over those candidates."""
+    from autopar.planner.descent import descend, local_costs
+
+    start = descend(p, cost_model, dict(hint) if hint else None, allowed=allowed)
+    if hint and memory_budget is not None:
+        fits_start = memory_of(p, _as_tuple(p, start)) <= memory_budget
+        if not fits_start and memory_of(p, _as_tuple(p, hint)) <= memory_budget:
+            start = dict(hint)   # descent ignores memory: keep the start that fits
+    if flow_pairs(p) <= FULL_MODEL_PAIRS:
+        return _solve_model(p, cost_model, memory_budget, time_limit_s, allowed, start)
+    local = local_costs(p, cost_model, {g: start[g] for g in start if p.root(g) == g})
+    cands = {r: _candidates(r, cost, start, seeds, allowed, p) for r, cost in local.items()}
+    small = restrict(p, cands)
+    small_allowed = {g: {j for j, i in enumerate(cands[p.root(g)]) if i in ok}
+                     for g, ok in (allowed or {}).items()}
+    small_start = {g.id: cands[p.root(g.id)].index(start[g.id]) for g in p.groups}
+    try:
+        sol = _solve_model(small, cost_model, memory_budget, time_limit_s, small_allowed,
+                           small_start)
+    except PlanError:   # the candidates may miss what fits the budget: the whole model decides
+        return _solve_model(p, cost_model, memory_budget, time_limit_s, allowed, start)
+    choice = tuple(cands[p.root(g.id)][j] for g, j in zip(p.groups, sol.choice))
+    return dataclasses.replace(sol, choice=choice, candidates=max(map(len, cands.values())))
+
+
+def _candidates(r: int, cost, start, seeds, allowed, p: Problem) -> list[int]:
+    """The start's strategy, the seeds' and the cheapest others (allowed ones only)."""
+    ok = (allowed or {}).get(r)
+    picks = [start[r]] + [s[r] for s in seeds if r in s]
+    order = [int(i) for i in np.argsort(cost, kind="stable") if ok is None or i in ok]
+    out = list(dict.fromkeys(i for i in picks if ok is None or i in ok))
+    for i in order:
+        if len(out) >= len(set(picks)) + CANDIDATES:
+            break
+        if i not in out:
+            out.append(i)
+    return out or [start[r]]
+
+
+def _solve_model(p: Problem, cost_model, memory_budget, time_limit_s, allowed, start) -> Solution:
     import time
 
     mdl = _Model(p, cost_model)
@@ -223,13 +274,6 @@ def solve(p: Problem, cost_model, memory_budget: float | None = None, time_limit
     if memory_budget is not None:
         for k, expr in enumerate(mdl.memory_exprs()):
             mdl.m.Add(expr <= int(memory_budget / KIB)).WithName(f"mem:{k}")
-    from autopar.planner.descent import descend
-
-    start = descend(p, cost_model, dict(hint) if hint else None, allowed=allowed)
-    if hint and memory_budget is not None:
-        fits_start = memory_of(p, _as_tuple(p, start)) <= memory_budget
-        if not fits_start and memory_of(p, _as_tuple(p, hint)) <= memory_budget:
-            start = dict(hint)   # descent ignores memory: keep the start that fits
     mdl.hint(start)
     mdl.m.Minimize(sum(c * x for c, x in mdl.obj))
     solver = _solver(time_limit_s)
@@ -289,8 +333,25 @@ def _memory_error(p: Problem, cost_model, budget: float, allowed) -> PlanError:
 
 def memory_of(p: Problem, choice) -> float:
     """Predicted peak per-device bytes of a chosen plan (same model as the constraints)."""
-    def total(values):
-        return sum(value_bytes(p, v)[choice[p.group_of_value[v]]] for v in values
-                   if v in p.group_of_value)
-    base = total(p.const_values)
-    return float(base + max((total(live) for live in p.mem_points), default=0.0))
+    base, points = _memory_tables(p)
+    def total(table):
+        return sum(float(arr[choice[g]]) for g, arr in table.items())
+    return float(total(base) + max((total(t) for t in points), default=0.0))
+
+
+def _memory_tables(p: Problem):
+    """Per group, the bytes of its always-live values and of its values live at each check
+    point, under each of its strategies (summed once per problem: descent asks per start)."""
+    hit = p.__dict__.get("_memory_tables")
+    if hit is None:
+        def table(values):
+            out: dict[int, np.ndarray] = {}
+            for v in values:
+                g = p.group_of_value.get(v)
+                if g is not None:
+                    b = value_bytes(p, v)
+                    out[g] = out[g] + b if g in out else b
+            return out
+        hit = p.__dict__["_memory_tables"] = (table(p.const_values),
+                                              [table(live) for live in p.mem_points])
+    return hit

@@ -499,6 +499,43 @@ def build(graph: Graph, mesh: Mapping[str, int], cost_model, max_strategies: int
                    list(graph.inputs) + list(graph.consts), b.reshard)
 
 
+def flow_pairs(problem: Problem) -> int:
+    """How many (source layout, needed layout) pairs the merged edges have: the size of the
+    solver's flow model."""
+    total = 0
+    for e in problem.merged_edges():
+        if problem.root(e.src) != problem.root(e.dst):
+            total += len(set(problem.groups[e.src].shard[e.value])) * len(set(e.need))
+    return total
+
+
+def restrict(problem: Problem, candidates: Mapping[int, Sequence[int]]) -> Problem:
+    """The same problem with each root group (and the groups tied to it) down to the strategy
+    indices ``candidates[root]``, in that order; a solution's index ``j`` of root ``r`` is
+    ``candidates[r][j]`` of the full problem. Sliced layout tuples are shared between tied
+    groups, so their edges still merge."""
+    memo: dict = {}
+
+    def pick(seq, idx):
+        key = (id(seq), idx)
+        hit = memo.get(key)
+        if hit is None:
+            hit = memo[key] = tuple(seq[i] for i in idx)
+            memo[("keep", key)] = seq
+        return hit
+
+    groups = []
+    for g in problem.groups:
+        idx = tuple(candidates[problem.root(g.id)])
+        new = Group(g.id, g.leader, pick(g.strategies, idx), g.compute_s[list(idx)],
+                    g.comm_s[list(idx)], {k: pick(v, idx) for k, v in g.members.items()},
+                    {v: pick(s, idx) for v, s in g.shard.items()}, dict(g.mults))
+        groups.append(new)
+    edges = [dataclasses.replace(e, need=pick(e.need, tuple(candidates[problem.root(e.dst)])))
+             for e in problem.edges]
+    return dataclasses.replace(problem, groups=groups, edges=edges, ties=dict(problem.ties))
+
+
 def value_bytes(problem: Problem, v: int) -> np.ndarray:
     """Per-device bytes of value ``v`` under each strategy of its group (memoised by type and
     layout list: an unrolled model asks for the same few thousands of times)."""

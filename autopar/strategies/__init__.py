@@ -39,10 +39,10 @@ from collections.abc import Mapping, Sequence
 
 from autopar.errors import ShardingError
 from autopar.sharding import Sharding
-from autopar.strategies.logical import LOGICAL_RULES, InputAxes, annotate
+from autopar.strategies.logical import InputAxes, annotate
 from ir import Graph
 
-__all__ = ["LOGICAL_RULES", "NAMES", "HandWritten", "annotate", "get"]
+__all__ = ["NAMES", "Bound", "HandWritten", "annotate", "get"]
 
 _MODEL_FIRST = ("megatron", "megatron_sp")     # a one-axis mesh is their model axis
 _TP_NAMES = ("mlp", "heads", "vocab")          # Megatron's sharded logical dims
@@ -117,7 +117,26 @@ class HandWritten:
             return self.shard_params
         return info.kind == "opt_state" and (self.shard_params or self.shard_opt_state)
 
-    def allows(self, op, strategy, origins=()) -> bool:
+    def bind(self, graph: Graph, mesh: Mapping[str, int]) -> Bound:
+        """This strategy applied to one step: its input layouts, an op filter that knows which
+        inputs are parameters (from the graph, not their names) and what it could not place."""
+        layouts = self.fix_inputs(graph, mesh)
+        info = annotate(graph)
+        params = frozenset(graph.input_paths[k] for k, a in enumerate(info) if a.kind == "param")
+        notes = self.notes(graph, mesh, layouts)
+        return Bound(self, graph, layouts, params, notes)
+
+    def notes(self, graph: Graph, mesh: Mapping[str, int],
+              layouts: Mapping[int, Sharding] | None = None) -> tuple[str, ...]:
+        """One line per kind of parameter this strategy means to split but cannot (a role it does
+        not recognise, a dim its axis does not divide, no such parameter at all), with why.
+        Parameters of repeated layers are reported once, with their count."""
+        layouts = self.fix_inputs(graph, mesh) if layouts is None else layouts
+        from autopar.strategies.notes import placement_notes
+
+        return placement_notes(self, graph, mesh, layouts)
+
+    def allows(self, op, strategy, origins=(), params: frozenset | None = None) -> bool:
         """Contractions split their work over the data axis, as every data-parallel worker runs
         its own slice of the batch (without this the planner may gather a small batch and compute
         replicated); a parameter is never split over the data axis where it is used (FSDP/ZeRO-3
@@ -137,7 +156,9 @@ class HandWritten:
         data = self.data_axis or "data"
         model = self.model_axis or "model"
         for origin, s in zip(origins, strategy.ins):
-            if not (origin and "['params']" in origin and s):
+            is_param = origin and (origin in params if params is not None
+                                   else "['params']" in origin)
+            if not (is_param and s):
                 continue
             if any(data in dim for dim in s):
                 return False
@@ -145,6 +166,29 @@ class HandWritten:
             if self.tensor_parallel and not any(model in dim for dim in s):
                 return False
         return any(data in dim for s in strategy.ins if s for dim in s)
+
+
+@dataclasses.dataclass(frozen=True)
+class Bound:
+    """A hand-written strategy bound to one graph and mesh (``HandWritten.bind``)."""
+
+    strategy: HandWritten
+    graph: Graph = dataclasses.field(repr=False, compare=False)
+    layouts: Mapping[int, Sharding] = dataclasses.field(repr=False)
+    params: frozenset[str] = frozenset()
+    notes: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return self.strategy.name
+
+    def fix_inputs(self, graph: Graph, mesh: Mapping[str, int]) -> dict[int, Sharding]:
+        if graph is not self.graph:
+            return self.strategy.fix_inputs(graph, mesh)
+        return dict(self.layouts)
+
+    def allows(self, op, strategy, origins=()) -> bool:
+        return self.strategy.allows(op, strategy, origins, self.params)
 
 
 def _default(mesh: Mapping[str, int], want: str, fallback: str, one_axis_ok: bool) -> str | None:
