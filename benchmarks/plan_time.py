@@ -32,7 +32,8 @@ import time
 import _common  # noqa: F401  (sets XLA_FLAGS before jax is imported)
 
 HEADER = ("model", "layers", "mesh", "devices", "trace_s", "build_s", "solve_s", "total_s",
-          "wall_s", "cpu_s", "peak_mb", "status", "gap", "groups", "vars", "predicted step ms")
+          "wall_s", "trace_cpu_s", "plan_cpu_s", "peak_mb", "status", "gap", "groups", "vars",
+          "predicted step ms")
 FIRST_HEADER = ("model", "mesh", "first_call_s", "trace_s", "plan_s", "compile_s", "cpu_s",
                 "jit_first_call_s", "status", "gap")
 MESH64 = {"data": 8, "model": 8}
@@ -88,12 +89,13 @@ def child_depth(spec: dict) -> dict:
     fn, state, batch = _abstract(spec["family"], spec["layers"], spec["batch"])
     t0, c0 = time.perf_counter(), time.process_time()
     graph = ir.trace(fn, state, batch)
-    trace_s = time.perf_counter() - t0
+    trace_s, c1 = time.perf_counter() - t0, time.process_time()
     p = plan_graph(graph, spec["mesh"], hardware="h100", memory_budget=spec["budget"],
                    time_limit_s=spec["time_limit_s"], trace_s=trace_s)
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    wall, c2 = time.perf_counter() - t0, time.process_time()
     s = p.solver
-    return dict(trace_s=s.trace_s, build_s=s.build_s, solve_s=s.solve_s, wall_s=wall, cpu_s=cpu,
+    return dict(trace_s=s.trace_s, build_s=s.build_s, solve_s=s.solve_s, wall_s=wall,
+                trace_cpu_s=c1 - c0, plan_cpu_s=c2 - c1,
                 peak_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                 status=s.status + (f" ({s.candidates} cand.)" if s.candidates else ""),
                 gap=s.gap, groups=s.num_groups, vars=s.num_vars, step_ms=p.cost.step_time_s * 1e3)
@@ -142,12 +144,12 @@ def run_depth(label, family, layers, mesh, batch, budget, time_limit_s) -> tuple
         devices *= n
     if "error" in r:
         nan = float("nan")
-        return (label, layers, _common.mesh_str(mesh), devices) + (nan,) * 7 + (
+        return (label, layers, _common.mesh_str(mesh), devices) + (nan,) * 8 + (
             f"error: {r['error']}", nan, 0, 0, nan)
     total = r["trace_s"] + r["build_s"] + r["solve_s"]
     return (label, layers, _common.mesh_str(mesh), devices, r["trace_s"], r["build_s"],
-            r["solve_s"], total, r["wall_s"], r["cpu_s"], r["peak_mb"], r["status"], r["gap"],
-            r["groups"], r["vars"], r["step_ms"])
+            r["solve_s"], total, r["wall_s"], r["trace_cpu_s"], r["plan_cpu_s"], r["peak_mb"],
+            r["status"], r["gap"], r["groups"], r["vars"], r["step_ms"])
 
 
 def run_first_call(name: str) -> tuple:
@@ -163,13 +165,16 @@ def _ratio_lines(rows) -> list[str]:
     """Depth ratios (96 vs 12 layers) of each model family, total and planner only."""
     out = []
     for label in dict.fromkeys(r[0] for r in rows):
-        by = {r[1]: r for r in rows if r[0] == label and not str(r[11]).startswith("error")}
+        by = {r[1]: r for r in rows if r[0] == label and not str(r[12]).startswith("error")}
         if 12 in by and 96 in by:
             a, b = by[12], by[96]
-            out.append(f"- {label}: 96 vs 12 layers: total {b[7] / a[7]:.2f}x "
+            cpu_a, cpu_b = a[9] + a[10], b[9] + b[10]
+            out.append(f"- {label}, 96 vs 12 layers: total {b[7] / a[7]:.2f}x "
                        f"({a[7]:.1f} s -> {b[7]:.1f} s), build + solve "
-                       f"{(b[5] + b[6]) / (a[5] + a[6]):.2f}x, CPU {b[9] / a[9]:.2f}x, decision "
-                       f"groups {a[13]} -> {b[13]}, ILP variables {a[14]} -> {b[14]}.")
+                       f"{(b[5] + b[6]) / (a[5] + a[6]):.2f}x; CPU time {cpu_b / cpu_a:.2f}x "
+                       f"({cpu_a:.1f} s -> {cpu_b:.1f} s), of which planning "
+                       f"{b[10] / a[10]:.2f}x and tracing {b[9] / a[9]:.2f}x; decision groups "
+                       f"{a[14]} -> {b[14]}, ILP variables {a[15]} -> {b[15]}.")
     return out
 
 
@@ -182,9 +187,10 @@ def write(out, rows, first_rows, elapsed: float) -> None:
         "hardware=\"h100\", time_limit_s=10)` on abstract inputs (nothing is allocated; the 64",
         "devices need not exist). `trace_s`, `build_s` (rules, costs, layer tying, the",
         "hand-written starts' descents) and `solve_s` (CP-SAT) come from `plan.solver`;",
-        "`total_s` is their sum, `wall_s` the wall time of trace + plan, `cpu_s` this process's",
-        "CPU time over the same span (on a loaded machine wall time includes waiting for a",
-        "core; CPU time does not) and `peak_mb` the process's peak resident memory. `status`",
+        "`total_s` is their sum, `wall_s` the wall time of trace + plan, `trace_cpu_s` and",
+        "`plan_cpu_s` this process's CPU time while tracing and while planning (on a loaded",
+        "machine wall time includes waiting for a core; CPU time does not) and `peak_mb` the",
+        "process's peak resident memory. `status`",
         "says whether CP-SAT proved its plan optimal; `(N cand.)` means a large model was solved",
         "over the N best candidate strategies of each decision group (the start's, each",
         "hand-written start's and the cheapest given the start) and `gap` is then relative to",

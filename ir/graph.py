@@ -218,7 +218,11 @@ class Graph:
         return to_networkx(self)
 
     def fingerprint(self) -> str:
-        """A stable hash of the graph's structure (prims, shapes, wiring), for plan matching."""
+        """A stable hash of the graph's structure (prims, shapes, wiring), for plan matching.
+        Cached: a 50k-op graph takes a second to hash."""
+        hit = self.__dict__.get("_fingerprint")
+        if hit is not None:
+            return hit
         import hashlib
 
         h = hashlib.sha256()
@@ -227,4 +231,5 @@ class Graph:
         for v in self.values:
             h.update(f"{v};".encode())
         h.update(repr((self.inputs, self.outputs, self.input_paths)).encode())
-        return h.hexdigest()[:16]
+        hit = self.__dict__["_fingerprint"] = h.hexdigest()[:16]
+        return hit

@@ -299,7 +299,8 @@ def module_path(name: str) -> str:
 def _block_name(ops: Sequence[Op]) -> str:
     """The deepest module path that most (80%) of the block's named ops lie under, else
     ``block@<first op id>``."""
-    paths = [module_path(op.name).split("/") for op in ops if op.name]
+    step = max(1, len(ops) // 64)   # a sample is enough to name the block
+    paths = [module_path(op.name).split("/") for op in ops[::step] if op.name]
     best = ""
     for depth in range(1, max((len(p) for p in paths), default=0) + 1):
         prefix, n = Counter("/".join(p[:depth]) for p in paths if len(p) >= depth).most_common(
@@ -325,17 +326,19 @@ def _walk(op_lists: Iterable[Iterable[Op]]) -> Iterable[Op]:
 
 
 def _signature(graph: Graph, ops: Sequence[Op]) -> str:
-    """Hash of the op sequence: prims, params, trip counts, shapes and internal wiring."""
-    local: dict[int, str] = {}
-    h = hashlib.sha1()
+    """Hash of the op sequence: prims, params, trip counts, shapes and internal wiring (which
+    earlier op of the sequence feeds each input). Equal within one process for equal blocks."""
+    local: dict[int, int] = {}
+    items = []
     for j, op in enumerate(ops):
-        wiring = tuple(local.get(v, "x") for v in op.ins)
-        types = tuple(str(graph.values[v]) for v in op.ins + op.outs)
+        wiring = tuple(local.get(v, -1) for v in op.ins)
+        types = tuple(graph.values[v] for v in op.ins + op.outs)
         body = tuple(o.prim for r in op.regions for o in r.ops)
-        h.update(repr((op.prim, op.params, op.trip_count, wiring, types, body)).encode())
+        items.append((op.prim, op.params, op.trip_count, wiring, types, body))
         for k, v in enumerate(op.outs):
-            local[v] = f"{j}.{k}"
-    return h.hexdigest()[:16]
+            local[v] = j * 1024 + k
+    digest = hashlib.sha1(repr(hash(tuple(items))).encode()).hexdigest()
+    return digest[:16]
 
 
 def _assign(graph: Graph, layers: tuple[Layer, ...]) -> Graph:
@@ -354,9 +357,18 @@ def _relabel(ops: tuple[Op, ...], owner: dict[int, int]) -> tuple[Op, ...]:
         regions = tuple(_relabel_region(r, owner) for r in op.regions)
         layer = owner.get(op.id, op.layer)
         if layer != op.layer or any(a is not b for a, b in zip(regions, op.regions)):
-            op = dataclasses.replace(op, layer=layer, regions=regions)
+            op = _with(op, layer=layer, regions=regions)
         out.append(op)
     return tuple(out)
+
+
+def _with(op: Op, **changes) -> Op:
+    """``dataclasses.replace`` for ops without re-running ``__init__`` (tens of thousands of
+    ops get their layer set; a fresh copy, the original is untouched)."""
+    new = object.__new__(Op)
+    new.__dict__.update(op.__dict__)
+    new.__dict__.update(changes)
+    return new
 
 
 def _relabel_region(region: Region, owner: dict[int, int]) -> Region:

@@ -23,6 +23,7 @@ import ir
 from autopar import strategies
 from autopar.api import plan_graph
 from autopar.models import adamw_step, hf
+from autopar.strategies.roles import path_keys
 
 pytest.importorskip("transformers", reason="the dev extra installs transformers 4.x")
 
@@ -93,7 +94,7 @@ def _assert_same_update(old, got, want, grad, lr: float = 1e-3) -> None:
     key bias's is exactly zero in exact arithmetic: softmax ignores shifts) its sign, and so a
     ~lr step, may differ between two correct programs. Elsewhere the updates agree closely."""
     assert np.max(np.abs(got - want)) <= 2.05 * lr
-    real = np.abs(grad) > 1e-6 * max(float(np.max(np.abs(grad))), 1e-30)
+    real = np.abs(grad) > 1e-5     # 1000 x Adam's eps: the update no longer amplifies noise
     np.testing.assert_allclose((got - old)[real], (want - old)[real], rtol=1e-3, atol=1e-8)
 
 
@@ -151,7 +152,7 @@ def test_gpt2_fused_conv1d_roles():
 
 def test_llama_gated_mlp_roles():
     g = _graph("llama")
-    roles = {p.split("['")[-2]: a.role for p, a in zip(g.input_paths, strategies.annotate(g))
+    roles = {path_keys(p)[-2]: a.role for p, a in zip(g.input_paths, strategies.annotate(g))
              if a.kind == "param" and "['0']" in p}
     assert roles["q_proj"] == roles["k_proj"] == roles["v_proj"] == "attn_in"
     assert roles["o_proj"] == "attn_out"
@@ -228,3 +229,18 @@ def test_megatron_on_plain_dict_splits_the_hidden_layer():
     assert spec["[0]['weights']['w1']"] == ((), ("model",))
     assert spec["[0]['weights']['b1']"] == (("model",),)
     assert spec["[0]['weights']['w2']"] == (("model",), ())
+
+
+def test_readme_third_party_example_runs_as_written(capsys):
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    part = text.split("### Third-party models", 1)[1]
+    code = re.search(r"```python\n(.*?)```", part, re.S).group(1)
+    exec(compile(code, "README.md#third-party", "exec"), {"__name__": "readme"})
+    out = capsys.readouterr().out.splitlines()
+    loss, ref = map(float, out[0].split())
+    assert abs(loss - ref) <= 1e-5 * abs(ref)
+    assert out[1] == "PartitionSpec('model',)"
+    assert any(line.startswith("autopar plan  strategy=megatron") for line in out)

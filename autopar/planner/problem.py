@@ -36,6 +36,7 @@ from autopar.planner.reshard import reshard_s
 from autopar.planner.rules import Choices, Follow, RuleContext, Strategy
 from autopar.sharding import Sharding, replicated, shard_factor
 from ir import Graph, Op
+from ir.layers import node_graph
 from ir.layers import roles as layer_roles
 
 _CONTRACTIONS = ("dot_general", "conv_general_dilated")
@@ -123,8 +124,8 @@ class Problem:
             merged: dict[tuple, Edge] = {}
             for e in self.edges:
                 have = self.groups[e.src].shard[e.value]
-                key = (self.root(e.src), self.root(e.dst), self.graph.values[e.value], id(have),
-                       id(e.need))
+                key = (self.root(e.src), self.root(e.dst), id(self.graph.values[e.value]),
+                       id(have), id(e.need))
                 old = merged.get(key)
                 merged[key] = e if old is None else dataclasses.replace(old, mult=old.mult + e.mult)
             hit = self.__dict__["_merged"] = list(merged.values())
@@ -181,16 +182,25 @@ class _Builder:
         self.gop: dict[int, int] = {}
         self.reshard = ReshardCache(cost_model, mesh)
         self.memo: dict = {}        # op structure (+ operand layouts) -> rule / _Planned
+        first = len(graph.inputs) + len(graph.consts)
+        labels = node_graph(graph)[0]
+        self.labels = {op.id: int(labels[first + j]) for j, op in enumerate(graph.ops)}
         self.interned: dict = {}    # layout tuple -> the one instance of it
 
     def intern(self, layouts: tuple) -> tuple:
         return self.interned.setdefault(layouts, layouts)
 
     def op_key(self, op: Op) -> tuple | None:
-        """Everything the rules and the costs read of an op; None for ops with regions."""
+        """Everything the rules and the costs read of an op; None for ops with regions. A
+        top-level op's structural label (``ir.layers.node_graph``: primitive, params, types,
+        literals) stands in for the first five."""
         if op.regions:
             return None
         vals, ctx = self.g.values, self.ctx
+        label = self.labels.get(op.id)
+        if label is not None:
+            return (label, tuple(ctx.producers.get(v) for v in op.ins), op.flops,
+                    op.transcendentals, op.bytes_accessed)
         return (op.prim, op.params, tuple(vals[v] for v in op.ins),
                 tuple(vals[v] for v in op.outs), tuple(v in ctx.literals for v in op.ins),
                 tuple(ctx.producers.get(v) for v in op.ins), op.flops, op.transcendentals,
@@ -532,7 +542,7 @@ def restrict(problem: Problem, candidates: Mapping[int, Sequence[int]]) -> Probl
                     {v: pick(s, idx) for v, s in g.shard.items()}, dict(g.mults))
         groups.append(new)
     edges = [dataclasses.replace(e, need=pick(e.need, tuple(candidates[problem.root(e.dst)])))
-             for e in problem.edges]
+             for e in problem.merged_edges()]   # the solver sees only these
     return dataclasses.replace(problem, groups=groups, edges=edges, ties=dict(problem.ties))
 
 
