@@ -242,5 +242,5 @@ def test_readme_third_party_example_runs_as_written(capsys):
     out = capsys.readouterr().out.splitlines()
     loss, ref = map(float, out[0].split())
     assert abs(loss - ref) <= 1e-5 * abs(ref)
-    assert out[1] == "PartitionSpec('model',)"
+    assert out[1].endswith("('model',)"), out[1]     # heads split, found from the graph
     assert any(line.startswith("autopar plan  strategy=megatron") for line in out)

@@ -520,10 +520,10 @@ def flow_pairs(problem: Problem) -> int:
 
 
 def restrict(problem: Problem, candidates: Mapping[int, Sequence[int]]) -> Problem:
-    """The same problem with each root group (and the groups tied to it) down to the strategy
-    indices ``candidates[root]``, in that order; a solution's index ``j`` of root ``r`` is
-    ``candidates[r][j]`` of the full problem. Sliced layout tuples are shared between tied
-    groups, so their edges still merge."""
+    """The same problem, for the solver, with each root group (and the groups tied to it) down
+    to the strategy indices ``candidates[root]``, in that order; a solution's index ``j`` of
+    root ``r`` is ``candidates[r][j]`` of the full problem. Sliced layout tuples are shared
+    between tied groups, so their edges still merge."""
     memo: dict = {}
 
     def pick(seq, idx):
@@ -537,9 +537,10 @@ def restrict(problem: Problem, candidates: Mapping[int, Sequence[int]]) -> Probl
     groups = []
     for g in problem.groups:
         idx = tuple(candidates[problem.root(g.id)])
+        # members (per-op strategies, for reports) are left out: the solver never reads them
         new = Group(g.id, g.leader, pick(g.strategies, idx), g.compute_s[list(idx)],
-                    g.comm_s[list(idx)], {k: pick(v, idx) for k, v in g.members.items()},
-                    {v: pick(s, idx) for v, s in g.shard.items()}, dict(g.mults))
+                    g.comm_s[list(idx)], {}, {v: pick(s, idx) for v, s in g.shard.items()},
+                    g.mults)
         groups.append(new)
     edges = [dataclasses.replace(e, need=pick(e.need, tuple(candidates[problem.root(e.dst)])))
              for e in problem.merged_edges()]   # the solver sees only these
