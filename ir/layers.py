@@ -3,31 +3,31 @@
 Two views of repetition, both found from the graph alone (never from module or parameter names,
 so ``h_0``, ``layers_3``, ``block/3``, nnx lists and anonymous Python loops are all the same):
 
-**Roles** (``roles(graph)``): every top-level op and every graph input gets an integer role;
-equal roles mean equal structure within ``ROLE_ROUNDS`` hops. It is colour refinement
-(1-dimensional Weisfeiler-Lehman) on the op graph with edges labelled by (output index, operand
-index), read both ways (producers and consumers), started from each node's own label (primitive,
-params, types, literal operands; an input's type). Ops in different unrolled layers that play the
-same part get the same role: the q projection of layer 7 and of layer 40, the adamw update of
-their kernels, the kernels and their Adam moments themselves. Only layers within
-``ROLE_ROUNDS`` hops of something unlike them (the embedding, the head) stay apart, so the number
-of distinct roles does not grow with depth. Two ops of one layer whose neighbourhoods look alike
-up to that radius share a role too (e.g. Llama's q and k projections); sharing a decision there
-only narrows the search, the costs stay exact.
-
-**Blocks** (``Graph.layers``): runs of top-level ops that repeat back to back (a Python loop's
-forward pass, its backward pass) are cut into equal units, and each forward unit is paired with
-the backward unit that reads its residuals, so a block's forward, rematerialised and backward ops
-form one layer. Two blocks with equal ``signature`` have equal op sequences and list their op ids
-in corresponding order. A ``scan`` op is one layer (``kind="scan"``, ``repeats`` = trip count)
-with its body ops after it.
+**Blocks** (``Graph.layers``): runs of top-level ops whose labels (primitive, params, types,
+literal operands) repeat back to back, as a Python loop's forward pass and its backward pass do,
+are cut into equal units; units of one run with equal internal wiring form a family, and each
+unit of a later family that reads from exactly one unit of an earlier one joins it, so a
+block's forward, backward (and optimizer update, where it is cut alike) form one layer. Two
+blocks with equal ``signature`` have equal op sequences and list their op ids in corresponding
+order. A ``scan`` op is one layer (``kind="scan"``, ``repeats`` = trip count) with its body ops.
 
     >>> g = ir.trace(step, state, batch)      # a 4-layer unrolled GPT
-    >>> [layer.name for layer in g.layers]
+    >>> [layer.name for layer in g.layers][:4]
     ['GPT/layer_0', 'GPT/layer_1', 'GPT/layer_2', 'GPT/layer_3']
 
+**Roles** (``roles(graph)``): every top-level op and every graph input gets an integer role. An
+op in a block that computes (has a contraction) takes (block signature, position) as its role:
+equal in every copy. Every other node (parameters, optimizer state and updates, embedding and
+head, layers that differ) gets colour refinement (1-dimensional Weisfeiler-Lehman) on the op
+graph, with edges labelled by (output index, operand index) and read both ways, anchored on the
+block roles, which never change and so pass no difference between layers on. Layer 7's and
+layer 40's q kernel, their Adam moments and their updates end with one role each, and the
+number of roles does not grow with depth. Two nodes of one layer that refinement cannot tell
+apart share a role too; sharing a decision there only narrows the search, the costs stay exact.
+
 What it misses: repetition that is not back to back (layers interleaved with other work) is not
-cut into blocks, though its roles still match; a unit is at least ``MIN_BLOCK_OPS`` ops.
+cut into blocks (refinement still matches their roles where neighbourhoods agree, though the
+first and last layers then differ); a unit is at least ``MIN_BLOCK_OPS`` ops.
 """
 from __future__ import annotations
 

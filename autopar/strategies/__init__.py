@@ -1,9 +1,10 @@
 """Hand-written parallelism strategies (DP, ZeRO-1/2/3, FSDP, Megatron, sequence parallel, EP).
 
 A strategy is what a practitioner writes by hand: layouts for the *inputs* of the step, found
-from each input's pytree path and shape (``logical.annotate``: a Dense kernel of an MLP's first
-layer is ``("embed", "mlp")``, an embedding ``("vocab", "embed")``, a token batch
-``("batch", "seq")``), then a map of logical names to mesh axes, like flax's
+from each input's role in the graph, never its name (``logical.annotate`` over
+``roles.analyse``: a kernel whose output feeds another kernel is ``("embed", "mlp")``, one whose
+output feeds attention ``("embed", "heads")``, a gathered table ``("vocab", "embed")``, a token
+batch ``("batch", "seq")``), then a map of logical names to mesh axes, like flax's
 ``logical_axis_rules``:
 
     strategy    logical name -> mesh axis                optimizer state   reduce-scatter
@@ -27,6 +28,10 @@ collectives (e.g. it may gather a head-sharded kernel rather than run attention 
 
 Every layout is one the planner accepts: a dim holds at most two mesh axes, in mesh order, an
 axis of size 1 is dropped, and a dim the axes do not divide stays replicated (never an error).
+
+``bind(graph, mesh)`` applies a strategy to one step: its layouts, an op filter that knows the
+step's parameters, and ``notes``: what it cannot place as it intends, and why (``autopar.plan``
+warns with them and ``plan.summary()`` lists them).
 
     >>> autopar.plan(step, state, batch, mesh={"data": 2, "model": 4}, strategy="megatron")
     >>> autopar.plan(..., strategy=autopar.strategies.get("fsdp", data_axis="x"))
