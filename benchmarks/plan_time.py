@@ -179,6 +179,7 @@ def _ratio_lines(rows) -> list[str]:
 
 
 def write(out, rows, first_rows, elapsed: float) -> None:
+    env = _common.environment()    # before any file is written: the stamp is the code's state
     _common.write_csv(out / "plan_time.csv", HEADER, rows)
     lines = [
         "# autopar planning time",
@@ -220,7 +221,7 @@ def write(out, rows, first_rows, elapsed: float) -> None:
         "",
         _common.md_table(FIRST_HEADER, first_rows),
         "",
-        f"Sweep wall time {elapsed:.0f} s. Environment: {_common.environment()}.",
+        f"Sweep wall time {elapsed:.0f} s. Environment: {env}.",
         "",
         "Reproduce: `python benchmarks/plan_time.py` (`--quick` for one small row).",
         "",
