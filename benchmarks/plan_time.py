@@ -25,6 +25,7 @@ Writes ``benchmarks/results/plan_time.md`` and ``plan_time.csv``.
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -42,6 +43,7 @@ MESH64 = {"data": 8, "model": 8}
 # planner's (conservative) memory estimate at any depth; those rows plan under a lifted budget.
 DEPTH_BATCH = 16
 LIFTED_BUDGET = 1e13
+REPEAT = 3          # fresh processes per row; the table shows each column's median
 
 
 def depth_rows(quick: bool):
@@ -127,18 +129,23 @@ def child_first_call(spec: dict) -> dict:
                 gap=s.gap)
 
 
-def _in_child(kind: str, spec: dict) -> dict:
-    cmd = [sys.executable, __file__, "--child", kind, json.dumps(spec)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    if proc.returncode != 0:
-        return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1][:200]}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def _in_child(kind: str, spec: dict, repeat: int = 1) -> dict:
+    """Runs one row ``repeat`` times, each in a fresh process; numbers are the medians."""
+    runs = []
+    for _ in range(repeat):
+        cmd = [sys.executable, __file__, "--child", kind, json.dumps(spec)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        if proc.returncode != 0:
+            return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1][:200]}
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return {k: (statistics.median(r[k] for r in runs) if isinstance(v, float) else v)
+            for k, v in runs[0].items()}
 
 
-def run_depth(label, family, layers, mesh, batch, budget, time_limit_s) -> tuple:
+def run_depth(label, family, layers, mesh, batch, budget, time_limit_s, repeat) -> tuple:
     spec = dict(family=family, layers=layers, mesh=mesh, batch=batch, budget=budget,
                 time_limit_s=time_limit_s)
-    r = _in_child("depth", spec)
+    r = _in_child("depth", spec, repeat)
     devices = 1
     for n in mesh.values():
         devices *= n
@@ -152,8 +159,8 @@ def run_depth(label, family, layers, mesh, batch, budget, time_limit_s) -> tuple
             r["status"], r["gap"], r["groups"], r["vars"], r["step_ms"])
 
 
-def run_first_call(name: str) -> tuple:
-    r = _in_child("first", {"name": name})
+def run_first_call(name: str, repeat: int) -> tuple:
+    r = _in_child("first", {"name": name}, repeat)
     if "error" in r:
         nan = float("nan")
         return (name, "data2xmodel4") + (nan,) * 6 + (f"error: {r['error']}", nan)
@@ -184,7 +191,8 @@ def write(out, rows, first_rows, elapsed: float) -> None:
     lines = [
         "# autopar planning time",
         "",
-        "Each row is a fresh process: `ir.trace` then `autopar.api.plan_graph(graph, mesh,",
+        f"Each row is the median of {REPEAT} fresh processes, each timing `ir.trace` then",
+        "`autopar.api.plan_graph(graph, mesh,",
         "hardware=\"h100\", time_limit_s=10)` on abstract inputs (nothing is allocated; the 64",
         "devices need not exist). `trace_s`, `build_s` (rules, costs, layer tying, the",
         "hand-written starts' descents) and `solve_s` (CP-SAT) come from `plan.solver`;",
@@ -214,7 +222,8 @@ def write(out, rows, first_rows, elapsed: float) -> None:
         "`@autopar.autoparallel(step, mesh=2x4 Mesh)` with default options on transformers'",
         "2-layer, 64-wide Flax models (tiny configs of `autopar.models.hf`, batch 8): the time",
         "of the first call (trace, plan, compile, run), split as reported by `plan.solver`",
-        "(`compile_s` is the rest), against the first call of `jax.jit(step)` on one device",
+        f"(`compile_s` is the rest; medians of {REPEAT} fresh processes), against the first",
+        "call of `jax.jit(step)` on one device",
         "made afterwards in the same process (so with jax's trace caches warm).",
         "T5 is missing: transformers' Flax T5 calls `jnp.clip(..., a_max=...)`, which this jax",
         "removed, so it cannot be traced at all.",
@@ -238,15 +247,16 @@ def main(argv=None):
     args = _common.parser(__doc__).parse_args(argv)
     out = _common.out_dir(args)
     time_limit_s = 2.0 if args.quick else 10.0
+    repeat = 1 if args.quick else REPEAT
     t_all = time.perf_counter()
     rows = []
     for spec in depth_rows(args.quick):
-        r = run_depth(*spec, time_limit_s)
+        r = run_depth(*spec, time_limit_s, repeat)
         print("  " + "  ".join(_common._cell(x) for x in r), flush=True)
         rows.append(r)
     first_rows = []
     for name in (() if args.quick else ("gpt2", "bart", "whisper")):
-        r = run_first_call(name)
+        r = run_first_call(name, repeat)
         print("  " + "  ".join(_common._cell(x) for x in r), flush=True)
         first_rows.append(r)
     elapsed = time.perf_counter() - t_all
