@@ -16,6 +16,8 @@ Shapes in comments: B batch, S sequence, V vocabulary, L labels.
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import inspect
 import os
 from collections.abc import Callable
 from typing import Any
@@ -101,8 +103,31 @@ def gpt2_config(layers: int, width: int, heads: int | None = None, vocab: int = 
         n_positions=positions)
 
 
+class _JnpWithOldClip:
+    """``jax.numpy`` as transformers' Flax T5 expects it: its relative-position buckets call
+    ``jnp.clip(x, a_max=...)``, keywords that this jax removed (``min``/``max`` now). Every other
+    name is jax.numpy's own."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(jnp, name)
+
+    @staticmethod
+    def clip(x, min=None, max=None, *, a_min=None, a_max=None):
+        return jnp.clip(x, a_min if min is None else min, a_max if max is None else max)
+
+
+def _old_clip_for(name: str) -> None:
+    """Gives the T5 modules the keyword-compatible ``jnp`` when this jax lacks ``a_max``."""
+    if name != "t5" or "a_max" in inspect.signature(jnp.clip).parameters:
+        return
+    module = importlib.import_module("transformers.models.t5.modeling_flax_t5")
+    if not isinstance(module.jnp, _JnpWithOldClip):
+        module.jnp = _JnpWithOldClip()
+
+
 def build(name: str, config: Any, dtype=jnp.float32) -> Any:
     """The Flax model of family ``name`` for ``config``, without weights (``_do_init=False``)."""
+    _old_clip_for(name)
     cls = getattr(_transformers(), FAMILIES[name].model)
     return cls(config, _do_init=False, dtype=dtype)
 
