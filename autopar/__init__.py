@@ -5,11 +5,12 @@
 
 See README.md for the guided tour.
 """
-from autopar import strategies
+from autopar import checkpoint, distributed, strategies
 from autopar.api import autoparallel, plan
 from autopar.compare import compare
 from autopar.errors import AutoparError, PlanError, ShardingError
 from autopar.plan import Plan
+from autopar.verify import verify
 
-__all__ = ["AutoparError", "Plan", "PlanError", "ShardingError", "autoparallel", "compare", "plan",
-           "strategies"]
+__all__ = ["AutoparError", "Plan", "PlanError", "ShardingError", "autoparallel", "checkpoint",
+           "compare", "distributed", "plan", "strategies", "verify"]

@@ -15,20 +15,23 @@ import jax
 
 import cost_models
 import ir
-from autopar import codegen
-from autopar.errors import AutoparError, ShardingError
-from autopar.mesh import axis_sizes, concrete_mesh, default_hardware
-from autopar.options import PlannerOptions, checks_enabled
+from autopar import codegen, distributed, validate
+from autopar.errors import AutoparError, PlanError, ShardingError
+from autopar.mesh import axis_sizes, concrete_mesh, default_hardware, on_mesh, without_mesh
+from autopar.options import PlannerOptions, checks_enabled, deterministic_default
 from autopar.plan import Plan
 from autopar.planner import make_plan
 
+PLAN_OPTIONS = ("mesh", "hardware", "memory_budget", "strategy", "donate_argnums",
+                "time_limit_s", "deterministic")
 
-def _trace(fn: Callable, args, kwargs, donate_argnums) -> tuple[ir.Graph, float]:
-    if kwargs:
-        raise AutoparError(f"keyword arguments {sorted(kwargs)} are not supported by autopar yet; "
-                           f"pass them positionally or close over them with functools.partial")
+
+def _trace(fn: Callable, args, types, donate_argnums) -> tuple[ir.Graph, float]:
+    """Trace from unsharded abstract arguments: no data, and no mesh the caller's arrays carry."""
+    validate.check_donation_in_range(donate_argnums, len(args))
     t0 = time.perf_counter()
-    graph = ir.trace(fn, *args, donate_argnums=donate_argnums)
+    with without_mesh():
+        graph = ir.trace(fn, *validate.abstract(args, types), donate_argnums=donate_argnums)
     return graph, time.perf_counter() - t0
 
 
@@ -36,33 +39,28 @@ def _hardware(hardware, mesh) -> cost_models.Hardware:
     return cost_models.hardware(hardware if hardware is not None else default_hardware(mesh))
 
 
-def _resolve_strategy(strategy) -> tuple[str, Any]:
-    if strategy in (None, "auto"):
-        return "auto", None
-    if isinstance(strategy, str):
-        from autopar import strategies
-
-        return strategy, strategies.get(strategy)
-    return getattr(strategy, "name", type(strategy).__name__), strategy
-
-
 def plan_graph(graph: ir.Graph, mesh, *, hardware=None, memory_budget=None, strategy="auto",
-               time_limit_s: float = 30.0, trace_s: float = 0.0) -> Plan:
+               time_limit_s: float = 30.0, trace_s: float = 0.0,
+               deterministic: bool | None = None) -> Plan:
     """Plan an already traced graph (see ``plan``)."""
     sizes = axis_sizes(mesh)
     hw = _hardware(hardware, mesh)
-    cm = cost_models.CostModel(hw, sizes)
-    name, strat = _resolve_strategy(strategy)
+    budget = validate.memory_budget(memory_budget)
+    time_limit_s = validate.time_limit(time_limit_s)
+    cm = cost_models.CostModel(hw, sizes, device_nodes=distributed.device_nodes(mesh))
+    name, strat = validate.strategy(strategy)
     if hasattr(strat, "bind"):   # hand-written: find parameters and their roles in this graph
         strat = strat.bind(graph, sizes)
-    fixed = strat.fix_inputs(graph, sizes) if strat is not None else None
+    fixed = (validate.fixed_layouts(strat.fix_inputs(graph, sizes), graph, sizes, name)
+             if strat is not None else None)
     op_filter = getattr(strat, "allows", None)
-    budget = hw.memory_bytes if memory_budget is None else float(memory_budget)
+    budget = hw.memory_bytes if memory_budget is None else budget
     starts = _handwritten_starts() if strat is None else ()
     if checks_enabled():
         ir.verify(graph)
     opts = PlannerOptions(strategy=name, memory_budget=budget, time_limit_s=time_limit_s,
-                          fixed_inputs=fixed, op_filter=op_filter, starts=tuple(starts))
+                          fixed_inputs=fixed, op_filter=op_filter, starts=tuple(starts),
+                          deterministic=_deterministic(deterministic))
     notes = tuple(getattr(strat, "notes", ()))
     if notes:
         warnings.warn(f"autopar: strategy {name!r} cannot place every parameter as it intends "
@@ -83,91 +81,130 @@ def _handwritten_starts() -> list:
     return [strategies.get(name) for name in _STARTS]
 
 
-def plan(fn: Callable, *args, mesh, hardware=None, memory_budget: float | None = None,
-         strategy="auto", donate_argnums=(), time_limit_s: float = 30.0, **kwargs) -> Plan:
+def plan(fn: Callable, *args, mesh=None, hardware=None, memory_budget: float | None = None,
+         strategy="auto", donate_argnums=(), time_limit_s: float = 30.0,
+         deterministic: bool | None = None, **options) -> Plan:
     """Plan ``fn(*args)`` for ``mesh`` without running it.
 
     Args:
       fn: a training step (any JAX-traceable function of pytrees of arrays).
-      *args: its arguments: arrays or ``jax.ShapeDtypeStruct``s (a 175B model costs no memory).
+      *args: its arguments: arrays, ``jax.ShapeDtypeStruct``s (a 175B model costs no memory) or
+        Python scalars (weak-typed, as ``jax.jit`` treats them).
       mesh: a ``jax.sharding.Mesh``, an ``AbstractMesh`` or a dict of axis sizes
         (``{"data": 32, "model": 8}``) — the devices need not be present.
       hardware: a profile name (``"a100"``, ``"h100"``, ``"h200"``, ``"cpu"``) or a
         ``cost_models.Hardware``; default: the mesh's devices, else ``"h100"``.
       memory_budget: per-device bytes the plan must fit; default the hardware's memory.
       strategy: ``"auto"`` (the ILP chooses) or a hand-written strategy name / object.
-      time_limit_s: the solver's (deterministic) time limit; the best plan found is returned.
+      time_limit_s: wall-clock budget of the whole call, tracing included (see
+        ``autopar.planner.budget``); the best plan found in it is returned.
+      deterministic: never stop on the wall clock, only on the solver's deterministic clock:
+        the same plan on every run under any load, however long the call takes. Default False,
+        or True when the environment sets ``AUTOPAR_DETERMINISTIC=1``.
 
     Returns:
       An ``autopar.Plan``.
+
+    Raises:
+      AutoparError: for any bad input (its subclasses say which kind); the message names what
+        was given, where, and the fix.
     """
-    graph, trace_s = _trace(fn, args, kwargs, donate_argnums)
+    validate.reject_unknown(options, PLAN_OPTIONS, "plan")
+    validate.callable_fn(fn, "autopar.plan")
+    _require_mesh(mesh, "plan")
+    _check_options(dict(hardware=hardware, memory_budget=memory_budget, strategy=strategy,
+                        time_limit_s=time_limit_s, deterministic=deterministic), mesh)
+    types = validate.leaf_types(args, run=False)
+    graph, trace_s = _trace(fn, args, types, validate.donate_argnums(donate_argnums))
     return plan_graph(graph, mesh, hardware=hardware, memory_budget=memory_budget,
-                      strategy=strategy, time_limit_s=time_limit_s, trace_s=trace_s)
+                      strategy=strategy, time_limit_s=time_limit_s, trace_s=trace_s,
+                      deterministic=deterministic)
 
 
-def _signature(args) -> tuple:
-    leaves, tree = jax.tree_util.tree_flatten(args)
-    return (tree, tuple((tuple(x.shape), str(x.dtype)) for x in leaves))
+def _deterministic(value) -> bool:
+    return deterministic_default() if value is None else validate.flag("deterministic", value)
+
+
+def _require_mesh(mesh, where: str) -> None:
+    if mesh is None:
+        raise ShardingError(f"{where}() needs mesh=: a jax.sharding.Mesh, an AbstractMesh or a "
+                            f"dict of axis sizes, e.g. mesh={{'data': 2, 'model': 4}}")
+
+
+AUTOPARALLEL_OPTIONS = PLAN_OPTIONS + ("plan",)
 
 
 class AutoParallel:
-    """A training step that plans, compiles and runs itself sharded (``@autopar.autoparallel``)."""
+    """A training step that plans, compiles and runs itself sharded (``@autopar.autoparallel``).
+
+    Traces, lowers and runs under its own Auto-axis mesh, so a caller inside
+    ``jax.set_mesh(...)`` (Explicit axes) gets the same executable as one outside it.
+    """
 
     def __init__(self, fn: Callable, *, mesh, hardware=None, memory_budget=None,
                  strategy="auto", donate_argnums=(), time_limit_s: float = 30.0,
-                 plan: Plan | None = None):
+                 plan: Plan | None = None, deterministic: bool | None = None,
+                 host_local_argnums=()):
+        validate.callable_fn(fn, "autopar.autoparallel")
         functools.update_wrapper(self, fn)
         self.fn = fn
+        _require_mesh(mesh, "autoparallel")
         self.mesh = concrete_mesh(mesh)
         self.options = dict(hardware=hardware, memory_budget=memory_budget, strategy=strategy,
-                            time_limit_s=time_limit_s)
-        self.donate_argnums = tuple(donate_argnums) if not isinstance(donate_argnums, int) else (
-            donate_argnums,)
-        self._given_plan = plan
+                            time_limit_s=time_limit_s, deterministic=deterministic)
+        _check_options(self.options, self.mesh)
+        self.donate_argnums = validate.donate_argnums(donate_argnums)
+        self._given_plan = _given_plan(plan, self.options, self.mesh)
+        # Arguments holding this process's rows of the batch (see autopar.distributed).
+        self.host_local_argnums = ((host_local_argnums,) if isinstance(host_local_argnums, int)
+                                   else tuple(host_local_argnums))
         self._cache: dict[tuple, tuple[Plan, Any, Any, ir.Graph]] = {}
         self._executables: dict[tuple, Any] = {}
         self._last: Plan | None = None
+        self._last_key: tuple | None = None
 
     @property
     def plan(self) -> Plan | None:
         """The plan of the last signature this step was called or lowered with."""
         return self._last
 
-    def _compiled(self, args, key=None):
-        key = _signature(args) if key is None else key
+    def _compiled(self, args, types, key, given: Plan | None = None):
         hit = self._cache.get(key)
-        if hit is None:
-            graph, trace_s = _trace(self.fn, args, {}, self.donate_argnums)
-            plan = self._plan_for(graph, trace_s)
+        if hit is None or given is not None:
+            traced = distributed.global_args(args, self.host_local_argnums)
+            if traced is not args:
+                types = validate.leaf_types(traced, run=False)
+            graph, trace_s = _trace(self.fn, traced, types, self.donate_argnums)
+            distributed.check_same_graph(graph)       # no-ops in a one-process job
+            plan = self._plan_for(graph, trace_s, given)
+            distributed.check_same_plan(plan)
             jitted, in_shardings = codegen.build(graph, plan, self.mesh, self.donate_argnums)
             hit = (plan, jitted, in_shardings, graph)
             self._cache[key] = hit
+            self._executables.pop(key, None)
         self._last = hit[0]
         return hit
 
-    def _plan_for(self, graph: ir.Graph, trace_s: float) -> Plan:
-        given = self._given_plan
+    def _plan_for(self, graph: ir.Graph, trace_s: float, given: Plan | None = None) -> Plan:
+        given = given if given is not None else self._given_plan
         if given is not None:
-            if given.graph_fingerprint != graph.fingerprint():
-                raise ShardingError(
-                    f"the loaded plan was made for another function or signature (graph "
-                    f"{given.graph_fingerprint}, this call traces to {graph.fingerprint()}); "
-                    f"plan again, or call with the arguments the plan was made for")
-            if dict(given.mesh) != axis_sizes(self.mesh):
-                raise ShardingError(f"the loaded plan is for mesh {dict(given.mesh)}, this step "
-                                    f"runs on {axis_sizes(self.mesh)}; plan again for this mesh")
+            validate.plan_applies(given, graph)
             return given.with_trees(graph.in_tree, graph.out_tree)
         return plan_graph(graph, self.mesh, trace_s=trace_s, **self.options)
 
-    def __call__(self, *args):
-        key = _signature(args)   # placing arrays changes no shape or dtype: one key serves both
-        plan, jitted, in_shardings, graph = self._compiled(args, key)
-        args = jax.tree_util.tree_map(_place, args, in_shardings)
-        exe = self._executables.get(key)
-        if exe is None:
-            exe = self._executables[key] = self._compile(plan, jitted, args, graph)
-        return exe(*args)
+    def __call__(self, *args, **kwargs):
+        _no_kwargs(self, kwargs)
+        types = validate.leaf_types(args, run=True)
+        key = validate.signature(args, types)  # placing arrays changes no type: one key for both
+        with on_mesh(self.mesh):
+            plan, jitted, in_shardings, graph = self._compiled(args, types, key)
+            args = distributed.place_host_local(args, self.host_local_argnums, in_shardings)
+            args = jax.tree_util.tree_map(_place, args, in_shardings)
+            exe = self._executables.get(key)
+            if exe is None:
+                exe = self._executables[key] = self._compile(plan, jitted, args, graph)
+            self._last_key = key
+            return exe(*args)
 
     def _compile(self, plan: Plan, jitted, args, graph: ir.Graph):
         """Compile once per signature. Should XLA reject the constraints the plan pins inside the
@@ -186,32 +223,106 @@ class AutoParallel:
             jitted, _ = codegen.build(graph, unpinned, self.mesh, self.donate_argnums)
             return jitted.lower(*args).compile()
 
-    def lower(self, *args):
+    def verify(self, *args, **tolerances):
+        """``autopar.verify`` of the executable of ``args``' signature (default: the last one
+        called) against its plan."""
+        from autopar.verify import verify
+
+        if args:
+            types = validate.leaf_types(args, run=False)
+            key = validate.signature(args, types)
+            with on_mesh(self.mesh):
+                plan, jitted, _, _ = self._compiled(args, types, key)
+                exe = self._executables.get(key) or jitted.lower(*args).compile()
+        elif self._last_key is not None:
+            plan, exe = self._cache[self._last_key][0], self._executables[self._last_key]
+        else:
+            raise AutoparError("step.verify() needs the step to have run once, or arguments "
+                               "to compile it for: step.verify(state, batch)")
+        return verify(plan, exe, **tolerances)
+
+    def lower(self, *args, **kwargs):
         """Like ``jax.jit(...).lower``: arguments may be ShapeDtypeStructs."""
-        _, jitted, _, _ = self._compiled(args)
-        return jitted.lower(*args)
+        _no_kwargs(self, kwargs)
+        types = validate.leaf_types(args, run=False)
+        with on_mesh(self.mesh):
+            _, jitted, _, _ = self._compiled(args, types, validate.signature(args, types))
+            return jitted.lower(*distributed.global_args(args, self.host_local_argnums))
+
+    def input_shardings(self, *args, plan: Plan | None = None):
+        """The ``NamedSharding`` of every argument (a pytree like ``args``, which may be
+        ShapeDtypeStructs): plans for this signature if needed, or applies ``plan`` to it. Use it
+        to load arrays straight into their layouts (``autopar.checkpoint.restore`` does)."""
+        types = validate.leaf_types(args, run=False)
+        with on_mesh(self.mesh):
+            return self._compiled(args, types, validate.signature(args, types), given=plan)[2]
+
+
+def _no_kwargs(step: AutoParallel, kwargs) -> None:
+    if kwargs:
+        name = getattr(step.fn, "__name__", "step")
+        raise AutoparError(f"{name}() got keyword arguments {sorted(kwargs)}; an autoparallel "
+                           f"step takes its arguments positionally (bind fixed ones with "
+                           f"functools.partial before decorating)")
+
+
+def _check_options(options: dict, mesh) -> None:
+    """Fail before tracing (and at decoration, not at the first call): each option is checked as
+    plan_graph will check it."""
+    sizes = axis_sizes(mesh)
+    if options["hardware"] is not None:
+        cost_models.hardware(options["hardware"])
+    validate.memory_budget(options["memory_budget"])
+    validate.time_limit(options["time_limit_s"])
+    _deterministic(options["deterministic"])
+    _, strat = validate.strategy(options["strategy"])
+    if strat is not None and hasattr(strat, "axes"):
+        strat.axes(sizes)
+
+
+def _given_plan(plan, options: dict, mesh) -> Plan | None:
+    if plan is None:
+        return None
+    if not isinstance(plan, Plan):
+        raise PlanError(f"plan={validate.short(plan)} ({type(plan).__name__}) is not an "
+                        f"autopar.Plan; load a saved one with plan=autopar.Plan.from_json(text)")
+    ignored = [k for k in ("hardware", "memory_budget") if options[k] is not None]
+    ignored += ["strategy"] if options["strategy"] not in (None, "auto") else []
+    if ignored:
+        raise AutoparError(f"plan= applies a saved plan without solving, so "
+                           f"{', '.join(k + '=' for k in ignored)} would be ignored; drop "
+                           f"{'them' if len(ignored) > 1 else 'it'} or drop plan=")
+    if dict(plan.mesh) != axis_sizes(mesh):
+        raise PlanError(f"the loaded plan is for mesh {dict(plan.mesh)}, this step runs on "
+                        f"{axis_sizes(mesh)}; plan again for this mesh")
+    return plan
 
 
 def _place(x, sharding):
     if isinstance(x, jax.Array) and x.sharding == sharding:
         return x
-    if isinstance(x, jax.ShapeDtypeStruct):
-        return x
-    return jax.device_put(x, sharding)
+    return jax.device_put(distributed.local_value(x, sharding), sharding)
 
 
-def autoparallel(fn: Callable | None = None, *, mesh, hardware=None,
+def autoparallel(fn: Callable | None = None, *, mesh=None, hardware=None,
                  memory_budget: float | None = None, strategy="auto", donate_argnums=(),
-                 time_limit_s: float = 30.0, plan: Plan | None = None):
+                 time_limit_s: float = 30.0, plan: Plan | None = None,
+                 deterministic: bool | None = None, host_local_argnums=(), **options):
     """Decorate a training step so it runs sharded over ``mesh`` by a plan autopar chooses.
 
     ``autoparallel(fn, mesh=...)`` and ``@autoparallel(mesh=...)`` both work. The first call with
     a new abstract signature traces, plans and compiles; later calls reuse the executable.
-    ``plan=`` applies a saved plan (``Plan.from_json``) without solving.
+    ``plan=`` applies a saved plan (``Plan.from_json``) without solving. The options are those of
+    ``autopar.plan``; every one is checked here, before the first call. Under
+    ``jax.distributed`` every process calls the step alike; the arguments in
+    ``host_local_argnums`` hold this process's rows of the batch (see ``autopar.distributed``).
     """
+    validate.reject_unknown(options, AUTOPARALLEL_OPTIONS, "autoparallel")
+
     def wrap(f):
         return AutoParallel(f, mesh=mesh, hardware=hardware, memory_budget=memory_budget,
                             strategy=strategy, donate_argnums=donate_argnums,
-                            time_limit_s=time_limit_s, plan=plan)
+                            time_limit_s=time_limit_s, plan=plan, deterministic=deterministic,
+                            host_local_argnums=host_local_argnums)
 
     return wrap(fn) if fn is not None else wrap

@@ -1,31 +1,82 @@
-"""Codegen: a plan becomes a ``jax.jit`` executable.
+"""Codegen: a plan becomes a ``jax.jit`` executable that runs every layout the plan decided.
 
-The traced jaxpr is evaluated again, equation by equation, inside ``jax.jit`` with
-``in_shardings``/``out_shardings`` from the plan; after each equation the plan pins
-(dot_generals, convolutions, gathers at the top level) its output gets a
-``with_sharding_constraint``. ``jit`` calls are entered so pins inside them apply; other calls
-(remat, custom_jvp/vjp, scan, while, cond) are bound whole, keeping their semantics, and XLA
-propagates layouts into them from their pinned operands. The numbers are the user's own
-program: only layouts change.
+The traced jaxpr is evaluated again, equation by equation, inside ``jax.jit`` with the plan's
+``in_shardings``/``out_shardings``. Each ``Pin`` of the plan (see ``autopar.planner.pins``) becomes
+``with_sharding_constraint`` calls:
+
+  * ``out`` pins constrain an equation's result to the layout its op runs under;
+  * ``in`` pins move an operand to the layout its op needs, through the staged chain of layouts
+    ``reshard_steps`` gives, each one a step XLA's partitioner performs directly (so no
+    transition falls back to "involuntary full rematerialization");
+  * ``arg``/``res`` pins constrain a loop body's parameters and loop-carried results.
+
+Pins reach everywhere: ``jit`` calls are entered; ``scan``/``while``/``cond`` bodies, ``remat``
+(its policy kept) and ``custom_jvp``/``custom_vjp`` calls are retraced with their pins in place and
+bound again with every other parameter unchanged. The numbers are the user's own program: only
+layouts change.
+
+Before/after, for a pinned ``dot_general`` whose lhs arrives split on the wrong dim::
+
+    c = dot_general a b                      a' = sharding_constraint[S(data)xR] a
+                                             c  = dot_general a' b
+                                             c' = sharding_constraint[S(data)xS(model)] c
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import warnings
+from collections.abc import Iterable, Sequence
 
 import jax
+from jax.extend import core as jcore
 from jax.sharding import NamedSharding
 
+from autopar.plan import Pin
 from autopar.sharding import to_spec
 
-_CALLS = ("jit", "pjit", "closed_call", "core_call")
+_INLINE = ("jit", "pjit", "closed_call", "core_call")
+# primitive -> params holding the sub-jaxprs to retrace (a tuple param holds several regions).
+_RETRACE = {
+    "remat2": ("jaxpr",),
+    "checkpoint": ("jaxpr",),
+    "custom_jvp_call": ("call_jaxpr",),
+    "custom_vjp_call": ("call_jaxpr",),
+    "custom_vjp_call_jaxpr": ("fun_jaxpr",),
+    "scan": ("jaxpr",),
+    "while": ("body_jaxpr", "cond_jaxpr"),
+    "cond": ("branches",),
+}
+# Primitives whose sub-jaxpr the tracer inlined (no region index in the path) rather than kept as
+# a region (a region index follows the equation index).
+_INLINED_CALLS = ("remat2", "checkpoint", "custom_jvp_call", "custom_vjp_call",
+                  "custom_vjp_call_jaxpr")
+
+
+class PinTable:
+    """Pins by (path, slot, index), plus the paths that hold pins strictly below them."""
+
+    def __init__(self, pins: Iterable[Pin], mesh):
+        self.mesh = mesh
+        self.chains: dict[tuple, tuple[NamedSharding, ...]] = {}
+        self.inner: set[tuple[int, ...]] = set()
+        for p in pins:
+            self.chains[(p.path, p.slot, p.index)] = tuple(
+                NamedSharding(mesh, to_spec(s)) for s in p.chain)
+            for n in range(len(p.path)):
+                self.inner.add(p.path[:n])
+
+    def constrain(self, x, path: tuple[int, ...], slot: str, index: int):
+        for sharding in self.chains.get((path, slot, index), ()):
+            x = jax.lax.with_sharding_constraint(x, sharding)
+        return x
 
 
 def _read(env, v):
-    return v.val if type(v).__name__ == "Literal" else env[v]
+    return v.val if isinstance(v, jcore.Literal) else env[v]
 
 
-def _bind(eqn, invals):
-    got = eqn.primitive.get_bind_params(eqn.params)
+def _bind(eqn, invals, params=None):
+    got = eqn.primitive.get_bind_params(eqn.params if params is None else params)
     # jax 0.10 returns the params; older releases returned (subfuns, params).
     subfuns, params = got if isinstance(got, tuple) else ((), got)
     ctx = getattr(eqn, "ctx", None)
@@ -35,35 +86,85 @@ def _bind(eqn, invals):
     return eqn.primitive.bind(*subfuns, *invals, **params)
 
 
-def eval_pinned(jaxpr, consts: Sequence, args: Sequence, pins: dict, mesh, path=()):
-    """Evaluate ``jaxpr`` like ``jax.core.eval_jaxpr``, constraining pinned outputs."""
-    env = {}
-    for v, x in zip(jaxpr.constvars, consts):
-        env[v] = x
-    for v, x in zip(jaxpr.invars, args):
-        env[v] = x
+def _user_context(eqn):
+    """Keep the user's source line and name stack on the replayed equation (and on its sharding
+    constraints), so the compiled HLO's metadata points at the model, not at codegen."""
+    try:
+        from jax._src import source_info_util as siu
+    except ImportError:   # private module: without it the metadata names codegen
+        return contextlib.nullcontext()
+    name_stack = siu.current_name_stack() + eqn.source_info.name_stack
+    return siu.user_context(eqn.source_info.traceback, name_stack=name_stack)
+
+
+def eval_pinned(jaxpr, consts: Sequence, args: Sequence, table: PinTable, path=()) -> list:
+    """Evaluate ``jaxpr`` like ``jax.core.eval_jaxpr``, enforcing the pins under ``path``."""
+    env = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
     for i, eqn in enumerate(jaxpr.eqns):
         here = path + (i,)
-        invals = [_read(env, v) for v in eqn.invars]
-        if eqn.primitive.name in _CALLS and "jaxpr" in eqn.params and any(
-                p[: len(here)] == here for p, _ in pins):
-            inner = eqn.params["jaxpr"]
-            outs = eval_pinned(inner.jaxpr, inner.consts, invals, pins, mesh, here)
-        else:
-            outs = _bind(eqn, invals)
-            if not eqn.primitive.multiple_results:
-                outs = [outs]
-        for k, (v, x) in enumerate(zip(eqn.outvars, outs)):
-            spec = pins.get((here, k))
-            if spec is not None:
-                x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
-            env[v] = x
+        with _user_context(eqn):
+            invals = [table.constrain(_read(env, v), here, "in", k)
+                      for k, v in enumerate(eqn.invars)]
+            outs = _eval_eqn(eqn, invals, table, here)
+            for k, (v, x) in enumerate(zip(eqn.outvars, outs)):
+                env[v] = table.constrain(x, here, "out", k)
     return [_read(env, v) for v in jaxpr.outvars]
+
+
+def _eval_eqn(eqn, invals, table: PinTable, here: tuple[int, ...]) -> list:
+    prim = eqn.primitive.name
+    if here in table.inner and prim in _INLINE and "jaxpr" in eqn.params:
+        inner = eqn.params["jaxpr"]
+        return eval_pinned(inner.jaxpr, inner.consts, invals, table, here)
+    if here in table.inner and prim in _RETRACE:
+        params = dict(eqn.params)
+        for r, key in enumerate(_RETRACE[prim]):
+            params[key] = _retrace_param(eqn.params[key], table, here, prim, r)
+        outs = _bind(eqn, invals, params)
+    else:
+        outs = _bind(eqn, invals)
+    return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+def _retrace_param(sub, table: PinTable, here: tuple[int, ...], prim: str, r: int):
+    """The sub-jaxpr(s) of one parameter, retraced with their pins (a branches tuple gives one
+    region per branch)."""
+    if prim in _INLINED_CALLS:
+        return _retrace(sub, table, here)
+    if isinstance(sub, (tuple, list)):   # cond branches: regions 0..n-1
+        return tuple(_retrace(b, table, here + (k,)) for k, b in enumerate(sub))
+    return _retrace(sub, table, here + (r,))
+
+
+def _retrace(sub, table: PinTable, path: tuple[int, ...]):
+    """``sub`` (a ClosedJaxpr or an open Jaxpr) evaluated under its pins and traced again into
+    the same kind of jaxpr, with the same input and output types."""
+    closed = isinstance(sub, jcore.ClosedJaxpr)
+    jaxpr = sub.jaxpr if closed else sub
+    consts = sub.consts if closed else ()
+
+    def body(*args):
+        args = [table.constrain(a, path, "arg", k) for k, a in enumerate(args)]
+        outs = eval_pinned(jaxpr, consts, args, table, path)
+        return [table.constrain(o, path, "res", k) for k, o in enumerate(outs)]
+
+    specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype,
+                                  weak_type=getattr(v.aval, "weak_type", False))
+             for v in jaxpr.invars]
+    new = jax.make_jaxpr(body)(*specs)
+    if closed:
+        return new
+    if new.consts:   # an open jaxpr cannot carry constants: keep the original body unpinned
+        warnings.warn(f"autopar: the body at {path} could not be retraced without constants; "
+                      f"XLA chooses its layouts", RuntimeWarning, stacklevel=2)
+        return sub
+    return new.jaxpr
 
 
 def build(graph, plan, mesh, donate_argnums=()):
     """The jitted, sharded executable of ``graph``'s function under ``plan`` on ``mesh``."""
-    pins = {(tuple(p), k): to_spec(s) for p, k, s in plan.pins}
+    table = PinTable(plan.pins, mesh)
     closed = graph.jaxpr
     in_shardings = jax.tree_util.tree_unflatten(
         graph.in_tree, [NamedSharding(mesh, to_spec(s)) for s in plan.input_shardings])
@@ -72,7 +173,7 @@ def build(graph, plan, mesh, donate_argnums=()):
 
     def step(*args):
         flat = jax.tree_util.tree_leaves(args)
-        outs = eval_pinned(closed.jaxpr, closed.consts, flat, pins, mesh)
+        outs = eval_pinned(closed.jaxpr, closed.consts, flat, table)
         return jax.tree_util.tree_unflatten(graph.out_tree, outs)
 
     # in_tree is the tree of the argument tuple: jit wants one entry per positional argument.

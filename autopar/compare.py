@@ -34,6 +34,7 @@ import numpy as np
 
 import cost_models
 import ir
+from autopar import distributed, validate
 from autopar.api import autoparallel, plan_graph
 from autopar.errors import PlanError
 from autopar.mesh import axis_sizes, concrete_mesh, default_hardware
@@ -153,6 +154,12 @@ def compare(fn: Callable, *args, mesh, hardware=None,
     Returns:
       A ``Comparison``; a strategy that failed is a row whose ``error`` says why.
     """
+    # Bad input fails here, before tracing, not as one error row per strategy.
+    validate.callable_fn(fn, "autopar.compare")
+    validate.leaf_types(args, run=False)
+    validate.memory_budget(memory_budget)
+    validate.time_limit(time_limit_s)
+    axis_sizes(mesh)
     t0 = time.perf_counter()
     graph = ir.trace(fn, *args)
     trace_s = time.perf_counter() - t0
@@ -214,7 +221,7 @@ def _best_plan(rows) -> Plan | None:
 def _plan_auto_from(graph, mesh, hw, memory_budget, time_limit_s, trace_s, start: Plan) -> Plan:
     """``plan_graph(strategy="auto")`` with the ILP started from ``start``'s choices."""
     sizes = axis_sizes(mesh)
-    cm = cost_models.CostModel(hw, sizes)
+    cm = cost_models.CostModel(hw, sizes, device_nodes=distributed.device_nodes(mesh))
     budget = hw.memory_bytes if memory_budget is None else float(memory_budget)
     hint = hint_from_plan(problem.build(graph, sizes, cm), start)
     opts = PlannerOptions(memory_budget=budget, time_limit_s=time_limit_s, hint=hint)

@@ -1,14 +1,20 @@
-"""Errors autopar raises. Every message says what was given, where, the rule it breaks and a fix."""
+"""Errors autopar raises. Every message says what was given, where, the rule it breaks and a fix.
+
+One hierarchy: ``AutoparError`` (a ``ValueError``, defined in ``ir.errors`` so the lower layers
+share it) is the root; ``ir.IRError``, ``cost_models.CostModelError``, ``PlanError`` and
+``ShardingError`` derive from it, so ``except autopar.AutoparError`` catches every user error.
+"""
 from __future__ import annotations
 
+from ir.errors import AutoparError
 
-class AutoparError(ValueError):
-    """Base class of all autopar errors."""
+__all__ = ["AutoparError", "PlanError", "ShardingError"]
 
 
 class PlanError(AutoparError):
-    """No plan satisfies the request (e.g. the memory budget is below what any plan needs)."""
+    """No plan satisfies the request (e.g. the memory budget is below what any plan needs), or a
+    saved plan cannot be loaded or applied."""
 
 
 class ShardingError(AutoparError):
-    """A mesh, a sharding or a shape does not fit what was asked."""
+    """A mesh, a sharding, an argument or a shape does not fit what was asked."""

@@ -51,13 +51,19 @@ def summary(plan, max_rows: int = 40) -> str:
 
 
 def html(plan) -> str:
-    esc = _html.escape
-    rows = "".join(f"<tr><td><code>{esc(p)}</code></td><td>{s}</td><td><code>{esc(spec)}</code>"
-                   f"</td></tr>" for p, s, spec in param_rows(plan))
-    coll = "".join(f"<tr><td>{k}</td><td>{a}</td><td>{n}</td><td>{t * 1e3:.3f} ms</td></tr>"
+    """The plan as an HTML table; every piece of text is escaped (a plan may come from a file)."""
+    esc = _esc
+    rows = "".join(f"<tr><td><code>{esc(p)}</code></td><td>{esc(s)}</td><td><code>{esc(spec)}"
+                   f"</code></td></tr>" for p, s, spec in param_rows(plan))
+    coll = "".join(f"<tr><td>{esc(k)}</td><td>{esc(a)}</td><td>{esc(n)}</td>"
+                   f"<td>{esc(f'{t * 1e3:.3f}')} ms</td></tr>"
                    for k, a, n, t in collective_rows(plan))
-    return (f"<div><b>autopar plan</b> strategy={esc(plan.strategy)} mesh={dict(plan.mesh)} "
-            f"hardware={esc(plan.hardware)}<br>{esc(str(plan.cost))}<br>"
+    return (f"<div><b>autopar plan</b> strategy={esc(plan.strategy)} mesh={esc(dict(plan.mesh))} "
+            f"hardware={esc(plan.hardware)}<br>{esc(plan.cost)}<br>"
             f"<table><tr><th>input</th><th>shape</th><th>spec</th></tr>{rows}</table>"
             f"<table><tr><th>collective</th><th>axes</th><th>count</th><th>time</th></tr>{coll}"
             f"</table></div>")
+
+
+def _esc(x) -> str:
+    return _html.escape(str(x), quote=True)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Mapping
 
 import jax
@@ -10,30 +11,42 @@ from jax.sharding import AxisType, Mesh
 
 from autopar.errors import ShardingError
 
+_EXAMPLE = "e.g. mesh={'data': 2, 'model': 4} or jax.make_mesh((2, 4), ('data', 'model'))"
+
 
 def axis_sizes(mesh) -> dict[str, int]:
-    """Ordered axis name -> size of any accepted mesh form."""
+    """Ordered axis name -> size of any accepted mesh form, checked: names are distinct non-empty
+    strings, sizes integers >= 1 (a repeated name would silently merge two axes)."""
     if isinstance(mesh, Mapping):
-        sizes = dict(mesh)
-    elif hasattr(mesh, "axis_names") and hasattr(mesh, "shape"):
-        sizes = dict(mesh.shape)
+        pairs = list(mesh.items())
+    elif hasattr(mesh, "axis_names") and hasattr(mesh, "axis_sizes"):
+        pairs = list(zip(mesh.axis_names, mesh.axis_sizes))
     else:
-        raise ShardingError(f"mesh={mesh!r} is not a jax.sharding.Mesh, AbstractMesh or dict of "
-                            f"axis sizes; pass e.g. mesh={{'data': 2, 'model': 4}}")
-    for name, n in sizes.items():
-        if not isinstance(name, str) or not isinstance(n, (int, np.integer)) or n < 1:
-            raise ShardingError(f"mesh axis {name!r} has size {n!r}; axis names are strings and "
-                                f"sizes positive integers, e.g. {{'data': 2, 'model': 4}}")
-    return {k: int(v) for k, v in sizes.items()}
+        raise ShardingError(f"mesh={mesh!r} ({type(mesh).__name__}) is not a jax.sharding.Mesh, "
+                            f"AbstractMesh or dict of axis sizes; {_EXAMPLE}")
+    if not pairs:
+        raise ShardingError(f"mesh={mesh!r} has no axes; a single device is mesh={{'data': 1}}")
+    twice = [n for n, c in Counter(name for name, _ in pairs).items() if c > 1]
+    if twice:
+        raise ShardingError(f"mesh {pairs} repeats the axis name {twice[0]!r}; each axis needs "
+                            f"its own name, {_EXAMPLE}")
+    for name, n in pairs:
+        if not isinstance(name, str) or not name:
+            raise ShardingError(f"mesh axis name {name!r} in {pairs} must be a non-empty string; "
+                                f"{_EXAMPLE}")
+        if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise ShardingError(f"mesh axis {name!r} has size {n!r}; sizes are integers >= 1, "
+                                f"{_EXAMPLE}")
+    return {k: int(v) for k, v in pairs}
 
 
 def concrete_mesh(mesh) -> Mesh:
     """A device mesh with Auto axes for codegen; dicts are laid over the local devices."""
+    sizes = axis_sizes(mesh)   # the same checks as a planned mesh: distinct names, sizes >= 1
     if isinstance(mesh, Mesh):
         devices = mesh.devices
         names = mesh.axis_names
     else:
-        sizes = axis_sizes(mesh)
         n = math.prod(sizes.values())
         have = jax.devices()
         if n != len(have):
@@ -46,6 +59,29 @@ def concrete_mesh(mesh) -> Mesh:
     # The plan, not sharding-in-types, decides every layout: run on Auto axes, where sharding
     # constraints steer XLA's partitioner (Explicit axes would ask for out_sharding on every dot).
     return Mesh(devices, names, axis_types=(AxisType.Auto,) * len(names))
+
+
+def on_mesh(mesh: Mesh):
+    """Lower and run under ``mesh`` (Auto axes) as the context mesh, whatever mesh the caller set
+    with ``jax.set_mesh``: under an Explicit context mesh jax rejects the plan's Auto-axis values
+    ("context mesh should match the aval mesh")."""
+    return _context(mesh)
+
+
+def without_mesh():
+    """Trace with no context mesh: the caller's ``jax.set_mesh`` would otherwise bake its
+    shardings into the traced ops, and the plan (not the context) decides every layout."""
+    return _context(None)
+
+
+def _context(mesh: Mesh | None):
+    try:
+        return jax.set_mesh(mesh)
+    except ValueError as e:   # jax allows set_mesh only outside of traced functions
+        raise ShardingError(f"autopar was called inside a traced function (jax.jit, grad, vmap, "
+                            f"...): {e}. Plan and call the autoparallel step outside them, or "
+                            f"transform the function first, e.g. autoparallel(jax.grad(loss), "
+                            f"mesh=...)") from None
 
 
 def default_hardware(mesh) -> str:

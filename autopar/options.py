@@ -3,7 +3,8 @@
     opts = PlannerOptions(memory_budget=40e9, time_limit_s=10)
     plan = make_plan(graph, mesh, cost_model, opts)
 
-Environment variables are read here and nowhere else; they control debug output only.
+Environment variables are read here and nowhere else. They control debug output
+(``AUTOPAR_CHECKS``) and, for test suites, reproducibility (``AUTOPAR_DETERMINISTIC``).
 """
 from __future__ import annotations
 
@@ -15,6 +16,13 @@ from typing import Any
 from autopar.sharding import Sharding
 
 
+def deterministic_default() -> bool:
+    """``AUTOPAR_DETERMINISTIC=1`` makes ``deterministic=True`` the default of ``autopar.plan``
+    and ``autoparallel`` (planning stops on the solver's deterministic clock only): the test
+    suite sets it so that its golden plans do not depend on how loaded the machine is."""
+    return os.environ.get("AUTOPAR_DETERMINISTIC", "") not in ("", "0")
+
+
 @dataclasses.dataclass(frozen=True)
 class PlannerOptions:
     """What a plan is asked to satisfy and how hard the solver may look.
@@ -22,7 +30,11 @@ class PlannerOptions:
     Attributes:
       strategy: the name the plan is labelled with (``"auto"`` or a hand-written strategy's).
       memory_budget: per-device bytes every plan must fit; ``None`` for no limit.
-      time_limit_s: the solver's deterministic time limit.
+      time_limit_s: the wall-clock budget of the whole plan call (see ``planner.budget``);
+        CP-SAT's deterministic limit too.
+      deterministic: stop on CP-SAT's deterministic clock only, never on the wall clock, so the
+        same inputs give the same plan under any load (the call may then run past the budget);
+        default ``deterministic_default()``.
       fixed_inputs: input index -> layout the plan must use (a hand-written strategy's pins).
       op_filter: ``op_filter(op, strategy[, origins])`` returns False for op strategies a
         hand-written strategy rules out.
@@ -38,6 +50,7 @@ class PlannerOptions:
     op_filter: Callable[..., bool] | None = None
     hint: Mapping[int, int] | None = None
     starts: tuple[Any, ...] = ()
+    deterministic: bool = dataclasses.field(default_factory=deterministic_default)
 
     def replace(self, **changes: Any) -> PlannerOptions:
         return dataclasses.replace(self, **changes)

@@ -7,22 +7,49 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 from typing import Any
 
 import jax
 
+from autopar.errors import AutoparError, PlanError
 from autopar.sharding import Sharding, to_spec
 
-FORMAT_VERSION = 1
+# 2: the graph fingerprint covers op parameters, literals and donation (1 did not).
+# 3: pins address every layout (slot, chain); collectives carry count, source and name; the cost
+#    has bytes by collective kind and HBM bytes.
+FORMAT_VERSION = 3
+PIN_SLOTS = ("out", "in", "arg", "res")
+
+
+@dataclasses.dataclass(frozen=True)
+class Pin:
+    """A layout codegen enforces inside the step (see ``autopar.planner.pins``): at the equation
+    or region ``path``, the value in ``slot`` (``out``, ``in``, ``arg``, ``res``) number ``index``
+    passes through the layouts of ``chain``, ending in the plan's."""
+
+    path: tuple[int, ...]
+    slot: str
+    index: int
+    chain: tuple[Sharding, ...]
 
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
-    where: str                 # "op17 dot_general @ model.py:31" or "edge op12:arg1"
+    """One collective the plan issues. ``nbytes`` is per device and per execution, sized as HLO
+    sizes it (the result for all-reduce, all-gather, all-to-all and collective-permute, the
+    operand for reduce-scatter: the ``cost_models`` conventions); ``count`` is how often it runs
+    per step (a scan body's trip count), and ``time_s`` already includes it."""
+
+    where: str                 # "op17 dot_general @ model.py:31" or "edge op12:arg1 ..."
     kind: str
     axes: tuple[str, ...]
-    nbytes: float              # per device, cost_models conventions
-    time_s: float              # including the op's multiplier (a scan body's trip count)
+    nbytes: float
+    time_s: float
+    count: float = 1.0
+    source: str = ""           # the user's "file.py:LINE" of the op it belongs to
+    name: str = ""             # that op's name stack ("jvp(GPT)/layer_0/mlp/fc1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +62,8 @@ class CostBreakdown:
     memory_budget_bytes: float | None
     comm_by_kind: tuple[tuple[str, float], ...]
     dispatch_s: float = 0.0    # launching the step's program, once
+    comm_bytes_by_kind: tuple[tuple[str, float], ...] = ()   # per device per step, HLO's sizes
+    hbm_bytes: float = 0.0     # per device per step: bytes the fused kernels read and write
 
     def __str__(self) -> str:
         kinds = ", ".join(f"{k} {_ms(t)}" for k, t in self.comm_by_kind) or "none"
@@ -63,8 +92,7 @@ class Plan:
 
     ``input_shardings``/``output_shardings`` are flat, in the order of the flattened arguments
     and results; ``input_specs``/``output_specs`` give them as pytrees of ``PartitionSpec``.
-    ``pins`` are the sharding constraints codegen places inside the step: (equation path, output
-    index, layout).
+    ``pins`` are every layout codegen enforces inside the step (``Pin``).
     """
 
     mesh: tuple[tuple[str, int], ...]
@@ -76,7 +104,7 @@ class Plan:
     input_shapes: tuple[tuple[int, ...], ...]
     input_shardings: tuple[Sharding, ...]
     output_shardings: tuple[Sharding, ...]
-    pins: tuple[tuple[tuple[int, ...], int, Sharding], ...]
+    pins: tuple[Pin, ...]
     choices: tuple[tuple[int, str, str, str], ...]      # (op id, prim, source, strategy name)
     collectives: tuple[Collective, ...]
     cost: CostBreakdown
@@ -102,10 +130,10 @@ class Plan:
 
     def spec_of(self, path_fragment: str):
         """The spec of the one input whose pytree path contains ``path_fragment``."""
-        hits = [k for k, p in enumerate(self.input_paths) if path_fragment in p]
+        hits = [k for k, p in enumerate(self.input_paths) if str(path_fragment) in p]
         if len(hits) != 1:
-            raise KeyError(f"{len(hits)} inputs match {path_fragment!r}; inputs are e.g. "
-                           f"{list(self.input_paths[:5])}")
+            raise PlanError(f"{len(hits)} inputs match {path_fragment!r}; give a fragment of "
+                            f"exactly one input path, e.g. {list(self.input_paths[:5])}")
         return to_spec(self.input_shardings[hits[0]])
 
     def collective_counts(self) -> dict[str, int]:
@@ -137,26 +165,200 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
-        d = json.loads(text)
-        d.pop("format_version", None)
-        t = _tuplify
-        return cls(
-            mesh=tuple((a, int(n)) for a, n in d["mesh"]), hardware=d["hardware"],
-            strategy=d["strategy"], graph_fingerprint=d["graph_fingerprint"],
-            input_paths=tuple(d["input_paths"]), output_paths=tuple(d["output_paths"]),
-            input_shapes=t(d["input_shapes"]), input_shardings=t(d["input_shardings"]),
-            output_shardings=t(d["output_shardings"]),
-            pins=tuple((tuple(p), int(k), t(s)) for p, k, s in d["pins"]),
-            choices=tuple(tuple(c) for c in d["choices"]),
-            collectives=tuple(Collective(c["where"], c["kind"], tuple(c["axes"]), c["nbytes"],
-                                         c["time_s"]) for c in d["collectives"]),
-            cost=CostBreakdown(**{**d["cost"], "comm_by_kind": t(d["cost"]["comm_by_kind"])}),
-            solver=SolverStats(**d["solver"]),
-            notes=tuple(d.get("notes", ())),
-        )
+        """The plan ``to_json`` wrote, checked field by field (types, the format version, mesh
+        axes that exist and divide the input shapes); any flaw is a ``PlanError`` naming it."""
+        try:
+            d = json.loads(text)
+        except (TypeError, ValueError, RecursionError) as e:
+            raise PlanError(f"Plan.from_json: the text is not JSON ({e}); pass what "
+                            f"Plan.to_json() wrote") from None
+        version = d.get("format_version", FORMAT_VERSION) if isinstance(d, dict) else None
+        if version != FORMAT_VERSION and isinstance(version, int) and not isinstance(version,
+                                                                                     bool):
+            raise PlanError(f"Plan.from_json: the plan has format_version {version}; this autopar "
+                            f"reads version {FORMAT_VERSION} (see FORMAT_VERSION's history in "
+                            f"autopar/plan.py): plan again with this version")
+        try:
+            return _plan_from_dict(d)
+        except AutoparError as e:
+            raise PlanError(f"Plan.from_json: {e}. The file is damaged or was edited: plan "
+                            f"again and save plan.to_json()") from None
 
     def with_trees(self, in_tree, out_tree) -> Plan:
         return dataclasses.replace(self, in_tree=in_tree, out_tree=out_tree)
+
+
+# ---- reading JSON -----------------------------------------------------------------------------
+def _plan_from_dict(d) -> Plan:
+    _check_top(d)
+    sizes = _mesh(d["mesh"])
+    ins, outs = _strs(d["input_paths"], "input_paths"), _strs(d["output_paths"], "output_paths")
+    shapes = tuple(_shape(x, f"input_shapes[{k}]") for k, x in
+                   enumerate(_list(d["input_shapes"], "input_shapes", len(ins))))
+    return Plan(
+        mesh=tuple(sizes.items()), hardware=_str(d["hardware"], "hardware"),
+        strategy=_str(d["strategy"], "strategy"),
+        graph_fingerprint=_str(d["graph_fingerprint"], "graph_fingerprint"),
+        input_paths=ins, output_paths=outs, input_shapes=shapes,
+        input_shardings=_in_layouts(d["input_shardings"], ins, shapes, sizes),
+        output_shardings=tuple(_layout(s, sizes, f"output_shardings[{k}] ({outs[k]})") for k, s
+                               in enumerate(_list(d["output_shardings"], "output_shardings",
+                                                  len(outs)))),
+        pins=tuple(_pin(x, sizes, k) for k, x in enumerate(_list(d["pins"], "pins"))),
+        choices=tuple(_choice(x, k) for k, x in enumerate(_list(d["choices"], "choices"))),
+        collectives=tuple(_collective(x, sizes, k)
+                          for k, x in enumerate(_list(d["collectives"], "collectives"))),
+        cost=_cost(d["cost"]), solver=_solver_stats(d["solver"]),
+        notes=_strs(d.get("notes", []), "notes"))
+
+
+def _check_top(d) -> None:
+    if not isinstance(d, dict):
+        raise PlanError(f"a plan is a JSON object; got {type(d).__name__}")
+    version = d.get("format_version")
+    if "format_version" not in d:
+        raise PlanError("it has no format_version field, so Plan.to_json() did not write it")
+    if version != FORMAT_VERSION:
+        raise PlanError(f"format_version {version!r} is not {FORMAT_VERSION}, the version this "
+                        f"autopar reads")
+    fields = {f.name for f in dataclasses.fields(Plan)} - {"in_tree", "out_tree"}
+    unknown = sorted(set(d) - fields - {"format_version"})
+    missing = sorted(fields - set(d) - {"notes"})     # notes: absent from older saved plans
+    if unknown or missing:
+        raise PlanError(f"unknown fields {unknown} / missing fields {missing}")
+
+
+def _mesh(x) -> dict[str, int]:
+    from autopar.mesh import axis_sizes
+
+    pairs = _pairs_of(x, "mesh")
+    names = [_str(a, f"mesh[{k}] axis name") for k, (a, _) in enumerate(pairs)]
+    if len(set(names)) != len(names):
+        raise PlanError(f"mesh {pairs} repeats an axis name")
+    return axis_sizes(dict(pairs))
+
+
+def _in_layouts(value, paths, shapes, sizes) -> tuple[Sharding, ...]:
+    from autopar.validate import layout_for
+
+    return tuple(layout_for(s, shapes[k], sizes, f"input_shardings[{k}] (input {paths[k]})",
+                            PlanError)
+                 for k, s in enumerate(_list(value, "input_shardings", len(paths))))
+
+
+def _layout(value, sizes, where: str) -> Sharding:
+    from autopar.validate import layout
+
+    return layout(value, sizes, where, PlanError)
+
+
+def _pin(x, sizes, k: int) -> Pin:
+    where = f"pins[{k}]"
+    d = _fields(x, where, [f.name for f in dataclasses.fields(Pin)])
+    path = tuple(_int(i, f"{where}.path") for i in _list(d["path"], f"{where}.path"))
+    slot = _str(d["slot"], f"{where}.slot")
+    if slot not in PIN_SLOTS:
+        raise PlanError(f"{where}.slot is {slot!r}; a pin's slot is one of {PIN_SLOTS}")
+    chain = tuple(_layout(s, sizes, f"{where}.chain[{j}]")
+                  for j, s in enumerate(_list(d["chain"], f"{where}.chain")))
+    if not chain:
+        raise PlanError(f"{where}.chain is empty; a pin names at least the layout it enforces")
+    return Pin(path, slot, _int(d["index"], f"{where}.index"), chain)
+
+
+def _choice(x, k: int):
+    op, prim, source, name = _list(x, f"choices[{k}]", 4)
+    return (_int(op, f"choices[{k}] op id"), _str(prim, f"choices[{k}]"),
+            _str(source, f"choices[{k}]"), _str(name, f"choices[{k}]"))
+
+
+def _collective(x, sizes, k: int) -> Collective:
+    where = f"collectives[{k}]"
+    d = _fields(x, where, [f.name for f in dataclasses.fields(Collective)])
+    axes = _strs(d["axes"], f"{where}.axes")
+    for a in axes:
+        if a not in sizes:
+            raise PlanError(f"{where} names mesh axis {a!r}, but the mesh has axes {sizes}")
+    return Collective(_str(d["where"], where), _str(d["kind"], where), axes,
+                      _num(d["nbytes"], f"{where}.nbytes"), _num(d["time_s"], f"{where}.time_s"),
+                      _num(d["count"], f"{where}.count"), _str(d["source"], f"{where}.source"),
+                      _str(d["name"], f"{where}.name"))
+
+
+def _cost(x) -> CostBreakdown:
+    names = [f.name for f in dataclasses.fields(CostBreakdown)]
+    d = _fields(x, "cost", names, optional=("dispatch_s",))
+    pairs = {n: _kind_pairs(d[n], f"cost.{n}") for n in ("comm_by_kind", "comm_bytes_by_kind")}
+    budget = d["memory_budget_bytes"]
+    nums = {n: _num(d[n], f"cost.{n}") for n in names
+            if n in d and n not in pairs and n != "memory_budget_bytes"}
+    return CostBreakdown(**nums, **pairs, memory_budget_bytes=None if budget is None
+                         else _num(budget, "cost.memory_budget_bytes"))
+
+
+def _kind_pairs(x, where: str) -> tuple[tuple[str, float], ...]:
+    return tuple((_str(k, where), _num(t, where))
+                 for k, t in (_list(p, where, 2) for p in _list(x, where)))
+
+
+def _solver_stats(x) -> SolverStats:
+    d = _fields(x, "solver", [f.name for f in dataclasses.fields(SolverStats)],
+                optional=("candidates",))
+    d = {"candidates": 0, **d}
+    ints = ("num_groups", "num_vars", "num_constraints", "candidates")
+    return SolverStats(status=_str(d["status"], "solver.status"),
+                       **{n: _num(d[n], f"solver.{n}") for n in ("gap", "solve_s", "build_s",
+                                                                  "trace_s")},
+                       **{n: _int(d[n], f"solver.{n}") for n in ints})
+
+
+def _fields(x, where: str, names, optional=()) -> dict:
+    if not isinstance(x, dict):
+        raise PlanError(f"{where} must be a JSON object with fields {names}; got {x!r:.80}")
+    unknown, missing = sorted(set(x) - set(names)), [n for n in names
+                                                     if n not in x and n not in optional]
+    if unknown or missing:
+        raise PlanError(f"{where}: unknown fields {unknown} / missing fields {missing}")
+    return x
+
+
+def _list(x, where: str, length: int | None = None) -> list:
+    if not isinstance(x, list):
+        raise PlanError(f"{where} must be a JSON list; got {x!r:.80}")
+    if length is not None and len(x) != length:
+        raise PlanError(f"{where} has {len(x)} entries where {length} were expected")
+    return x
+
+
+def _pairs_of(x, where: str) -> list[tuple[Any, Any]]:
+    return [tuple(_list(p, f"{where}[{k}]", 2)) for k, p in enumerate(_list(x, where))]
+
+
+def _str(x, where: str) -> str:
+    if not isinstance(x, str):
+        raise PlanError(f"{where} must be a string; got {x!r:.80}")
+    return x
+
+
+def _strs(x, where: str) -> tuple[str, ...]:
+    return tuple(_str(v, f"{where}[{k}]") for k, v in enumerate(_list(x, where)))
+
+
+def _int(x, where: str, lo: int = 0) -> int:
+    if isinstance(x, bool) or not isinstance(x, int) or x < lo:
+        raise PlanError(f"{where} must be an integer >= {lo}; got {x!r:.80}")
+    return x
+
+
+def _num(x, where: str) -> float:
+    """A finite number >= 0, kept as JSON gave it (an int stays an int: to_json is unchanged)."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x) or x < 0:
+        raise PlanError(f"{where} must be a finite number >= 0; got {x!r:.80}")
+    return x
+
+
+def _shape(x, where: str) -> tuple[int, ...]:
+    return tuple(_int(n, f"{where}[{i}]") for i, n in enumerate(_list(x, where)))
 
 
 def _spec_tree(shardings, tree, paths):
@@ -164,12 +366,6 @@ def _spec_tree(shardings, tree, paths):
     if tree is None:   # a plan loaded from JSON before it was applied to its function
         return dict(zip(paths, specs))
     return jax.tree_util.tree_unflatten(tree, specs)
-
-
-def _tuplify(x):
-    if isinstance(x, list):
-        return tuple(_tuplify(e) for e in x)
-    return x
 
 
 def _ms(s: float) -> str:

@@ -100,7 +100,37 @@ def child_depth(spec: dict) -> dict:
                 trace_cpu_s=c1 - c0, plan_cpu_s=c2 - c1,
                 peak_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                 status=s.status + (f" ({s.candidates} cand.)" if s.candidates else ""),
-                gap=s.gap, groups=s.num_groups, vars=s.num_vars, step_ms=p.cost.step_time_s * 1e3)
+                gap=s.gap, groups=s.num_groups, vars=s.num_vars, step_ms=p.cost.step_time_s * 1e3,
+                objective_s=p.cost.step_time_s - p.cost.dispatch_s)
+
+
+def child_jaxpr(spec: dict) -> dict:
+    """``jax.make_jaxpr`` of the step alone, in a fresh process: what jax itself spends tracing
+    the user's Python (the floor under ``trace_s``)."""
+    import jax
+
+    fn, state, batch = _abstract(spec["family"], spec["layers"], spec["batch"])
+    t0 = time.perf_counter()
+    jax.make_jaxpr(fn)(state, batch)
+    return dict(jaxpr_s=time.perf_counter() - t0)
+
+
+def child_full(spec: dict) -> dict:
+    """The row planned over the whole ILP (no candidate restriction), deterministically with a
+    longer limit: its best bound is a lower bound for every plan, so it prices the gap of the
+    candidate plan."""
+    import ir
+    from autopar.api import plan_graph
+    from autopar.planner import ilp
+
+    ilp.FULL_MODEL_PAIRS = float("inf")
+    graph = ir.trace(*_abstract(spec["family"], spec["layers"], spec["batch"]))
+    p = plan_graph(graph, spec["mesh"], hardware="h100", memory_budget=spec["budget"],
+                   time_limit_s=spec["time_limit_s"], deterministic=True)
+    s = p.solver
+    objective = p.cost.step_time_s - p.cost.dispatch_s
+    return dict(status=s.status, objective_s=objective, bound_s=objective * (1 - s.gap),
+                solve_s=s.solve_s, vars=s.num_vars)
 
 
 def child_first_call(spec: dict) -> dict:
@@ -143,9 +173,14 @@ def _in_child(kind: str, spec: dict, repeat: int = 1) -> dict:
 
 
 def run_depth(label, family, layers, mesh, batch, budget, time_limit_s, repeat) -> tuple:
+    """(table row, the child's medians)."""
     spec = dict(family=family, layers=layers, mesh=mesh, batch=batch, budget=budget,
                 time_limit_s=time_limit_s)
     r = _in_child("depth", spec, repeat)
+    return _depth_row(label, layers, mesh, r), r
+
+
+def _depth_row(label, layers, mesh, r: dict) -> tuple:
     devices = 1
     for n in mesh.values():
         devices *= n
@@ -168,6 +203,41 @@ def run_first_call(name: str, repeat: int) -> tuple:
             r["cpu_s"], r["jit_first_call_s"], r["status"], r["gap"])
 
 
+FULL_LIMIT_S = 120.0   # deterministic seconds for the whole-ILP reference solve
+
+
+def gap_lines(spec: tuple, r: dict) -> list[str]:
+    """The candidate plan of ``spec``'s row against the whole ILP's bound (``child_full``)."""
+    label, family, layers, mesh, batch, budget = spec
+    if "error" in r:
+        return []
+    f = _in_child("full", dict(family=family, layers=layers, mesh=mesh, batch=batch,
+                               budget=budget, time_limit_s=FULL_LIMIT_S))
+    if "error" in f:
+        return [f"- {label}: the whole-ILP reference solve failed: {f['error']}"]
+    gap = (r["objective_s"] - f["bound_s"]) / r["objective_s"]
+    ms = r["objective_s"] * 1e3
+    return [f"- {label}, {layers} layers: the plan's objective is {ms:.1f} ms; the whole ILP "
+            f"(no candidate restriction, {f['vars']} variables, "
+            f"{FULL_LIMIT_S:g} deterministic s, {f['solve_s']:.0f} s wall) ends {f['status']} "
+            f"with best plan {f['objective_s'] * 1e3:.1f} ms and lower bound "
+            f"{f['bound_s'] * 1e3:.1f} ms: the plan is within {gap:.2%} of the optimum."]
+
+
+def floor_lines(repeat: int) -> list[str]:
+    """jax's own tracing of the unrolled model (``child_jaxpr``) at 12 and 96 layers."""
+    got = {}
+    for layers in (12, 96):
+        r = _in_child("jaxpr", dict(family="hf", layers=layers, batch=DEPTH_BATCH), repeat)
+        if "error" in r:
+            return [f"- jax.make_jaxpr alone failed: {r['error']}"]
+        got[layers] = r["jaxpr_s"]
+    return [f"- `jax.make_jaxpr` alone (no autopar) of the unrolled HF GPT-2 at GPT-3 width takes "
+            f"{got[12]:.1f} s at 12 layers and {got[96]:.1f} s at 96 ({got[96] / got[12]:.1f}x): "
+            f"jax runs the Python loop once per layer, so time that includes tracing cannot "
+            f"stay flat in depth."]
+
+
 def _ratio_lines(rows) -> list[str]:
     """Depth ratios (96 vs 12 layers) of each model family, total and planner only."""
     out = []
@@ -185,7 +255,7 @@ def _ratio_lines(rows) -> list[str]:
     return out
 
 
-def write(out, rows, first_rows, elapsed: float) -> None:
+def write(out, rows, first_rows, notes, elapsed: float) -> None:
     env = _common.environment()    # before any file is written: the stamp is the code's state
     _common.write_csv(out / "plan_time.csv", HEADER, rows)
     lines = [
@@ -216,6 +286,7 @@ def write(out, rows, first_rows, elapsed: float) -> None:
         _common.md_table(HEADER, rows),
         "",
         *_ratio_lines(rows),
+        *notes,
         "",
         "## First call of small third-party models",
         "",
@@ -241,7 +312,8 @@ def write(out, rows, first_rows, elapsed: float) -> None:
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--child":
-        fn = child_depth if argv[1] == "depth" else child_first_call
+        fn = {"depth": child_depth, "first": child_first_call, "jaxpr": child_jaxpr,
+              "full": child_full}[argv[1]]
         print(json.dumps(fn(json.loads(argv[2]))))
         return None
     args = _common.parser(__doc__).parse_args(argv)
@@ -249,18 +321,22 @@ def main(argv=None):
     time_limit_s = 2.0 if args.quick else 10.0
     repeat = 1 if args.quick else REPEAT
     t_all = time.perf_counter()
-    rows = []
+    rows, notes = [], []
     for spec in depth_rows(args.quick):
-        r = run_depth(*spec, time_limit_s, repeat)
+        r, medians = run_depth(*spec, time_limit_s, repeat)
         print("  " + "  ".join(_common._cell(x) for x in r), flush=True)
         rows.append(r)
+        if spec[1] == "175B":
+            notes += gap_lines(spec, medians)
+    if not args.quick:
+        notes += floor_lines(repeat)
     first_rows = []
     for name in (() if args.quick else ("gpt2", "t5", "bart", "whisper")):
         r = run_first_call(name, repeat)
         print("  " + "  ".join(_common._cell(x) for x in r), flush=True)
         first_rows.append(r)
     elapsed = time.perf_counter() - t_all
-    write(out, rows, first_rows, elapsed)
+    write(out, rows, first_rows, notes, elapsed)
     print(f"wrote {out / 'plan_time.md'} ({len(rows)} rows, {elapsed:.0f} s)")
     return rows
 

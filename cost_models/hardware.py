@@ -18,20 +18,25 @@ Shipped profiles live in ``cost_models/profiles/<name>.json``; ``hardware(name)`
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
+import numbers
 import os
 from collections.abc import Mapping
 from importlib import resources
 from typing import Any
+
+from ir.errors import AutoparError
 
 PROFILE_NAMES: tuple[str, ...] = ("a100", "h100", "h200", "cpu")
 # Dtype whose figure stands in for dtypes a profile does not list (see peak_flops_per_s).
 FALLBACK_DTYPE = "float32"
 
 
-class CostModelError(ValueError):
-    """A cost-model input is malformed: unknown profile, axis, collective kind or dtype table."""
+class CostModelError(AutoparError):
+    """A cost-model input is malformed: unknown profile, axis, collective kind, a profile figure
+    that is missing, not a number, not finite or out of range."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,12 +53,23 @@ class Link:
     bandwidth_bytes_per_s: float
     latency_s: float
 
+    def __post_init__(self) -> None:
+        where = f"Link {self.name!r}"
+        _check_name(where, "name", self.name)
+        _check_rate(where, "bandwidth_bytes_per_s", self.bandwidth_bytes_per_s)
+        _check_floor(where, "latency_s", self.latency_s)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @staticmethod
-    def from_dict(d: Mapping[str, Any]) -> Link:
-        return Link(str(d["name"]), float(d["bandwidth_bytes_per_s"]), float(d["latency_s"]))
+    def from_dict(d: Mapping[str, Any], where: str = "link") -> Link:
+        fields = ("name", "bandwidth_bytes_per_s", "latency_s")
+        _check_keys(where, d, fields, fields)
+        try:
+            return Link(d["name"], d["bandwidth_bytes_per_s"], d["latency_s"])
+        except CostModelError as e:
+            raise CostModelError(f"{where}: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +98,7 @@ class Hardware:
     citations: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
+        _validate(self)
         if not any(d == FALLBACK_DTYPE for d, _ in self.peak_flops_by_dtype):
             raise CostModelError(
                 f"Hardware {self.name!r} lists peak FLOP/s for "
@@ -110,20 +127,12 @@ class Hardware:
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> Hardware:
+        fields = dataclasses.fields(Hardware)
+        required = [f.name for f in fields if f.default is dataclasses.MISSING]
+        _check_keys("Hardware JSON", d, [f.name for f in fields], required)
         kw = dict(d)
-        kw["peak_flops_by_dtype"] = _pairs(kw["peak_flops_by_dtype"], float)
-        kw["collective_kind_efficiency"] = _pairs(kw.get("collective_kind_efficiency", {}), float)
-        kw["citations"] = _pairs(kw.get("citations", {}), str)
-        kw["intra_node"] = Link.from_dict(kw["intra_node"])
-        kw["inter_node"] = Link.from_dict(kw["inter_node"])
-        kw["memory_bytes"] = int(kw["memory_bytes"])
-        kw["devices_per_node"] = int(kw["devices_per_node"])
-        names = {f.name for f in dataclasses.fields(Hardware)}
-        unknown = sorted(set(kw) - names)
-        if unknown:
-            raise CostModelError(
-                f"Hardware JSON has unknown fields {unknown}; known fields: {sorted(names)}."
-            )
+        kw["intra_node"] = Link.from_dict(kw["intra_node"], "intra_node")
+        kw["inter_node"] = Link.from_dict(kw["inter_node"], "inter_node")
         return Hardware(**kw)
 
     def to_json(self) -> str:
@@ -131,7 +140,12 @@ class Hardware:
 
     @staticmethod
     def from_json(text: str) -> Hardware:
-        return Hardware.from_dict(json.loads(text))
+        try:
+            data = json.loads(text)
+        except (TypeError, ValueError, RecursionError) as e:
+            raise CostModelError(f"a Hardware profile must be JSON text (as Hardware.to_json() "
+                                 f"writes it); parsing failed: {e}") from None
+        return Hardware.from_dict(data)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         with open(path, "w") as f:
@@ -140,7 +154,11 @@ class Hardware:
     @staticmethod
     def load(path: str | os.PathLike[str]) -> Hardware:
         with open(path) as f:
-            return Hardware.from_json(f.read())
+            text = f.read()
+        try:
+            return Hardware.from_json(text)
+        except CostModelError as e:
+            raise CostModelError(f"hardware profile file {os.fspath(path)!r}: {e}") from None
 
     def is_finite(self) -> bool:
         """True when every number in the profile is finite and positive (latencies may be 0)."""
@@ -151,10 +169,6 @@ class Hardware:
         return all(math.isfinite(v) and v > 0 for v in rates) and all(
             math.isfinite(v) and v >= 0 for v in rest
         )
-
-
-def _pairs(m: Mapping[str, Any], cast: type) -> tuple[tuple[str, Any], ...]:
-    return tuple((str(k), cast(v)) for k, v in m.items())
 
 
 def hardware(spec: str | os.PathLike[str] | Hardware) -> Hardware:
@@ -169,13 +183,139 @@ def hardware(spec: str | os.PathLike[str] | Hardware) -> Hardware:
     """
     if isinstance(spec, Hardware):
         return spec
+    if not isinstance(spec, (str, os.PathLike)):
+        raise CostModelError(
+            f"hardware={spec!r} ({type(spec).__name__}) is not a profile: pass a name "
+            f"{list(PROFILE_NAMES)}, the path of a JSON file written by Hardware.save(), or a "
+            f"cost_models.Hardware.")
     text = os.fspath(spec)
     if text.lower() in PROFILE_NAMES:
         data = resources.files("cost_models").joinpath(f"profiles/{text.lower()}.json")
         return Hardware.from_json(data.read_text())
     if os.path.isfile(text):
         return Hardware.load(text)
+    close = difflib.get_close_matches(text.lower(), PROFILE_NAMES, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
     raise CostModelError(
-        f"hardware({text!r}): not a profile name and not a file. Known profiles: "
+        f"hardware({text!r}): not a profile name and not a file. {hint}Known profiles: "
         f"{list(PROFILE_NAMES)}; or pass the path of a JSON file written by Hardware.save()."
     )
+
+
+# ---- validation ---------------------------------------------------------------------------------
+# Every figure must be a finite real number in range: a negative latency would plan negative step
+# times, a zero bandwidth divide by zero and a NaN peak poison every comparison the planner makes.
+_RATES = ("hbm_bytes_per_s",)
+_FRACTIONS = ("matmul_efficiency", "memory_efficiency", "collective_efficiency")
+_FLOORS = ("kernel_launch_s", "collective_launch_s", "dispatch_s")
+_COUNTS = ("memory_bytes", "devices_per_node")
+# Plausibility bounds: figures outside them are unit mistakes, and would push predicted times past
+# what a float (or the ILP's integer nanoseconds) can hold.
+MIN_RATE = 1.0
+MIN_EFFICIENCY = 1e-6
+MAX_SECONDS = 3600.0
+
+
+def _validate(hw: Hardware) -> None:
+    """Raise CostModelError naming the first malformed field of ``hw``; normalise its tables."""
+    where = f"Hardware {hw.name!r}"
+    _check_name(where, "name", hw.name)
+    for field in ("peak_flops_by_dtype", "collective_kind_efficiency", "citations"):
+        object.__setattr__(hw, field, _pairs(where, field, getattr(hw, field)))
+    for dtype, peak in hw.peak_flops_by_dtype:
+        _check_rate(where, f"peak_flops_by_dtype[{dtype!r}]", peak)
+    for kind, eff in hw.collective_kind_efficiency:
+        _check_factor(where, f"collective_kind_efficiency[{kind!r}]", eff)
+    for field in _RATES:
+        _check_rate(where, field, getattr(hw, field))
+    for field in _FRACTIONS:
+        _check_fraction(where, field, getattr(hw, field))
+    for field in _FLOORS:
+        _check_floor(where, field, getattr(hw, field))
+    for field in _COUNTS:
+        object.__setattr__(hw, field, _check_count(where, field, getattr(hw, field)))
+    for field in ("intra_node", "inter_node"):
+        if not isinstance(getattr(hw, field), Link):
+            raise CostModelError(f"{where}: {field}={getattr(hw, field)!r} must be a "
+                                 f"cost_models.Link(name, bandwidth_bytes_per_s, latency_s).")
+
+
+def _number(where: str, field: str, v: Any, rule: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(float(v)):
+        raise CostModelError(f"{where}: {field}={v!r} must be a finite number {rule}; fix the "
+                             f"{field!r} figure of the profile.")
+    return float(v)
+
+
+def _check_rate(where: str, field: str, v: Any) -> None:
+    x = _number(where, field, v, "> 0")
+    if x <= 0:
+        raise CostModelError(f"{where}: {field}={v!r} must be > 0 (a rate per second; zero or a "
+                             f"negative rate would divide by zero or plan negative times).")
+    if x < MIN_RATE:
+        raise CostModelError(f"{where}: {field}={v!r} is below {MIN_RATE:g} per second, slower "
+                             f"than any device; check the unit (FLOP/s and bytes/s, not T or G).")
+
+
+def _check_fraction(where: str, field: str, v: Any) -> None:
+    x = _number(where, field, v, "in (0, 1]")
+    if not MIN_EFFICIENCY <= x <= 1:
+        raise CostModelError(f"{where}: {field}={v!r} must be in [{MIN_EFFICIENCY:g}, 1]: the "
+                             f"fraction of the peak reached in practice, e.g. 0.75 (not a "
+                             f"percentage).")
+
+
+def _check_factor(where: str, field: str, v: Any) -> None:
+    x = _number(where, field, v, "> 0")
+    if not MIN_EFFICIENCY <= x <= 1 / MIN_EFFICIENCY:
+        raise CostModelError(f"{where}: {field}={v!r} must be a bandwidth factor in "
+                             f"[{MIN_EFFICIENCY:g}, {1 / MIN_EFFICIENCY:g}], e.g. 0.6.")
+
+
+def _check_floor(where: str, field: str, v: Any) -> None:
+    x = _number(where, field, v, ">= 0")
+    if x < 0:
+        raise CostModelError(f"{where}: {field}={v!r} must be >= 0 seconds; a negative time "
+                             f"would make communication or launches look like a gain.")
+    if x > MAX_SECONDS:
+        raise CostModelError(f"{where}: {field}={v!r} seconds is over {MAX_SECONDS:g} s, not a "
+                             f"latency or launch time; check the unit (seconds, not us or ns).")
+
+
+def _check_count(where: str, field: str, v: Any) -> int:
+    x = _number(where, field, v, ">= 1")
+    if x < 1 or x != int(x):
+        raise CostModelError(f"{where}: {field}={v!r} must be a whole number >= 1.")
+    return int(x)
+
+
+def _check_name(where: str, field: str, v: Any) -> None:
+    if not isinstance(v, str) or not v:
+        raise CostModelError(f"{where}: {field}={v!r} must be a non-empty string.")
+
+
+def _pairs(where: str, field: str, m: Any) -> tuple[tuple[str, Any], ...]:
+    """A table given as a mapping or as (key, value) pairs, as a tuple of pairs."""
+    items = m.items() if isinstance(m, Mapping) else m
+    try:
+        pairs = tuple((k, v) for k, v in items)
+    except (TypeError, ValueError):
+        raise CostModelError(f"{where}: {field}={m!r} must map names to values, e.g. "
+                             f"{{'float32': 67e12, 'bfloat16': 989e12}}.") from None
+    for k, _ in pairs:
+        _check_name(where, f"a key of {field}", k)
+    return pairs
+
+
+def _check_keys(where: str, d: Any, known, required) -> None:
+    if not isinstance(d, Mapping):
+        raise CostModelError(f"{where} must be a JSON object of fields {list(known)}; got "
+                             f"{type(d).__name__} {d!r:.80}.")
+    unknown = sorted(set(d) - set(known), key=str)
+    if unknown:
+        raise CostModelError(f"{where} has unknown fields {unknown}; known fields: "
+                             f"{sorted(known)}.")
+    missing = [k for k in required if k not in d]
+    if missing:
+        raise CostModelError(f"{where} lacks the required fields {missing}; see a shipped "
+                             f"profile (cost_models/profiles/h100.json) for each one's meaning.")

@@ -6,6 +6,11 @@ ids, so axis ``i`` has stride ``s_i = prod(sizes of later axes)``. A group along
 several nodes and the group pays ``hw.inter_node`` (``axis_link``). A group over several axes pays
 the slowest link among them (``group_link``).
 
+Row-major ids are a guess about a cluster that is not present. For a real mesh, pass
+``device_nodes``: the node (host) of every device in mesh order, e.g. from each device's
+``process_index``. An axis then pays ``hw.inter_node`` exactly when one of its groups holds
+devices of two nodes, whatever the device ids or ``devices_per_node`` say.
+
 Collectives use the ring formulas of ``cost_models.collectives`` with bandwidth
 ``B = link bandwidth * collective_efficiency * kind efficiency``, plus the fixed
 ``collective_launch_s`` (``collective_time_s``).
@@ -17,6 +22,8 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from cost_models.collectives import COLLECTIVE_RULES
 from cost_models.compute import MATMUL_PRIMS, roofline_time_s
@@ -36,15 +43,20 @@ class CostModel:
     Attributes:
       hw: the hardware profile.
       mesh_shape: ``((axis name, size), ...)`` in row-major device order.
+      device_nodes: the node id of every device in mesh (row-major) order, or ``None`` to infer
+        nodes from device ids and ``hw.devices_per_node``.
     """
 
     hw: Hardware
     mesh_shape: tuple[tuple[str, int], ...]
+    device_nodes: tuple[int, ...] | None = None
+    _inter_axes: frozenset[str] | None = dataclasses.field(default=None, repr=False)
 
     def __init__(
         self,
         hw: Hardware | str,
         mesh_shape: Mapping[str, int] | Sequence[tuple[str, int]] = (),
+        device_nodes: Sequence[int] | None = None,
     ) -> None:
         pairs = tuple(mesh_shape.items()) if isinstance(mesh_shape, Mapping) else tuple(mesh_shape)
         for name, size in pairs:
@@ -52,8 +64,13 @@ class CostModel:
                 raise CostModelError(
                     f"mesh_shape {dict(pairs)}: axis {name!r} has size {size}; sizes must be >= 1."
                 )
+        pairs = tuple((str(k), int(v)) for k, v in pairs)
         object.__setattr__(self, "hw", hardware(hw))
-        object.__setattr__(self, "mesh_shape", tuple((str(k), int(v)) for k, v in pairs))
+        object.__setattr__(self, "mesh_shape", pairs)
+        nodes = None if device_nodes is None else tuple(int(n) for n in device_nodes)
+        object.__setattr__(self, "device_nodes", nodes)
+        spans = None if nodes is None else _inter_axes(pairs, nodes)
+        object.__setattr__(self, "_inter_axes", spans)
 
     # ---- mesh -------------------------------------------------------------------------------
     @property
@@ -79,7 +96,11 @@ class CostModel:
         return math.prod(size for _, size in self.mesh_shape[names.index(axis) + 1 :])
 
     def axis_spans_nodes(self, axis: str) -> bool:
-        """True when one group along ``axis`` covers devices of more than one node."""
+        """True when one group along ``axis`` covers devices of more than one node: from
+        ``device_nodes`` when given, else from the row-major layout and ``devices_per_node``."""
+        if self._inter_axes is not None:
+            self.axis_size(axis)
+            return axis in self._inter_axes
         return self.axis_stride(axis) * self.axis_size(axis) > self.hw.devices_per_node
 
     def axis_link(self, axis: str) -> Link:
@@ -185,6 +206,27 @@ class CostModel:
             -(-size // self.group_size(axes)) for size, axes in zip(ttype.shape, dims)
         ]
         return math.prod(shard_shape) * ttype.itemsize
+
+
+def _inter_axes(pairs: tuple[tuple[str, int], ...], nodes: tuple[int, ...]) -> frozenset[str]:
+    """The axes with a group (a line of the mesh along the axis) whose devices sit in two nodes.
+
+    A group over several axes spans nodes exactly when one of its axes does: were every line
+    along each of its axes on one node, every device of the group would be on one node.
+    """
+    sizes = [n for _, n in pairs]
+    if len(nodes) != math.prod(sizes):
+        raise CostModelError(
+            f"device_nodes has {len(nodes)} entries but the mesh {dict(pairs)} has "
+            f"{math.prod(sizes)} devices; give one node id per device, in mesh order."
+        )
+    grid = np.asarray(nodes, dtype=np.int64).reshape(sizes)
+    spans = set()
+    for i, (name, size) in enumerate(pairs):
+        lines = np.moveaxis(grid, i, -1).reshape(-1, size)
+        if size > 1 and bool((lines != lines[:, :1]).any()):
+            spans.add(name)
+    return frozenset(spans)
 
 
 def _normalise_sharding(sharding: Sequence[AxisSpec], ttype: TensorType) -> list[tuple[str, ...]]:

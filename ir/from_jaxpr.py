@@ -270,7 +270,9 @@ def _region_op(b: _Builder, eqn: Any, env: dict[Any, int], ctx: _Ctx) -> Op:
         subs = list(subs[0])
     inner_ctx = _Ctx(ctx.origin, ctx.scope, _join_name(ctx.name, str(eqn.source_info.name_stack)),
                      source_of(eqn.source_info) or ctx.source)
-    built = [_region(b, s, inner_ctx) for s in subs]
+    # a region's ops extend the origin with the region's index: (eqn, region, eqn in region, ...)
+    built = [_region(b, s, dataclasses.replace(inner_ctx, origin=inner_ctx.origin + (r,)))
+             for r, s in enumerate(subs)]
     ins, outs = _eqn_ids(b, eqn, env)
     trip = int(eqn.params.get("length", 1)) if prim == "scan" else 1
     regions = tuple(r for r, _, _ in built)

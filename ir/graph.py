@@ -11,9 +11,11 @@ Structure:
     ordered tuple of ops; a scan body is *not* unrolled: its costs count ``trip_count`` times.
   * ``jit`` calls are inlined. ``remat2``, ``custom_jvp_call`` and ``custom_vjp_call`` are inlined
     too, with the marker kept in each inlined op's ``scope``.
-  * ``origin`` of an op is the path of equation indices that leads to it from the top-level jaxpr
-    (``(12, 3)``: equation 3 of the jaxpr called by top-level equation 12). Codegen uses it to find
-    the equation again when it re-evaluates the jaxpr.
+  * ``origin`` of an op is the path that leads to its equation from the top-level jaxpr: an
+    equation index per level, and after a loop or branch equation the index of its region
+    (``(12, 3)``: equation 3 of the jaxpr called by top-level equation 12; ``(7, 0, 4)``:
+    equation 4 of the body (region 0) of the scan at top-level equation 7). Codegen uses it to
+    find the equation again when it re-evaluates the jaxpr.
 
 A pass returns a new Graph; nothing here is edited in place.
 """
@@ -46,7 +48,7 @@ class TensorType:
             return 1
         if self.dtype.startswith("key<"):  # a PRNG key: threefry keys are 2 x uint32
             return 8
-        if self.dtype == "token":
+        if self.dtype == "token" or "float0" in self.dtype:  # float0: gradients of ints, no data
             return 0
         return np.dtype(self.dtype).itemsize
 
@@ -218,8 +220,11 @@ class Graph:
         return to_networkx(self)
 
     def fingerprint(self) -> str:
-        """A stable hash of the graph's structure (prims, shapes, wiring), for plan matching.
-        Cached: a 50k-op graph takes a second to hash."""
+        """A stable hash of everything that makes the program: each op's primitive, parameters
+        (``sum(0)`` is not ``sum(1)``), wiring, scope and trip count, every value's type, the
+        literal constants, the inputs and outputs with their pytree paths, and donation. Source
+        lines and names are left out: moving code does not change the program. Cached: a 50k-op
+        graph takes a second to hash."""
         hit = self.__dict__.get("_fingerprint")
         if hit is not None:
             return hit
@@ -227,9 +232,11 @@ class Graph:
 
         h = hashlib.sha256()
         for op in self.all_ops():
-            h.update(f"{op.id}:{op.prim}:{op.ins}:{op.outs}:{op.trip_count};".encode())
+            h.update(f"{op.id}:{op.prim}:{op.ins}:{op.outs}:{op.trip_count}:{op.scope}:"
+                     f"{op.params!r};".encode())
         for v in self.values:
             h.update(f"{v};".encode())
-        h.update(repr((self.inputs, self.outputs, self.input_paths)).encode())
+        h.update(repr((self.inputs, self.outputs, self.input_paths, self.output_paths,
+                       self.donated, self.literals, self.consts)).encode())
         hit = self.__dict__["_fingerprint"] = h.hexdigest()[:16]
         return hit

@@ -4,6 +4,9 @@ import os
 _FLAG = "--xla_force_host_platform_device_count=8"
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
 os.environ.setdefault("AUTOPAR_CHECKS", "1")
+# Golden plans must not depend on the machine's load: plan on the solver's deterministic clock
+# (tests of the wall-clock budget pass deterministic=False).
+os.environ.setdefault("AUTOPAR_DETERMINISTIC", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402

@@ -19,6 +19,8 @@ CASES = {
     "handwritten_vs_auto.py": ("handwritten_vs_auto.md", "handwritten_vs_auto.csv",
                                "handwritten_vs_auto_plans.csv", "handwritten_vs_auto.png"),
     "cpu_measured.py": ("cpu_measured.md", "cpu_measured.csv", "cpu_measured.png"),
+    "time_limit.py": ("time_limit.md", "time_limit.csv"),
+    "checkpoint.py": ("checkpoint.md", "checkpoint.csv"),
 }
 
 

@@ -65,10 +65,6 @@ def test_memory_budget_below_replicated_adam_shards_weights_and_optimizer_state(
     leaves = jax.tree.leaves(state)
     replicated = sum(x.size * x.dtype.itemsize for x in leaves)
     budget = 0.6 * replicated
-    free = autopar.plan(step, state, batch, mesh={"data": 1, "model": 4}, hardware="h100",
-                        time_limit_s=5)
-    assert free.cost.peak_memory_bytes > budget   # without a budget it keeps weights whole
-    assert free.spec_of("['params']['layer_1']['kernel']") == P()
     plan = autopar.plan(step, state, batch, mesh={"data": 1, "model": 4}, hardware="h100",
                         memory_budget=budget, time_limit_s=5)
     assert plan.cost.peak_memory_bytes <= budget < replicated

@@ -264,10 +264,12 @@ def test_zero12_shard_optimizer_state_only(name):
     assert counts["all-gather"] > 0 and counts["all-reduce"] > 0, dict(counts)
 
 
-def test_zero1_all_reduces_zero2_may_reduce_scatter():
+def test_zero1_plan_never_reduce_scatters():
+    """Whether ZeRO-2's plan reduce-scatters is the solver's cost call (on this 2x4 model its
+    optimum all-reduces: the scattered gradient would stay replicated over `model`); that it may
+    is checked in test_zero1_forbids_reduce_scatter_on_contractions."""
     z1 = [c for c in _row("zero1").plan.choices if c[1] == "dot_general"]
     assert z1 and not any("|RS" in c[3] for c in z1)
-    assert "reduce-scatter" in _row("zero2").plan.collective_counts()
 
 
 @pytest.mark.xfail(reason="XLA:CPU emits no reduce-scatter instruction: the planner's reduce-"

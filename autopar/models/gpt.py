@@ -120,13 +120,18 @@ def loss_fn(params, model, batch):
 
 def make_train_step(cfg: GPTConfig, lr: float = 1e-3):
     """Returns ``(train_step, init_state)``; state is a dict of params and adamw state."""
-    model = GPT(cfg)
+    return lm_train_step(GPT(cfg), cfg.seq, lr)
+
+
+def lm_train_step(model: nn.Module, seq: int, lr: float = 1e-3):
+    """``(train_step, init_state)`` of any token-in, logits-out ``model`` (adamw, next-token
+    cross-entropy); shared by the GPT and Llama-style models."""
     tx = optax.adamw(lr, weight_decay=0.01)
 
     train_step = adamw_step(lambda params, batch: loss_fn(params, model, batch), tx)
 
     def init_state(rng, batch_size: int):
-        tokens = jnp.zeros((batch_size, cfg.seq), jnp.int32)
+        tokens = jnp.zeros((batch_size, seq), jnp.int32)
         params = model.init(rng, tokens)["params"]
         return {"params": params, "opt_state": tx.init(params)}
 

@@ -9,18 +9,18 @@ import re
 import time
 from collections.abc import Mapping
 
-from autopar.errors import ShardingError
+import numpy as np
+
+from autopar.errors import PlanError, ShardingError
 from autopar.options import PlannerOptions
 from autopar.plan import Collective, CostBreakdown, Plan, SolverStats
-from autopar.planner import ilp, problem
-from autopar.planner.reshard import reshard_plan
+from autopar.planner import ilp, pins, problem
+from autopar.planner.budget import SEARCH_BEFORE, START_BEFORE, Clock, warn_many_axes
+from autopar.planner.reshard import reshard_steps, step_bytes
 from autopar.sharding import Sharding, fmt
 from ir import Graph
 
 __all__ = ["make_plan"]
-
-# Ops whose chosen layout codegen pins with a sharding constraint.
-PINNED_PRIMS = {"dot_general", "conv_general_dilated", "gather", "scatter-add", "scatter_add"}
 
 
 def _allowed(prob: problem.Problem, fixed: Mapping[int, Sharding]) -> dict[int, set[int]]:
@@ -86,10 +86,11 @@ def _origin_kinds(origins: tuple[str | None, ...]) -> tuple:
     return tuple(None if o is None else re.sub(r"\d+", "#", o) for o in origins)
 
 
-def _best_start(prob: problem.Problem, cm, allowed, starts, hint, budget):
+def _best_start(prob: problem.Problem, cm, allowed, starts, hint, budget, clock: Clock):
     """The cheapest descent solution that fits ``budget`` among the hand-written starts, the
     free descent and ``hint``. A start over the budget would leave CP-SAT to repair it, which
-    under a time limit ends far from the optimum."""
+    under a time limit ends far from the optimum. Starts are tried while the call is within
+    ``START_BEFORE`` times its time limit (see ``planner.budget``)."""
     from autopar.planner import descent
 
     sizes = dict(prob.mesh)
@@ -100,7 +101,10 @@ def _best_start(prob: problem.Problem, cm, allowed, starts, hint, budget):
     free = descent.descend(prob, cm, dict(hint) if hint else None, allowed=allowed)
     best = (descent.objective(prob, cm, free), free) if fits(free) else None
     seeds = [free]
-    for strat in starts:
+    for k, strat in enumerate(starts):
+        if clock.spent(START_BEFORE):
+            clock.note(f"time limit: tried {k} of {len(starts)} hand-written starts")
+            break
         try:
             if hasattr(strat, "bind"):
                 strat = strat.bind(prob.graph, sizes)
@@ -118,6 +122,37 @@ def _best_start(prob: problem.Problem, cm, allowed, starts, hint, budget):
     return (best[1] if best else free), seeds
 
 
+def _cheapest_alone(prob: problem.Problem, allowed, hint=None) -> dict[int, int]:
+    """``hint``'s choices, else each decision group's cheapest allowed strategy, resharding
+    ignored: a valid plan that needs none of descent's edge matrices (which cost about as much as
+    building the problem)."""
+    from autopar.planner.descent import _expand, _root
+
+    cost: dict[int, np.ndarray] = {}
+    for g in prob.groups:
+        r = _root(prob, g.id)
+        cost[r] = cost.get(r, 0) + g.compute_s + g.comm_s
+    for g, ok in allowed.items():
+        r = _root(prob, g)
+        cost[r] = cost[r] + np.array([0.0 if i in ok else np.inf for i in range(len(cost[r]))])
+    hint = hint or {}
+    return _expand(prob, {r: hint.get(r, int(np.argmin(c))) for r, c in cost.items()})
+
+
+def _allowed_in_time(prob: problem.Problem, options: PlannerOptions, clock: Clock):
+    """``_allowed``; a build cut short by the time limit offers inputs only whole, which is no
+    fault of the strategy's layouts: say so."""
+    try:
+        return _allowed(prob, options.fixed_inputs or {})
+    except ShardingError as e:
+        if not clock.spent(SEARCH_BEFORE):
+            raise
+        raise PlanError(f"time_limit_s={clock.limit_s:g} ran out while the problem was built "
+                        f"({clock.elapsed_s():.1f} s), before the layouts strategy "
+                        f"{options.strategy!r} fixes were offered ({e}); raise time_limit_s"
+                        ) from None
+
+
 def make_plan(graph: Graph, mesh: Mapping[str, int], cost_model,
               options: PlannerOptions | None = None, *, trace_s: float = 0.0) -> Plan:
     """Plan ``graph`` on ``mesh`` under ``options`` (see ``autopar.options.PlannerOptions``).
@@ -128,18 +163,24 @@ def make_plan(graph: Graph, mesh: Mapping[str, int], cost_model,
     """
     options = options or PlannerOptions()
     t0 = time.perf_counter()
-    prob = problem.build(graph, mesh, cost_model)
-    allowed = _allowed(prob, options.fixed_inputs or {})
+    clock = Clock(t0 - trace_s, options.time_limit_s, options.deterministic)
+    warn_many_axes(mesh, clock)
+    prob = problem.build(graph, mesh, cost_model, clock=clock)
+    allowed = _allowed_in_time(prob, options, clock)
     if options.op_filter is not None:
         _filtered(prob, options.op_filter, allowed)
     prob.untie(allowed)
-    hint, seeds = options.hint, []
-    if options.starts:
-        hint, seeds = _best_start(prob, cost_model, allowed, options.starts, hint,
-                                  options.memory_budget)
+    hint, hint_name, seeds = options.hint, "HINT", []
+    if clock.spent(SEARCH_BEFORE):
+        clock.note(f"building the problem ({len(prob.groups)} decision groups) spent the time "
+                   f"limit; each group takes its cheapest strategy alone, no descent or ILP")
+        hint, hint_name = _cheapest_alone(prob, allowed, hint), "GREEDY"
+    elif options.starts:
+        (hint, seeds), hint_name = _best_start(prob, cost_model, allowed, options.starts, hint,
+                                               options.memory_budget, clock), "DESCENT"
     build_s = time.perf_counter() - t0
     sol = ilp.solve(prob, cost_model, options.memory_budget, options.time_limit_s, allowed, hint,
-                    seeds)
+                    clock=clock, hint_name=hint_name, seeds=seeds)
     stats = SolverStats(sol.status, sol.gap, sol.solve_s, build_s, trace_s, prob.num_decisions,
                         sol.num_vars, sol.num_constraints, sol.candidates)
     return assemble(prob, sol.choice, cost_model, cost_model.hw.name, options.strategy,
@@ -154,6 +195,7 @@ def _layout(prob: problem.Problem, choice, v: int) -> Sharding:
 
 
 def _collectives(prob: problem.Problem, choice, cm) -> tuple[list[Collective], float, float, float]:
+    """Every collective of the plan, with compute, op-collective and transition seconds."""
     out: list[Collective] = []
     compute = comm = 0.0
     for g in prob.groups:
@@ -161,25 +203,39 @@ def _collectives(prob: problem.Problem, choice, cm) -> tuple[list[Collective], f
         compute += g.compute_s[i]
         comm += g.comm_s[i]
         for op_id, per_i in g.members.items():
+            mult = g.mults.get(op_id, 1.0)
             for c in per_i[i].comms:
-                mult = g.mults.get(op_id, 1.0)
                 out.append(Collective(_where(prob, op_id), c.kind, c.axes, c.nbytes,
-                                      mult * cm.collective_time_s(c.kind, c.nbytes, c.axes)))
+                                      mult * cm.collective_time_s(c.kind, c.nbytes, c.axes),
+                                      mult, *_source(prob, op_id)))
+        for e in g.self_edges:
+            out += _edge_collectives(prob, e, g.shard[e.value][i], e.need[i], cm)
     transition = 0.0
-    for e in prob.edges:
-        src = prob.groups[e.src].shard[e.value][choice[e.src]]
-        need = e.need[choice[e.dst]]
-        if src == need:
-            continue
-        t = prob.graph.values[e.value]
-        cost = e.mult * prob.reshard_s(e.value, src, need)
-        transition += cost
-        gather, a2a = reshard_plan(src, need)
-        for kind, axes in (("all-gather", gather), ("all-to-all", a2a)):
-            if axes:
-                out.append(Collective(f"edge {e.where} {fmt(src)}->{fmt(need)}", kind, axes,
-                                      float(t.nbytes), cost))
+    for es in prob.edge_sets():   # a value moved to one layout for several readers moves once
+        src = prob.groups[es[0].src].shard[es[0].value][choice[es[0].src]]
+        moves = {}
+        for e in es:
+            moves.setdefault(e.need[choice[e.dst]], e)
+        for need, e in moves.items():
+            colls = _edge_collectives(prob, e, src, need, cm)
+            transition += sum(c.time_s for c in colls)
+            out += colls
     return out, compute, comm, transition
+
+
+def _edge_collectives(prob: problem.Problem, e, src: Sharding, need: Sharding,
+                      cm) -> list[Collective]:
+    """The collectives of one resharding edge, one per step of its staged transition."""
+    t = prob.graph.values[e.value]
+    out = []
+    for step in reshard_steps(src, need, prob.mesh):
+        if step.kind == "slice":
+            continue
+        nbytes = step_bytes(t, step, prob.mesh)
+        out.append(Collective(f"edge {e.where} {fmt(src)}->{fmt(need)}", step.kind, step.axes,
+                              nbytes, e.mult * cm.collective_time_s(step.kind, nbytes, step.axes),
+                              e.mult, *_source(prob, e.op)))
+    return out
 
 
 def _where(prob: problem.Problem, op_id: int) -> str:
@@ -189,13 +245,19 @@ def _where(prob: problem.Problem, op_id: int) -> str:
     return f"op{op_id} {op.prim}" + (f" @ {op.source}" if op.source else "")
 
 
-def _pins(prob: problem.Problem, choice) -> tuple:
-    pins = []
-    for op in prob.graph.ops:  # top level only: codegen re-evaluates these equations
-        if op.prim in PINNED_PRIMS and not op.scope and op.id in prob.group_of_op:
-            for k, v in enumerate(op.outs):
-                pins.append((tuple(op.origin), k, _layout(prob, choice, v)))
-    return tuple(pins)
+def _source(prob: problem.Problem, op_id: int) -> tuple[str, str]:
+    """(``file.py:LINE`` of an op's user source, its name stack), ``("", "")`` for none."""
+    if op_id < 0:
+        return "", ""
+    op = prob.graph.op(op_id)
+    return op.source.split(" ")[0], op.name
+
+
+def _bytes_by_kind(colls) -> tuple[tuple[str, float], ...]:
+    out: dict[str, float] = {}
+    for c in colls:
+        out[c.kind] = out.get(c.kind, 0.0) + c.nbytes * c.count
+    return tuple(sorted(out.items()))
 
 
 def assemble(prob: problem.Problem, choice, cm, hardware_name: str, strategy: str,
@@ -208,7 +270,8 @@ def assemble(prob: problem.Problem, choice, cm, hardware_name: str, strategy: st
     dispatch = float(getattr(cm.hw, "dispatch_s", 0.0))
     cost = CostBreakdown(compute + comm + transition + dispatch, compute, comm, transition,
                          ilp.memory_of(prob, choice), memory_budget,
-                         tuple(sorted(by_kind.items(), key=lambda kv: -kv[1])), dispatch)
+                         tuple(sorted(by_kind.items(), key=lambda kv: -kv[1])), dispatch,
+                         _bytes_by_kind(colls))
     in_layout = tuple(prob.groups[prob.input_group[k]].shard[v][choice[prob.input_group[k]]]
                       for k, v in enumerate(g.inputs))
     out_layout = tuple(in_layout[prob.output_pairs[j]] if j in prob.output_pairs
@@ -218,5 +281,5 @@ def assemble(prob: problem.Problem, choice, cm, hardware_name: str, strategy: st
                     for grp in prob.groups if grp.leader >= 0)
     return Plan(tuple(prob.mesh.items()), hardware_name, strategy, g.fingerprint(),
                 g.input_paths, g.output_paths, tuple(g.values[v].shape for v in g.inputs),
-                in_layout, out_layout, _pins(prob, choice), choices, tuple(colls), cost, stats,
+                in_layout, out_layout, pins.pins(prob, choice), choices, tuple(colls), cost, stats,
                 in_tree=g.in_tree, out_tree=g.out_tree)

@@ -38,7 +38,7 @@ def edge_matrices(p: Problem, cm):
     if memo is not None:
         return memo
     rs = p.reshard_s
-    unary = p.root_costs()
+    unary = dict(p.root_costs())
     pair = []
     for e in p.merged_edges():   # repeated layers' edges arrive merged: depth costs nothing here
         s, d = _root(p, e.src), _root(p, e.dst)
@@ -127,9 +127,10 @@ def _icm(unary, pair, incident, choice: dict[int, int], sweeps: int) -> dict[int
 
 
 def objective(p: Problem, cm, choice: dict[int, int]) -> float:
-    unary, pair = edge_matrices(p, cm)
-    return float(sum(u[choice[r]] for r, u in unary.items())
-                 + sum(m[choice[s], choice[d]] for s, d, m in pair))
+    """The plan's exact objective (the descent itself works on pairwise edge costs, which count
+    a value resharded for several readers once per reader; see ``Problem.edge_sets``)."""
+    unary = sum(float(c[choice[r]]) for r, c in p.root_costs().items())
+    return float(unary + p.transition_s(choice))
 
 
 def local_costs(p: Problem, cm, choice: dict[int, int]) -> dict[int, np.ndarray]:

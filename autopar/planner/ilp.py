@@ -23,12 +23,15 @@ limit keep the answer the same from run to run.
 from __future__ import annotations
 
 import dataclasses
+import math
+import time
 from collections.abc import Mapping
 
 import numpy as np
 from ortools.sat.python import cp_model
 
 from autopar.errors import PlanError
+from autopar.planner.budget import BUDGET_FACTOR, SEARCH_BEFORE, Clock
 from autopar.planner.problem import Problem, flow_pairs, restrict, value_bytes
 
 # Integer units of the model. CP-SAT's LP works in doubles: with picoseconds a large model's
@@ -38,6 +41,10 @@ PS = 1e9
 KIB = 1024.0
 # Edges with more (source layout, needed layout) pairs than this use the big-M form.
 FLOW_PAIRS_MAX = 400
+# Memory budgets above this many bytes cannot bind; capping keeps the KiB bound inside int64.
+MAX_BUDGET = 2.0**62
+# One objective term's cap (2**50 ns is 13 days): even 8192 terms at the cap sum inside int64.
+MAX_NS = 2.0**50
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +73,7 @@ class _Model:
         self.obj: list = []
         self.flows: list = []   # (edge, y vars) for completing hints
         self.edge_costs: list = []  # (c_e, edge, scaled costs) of big-M edges, for hints
+        self.shares: list = []      # (edges, u vars) of shared edge sets, for hints
         self.root = {g.id: self._root(g.id) for g in p.groups}
         for g in p.groups:
             if self.root[g.id] == g.id:
@@ -84,14 +92,73 @@ class _Model:
     def add_group_costs(self) -> None:
         """One term per root strategy: tied groups' costs are summed first."""
         for r, cost in self.p.root_costs().items():
-            self.obj += [(int(round(c * PS)), x) for c, x in zip(cost, self.x[r]) if c > 0]
+            self.obj += [(_ns(c), x) for c, x in zip(cost, self.x[r]) if c > 0]
 
-    def add_edges(self) -> None:
-        """Edges that repeat between the same tied groups with the same layouts are one edge
-        carrying the sum of their multipliers (``Problem.merged_edges``), so the model does not
-        grow with depth."""
-        for k, e in enumerate(self.p.merged_edges()):
-            self.add_edge(k, e)
+    def add_edges(self, clock: Clock | None = None) -> None:
+        """Edge sets (a value and its readers, ``Problem.edge_sets``) that repeat between the same
+        tied groups with the same layouts arrive as one set carrying the sum of their
+        multipliers (``Problem.merged_edge_sets``), so the model does not grow with depth.
+        Raises _OutOfTime when ``clock``'s budget is spent (the model is then discarded)."""
+        for k, es in enumerate(self.p.merged_edge_sets()):
+            if clock is not None and clock.spent(BUDGET_FACTOR):
+                raise _OutOfTime
+            if len(es) == 1:
+                self.add_edge(k, es[0])
+            else:
+                self.add_edge_set(k, es)
+
+    def add_edge_set(self, k: int, es) -> None:
+        """One value read by several groups: ``u[o, r]`` is 1 when the value, made in layout
+        ``o``, is moved to layout ``r`` for at least one reader, and carries that move's cost
+        once: u[o, r] >= y[e, o, r] for every edge e (``share:k``)."""
+        e0 = es[0]
+        have = self.p.groups[e0.src].shard[e0.value]
+        outs = _distinct(have)
+        needs = _distinct([n for e in es for n in e.need])
+        cost = {(o, r): e0.mult * self.reshard(e0.value, o, r) for o in outs for r in needs}
+        cost = {key: c for key, c in cost.items() if c > 0}
+        if not cost:
+            return
+        shared = []
+        for j, e in enumerate(es):
+            pairs = len(outs) * len(_distinct(e.need))
+            if self.root[e.src] == self.root[e.dst] or len(cost) > FLOW_PAIRS_MAX or (
+                    pairs > FLOW_PAIRS_MAX):
+                self.add_edge(f"{k}.{j}", e)     # no sharing: each reader pays its move
+            else:
+                shared.append(e)
+        if not shared:
+            return
+        u = {key: self.m.NewBoolVar(f"u{k}") for key in cost}
+        self.shares.append((shared, u))
+        for j, e in enumerate(shared):
+            for key, ind in self._indicators(f"{k}.{j}", e, have, outs).items():
+                if key in u:
+                    self.m.Add(u[key] >= ind).WithName(f"share:{k}")
+        self.obj += [(_ns(cost[key]), var) for key, var in u.items()]
+
+    def _indicators(self, k, e, have, outs) -> dict:
+        """(o, r) -> a 0/1 expression: edge ``e`` moves its value from ``o`` to ``r``."""
+        xs, xd = self.xs(e.src), self.xs(e.dst)
+        needs = _distinct(e.need)
+        if len(outs) == 1:
+            return {(outs[0], r): sum(x for x, n in zip(xd, e.need) if n == r) for r in needs}
+        if len(needs) == 1:
+            return {(o, needs[0]): sum(x for x, h in zip(xs, have) if h == o) for o in outs}
+        return self._flows(k, e, have, outs, needs)
+
+    def _flows(self, k, e, have, outs, needs) -> dict:
+        """y[o, r] with Σ_r y = [src picks o] and Σ_o y = [dst picks r]."""
+        xs, xd = self.xs(e.src), self.xs(e.dst)
+        y = {(o, r): self.m.NewBoolVar(f"y{k}") for o in outs for r in needs}
+        self.flows.append((e, y))
+        for o in outs:
+            self.m.Add(sum(y[o, r] for r in needs) == sum(x for x, h in zip(xs, have) if h == o)
+                       ).WithName(f"flow-out:{k}")
+        for r in needs:
+            self.m.Add(sum(y[o, r] for o in outs) == sum(x for x, n in zip(xd, e.need) if n == r)
+                       ).WithName(f"flow-in:{k}")
+        return y
 
     def add_edge(self, k: int, e) -> None:
         have = self.p.groups[e.src].shard[e.value]
@@ -100,7 +167,7 @@ class _Model:
             for i, x in enumerate(xs):
                 c = e.mult * self.reshard(e.value, have[i], e.need[i])
                 if c > 0:
-                    self.obj.append((int(round(c * PS)), x))
+                    self.obj.append((_ns(c), x))
             return
         outs, needs = _distinct(have), _distinct(e.need)
         cost = {(o, r): e.mult * self.reshard(e.value, o, r) for o in outs for r in needs}
@@ -110,27 +177,20 @@ class _Model:
             for i, x in enumerate(xs if len(needs) == 1 else xd):
                 c = cost[(have[i], e.need[0])] if len(needs) == 1 else cost[(have[0], e.need[i])]
                 if c > 0:
-                    self.obj.append((int(round(c * PS)), x))
+                    self.obj.append((_ns(c), x))
             return
         if len(outs) * len(needs) > FLOW_PAIRS_MAX:
             self.add_edge_big_m(k, e, have, outs, needs, cost)
             return
-        y = {(o, r): self.m.NewBoolVar(f"y{k}") for o in outs for r in needs}
-        self.flows.append((e, y))
-        for o in outs:
-            self.m.Add(sum(y[o, r] for r in needs) == sum(x for x, h in zip(xs, have) if h == o)
-                       ).WithName(f"flow-out:{k}")
-        for r in needs:
-            self.m.Add(sum(y[o, r] for o in outs) == sum(x for x, n in zip(xd, e.need) if n == r)
-                       ).WithName(f"flow-in:{k}")
-        self.obj += [(int(round(c * PS)), y[key]) for key, c in cost.items() if c > 0]
+        y = self._flows(k, e, have, outs, needs)
+        self.obj += [(_ns(c), y[key]) for key, c in cost.items() if c > 0]
 
     def add_edge_big_m(self, k: int, e, have, outs, needs, cost) -> None:
         """A large edge without pair variables: one cost variable c_e and, per needed layout r,
         c_e >= Σ_i cost(layout_i, r)·x[src,i] - max_o cost(o, r)·(1 - z_r)  (``edge:k:r``).
         Weaker in relaxation than the flow form, but linear in size."""
         xs, xd = self.xs(e.src), self.xs(e.dst)
-        scaled = {key: int(round(c * PS)) for key, c in cost.items()}
+        scaled = {key: _ns(c) for key, c in cost.items()}
         top = max(scaled.values())
         c_e = self.m.NewIntVar(0, top, f"c{k}")
         self.edge_costs.append((c_e, e, scaled))
@@ -184,6 +244,17 @@ class _Model:
         for c_e, e, scaled in self.edge_costs:
             o = self.p.groups[e.src].shard[e.value][pick[self.root[e.src]]]
             self.m.AddHint(c_e, scaled[(o, e.need[pick[self.root[e.dst]]])])
+        for es, u in self.shares:
+            o = self.p.groups[es[0].src].shard[es[0].value][pick[self.root[es[0].src]]]
+            moved = {e.need[pick[self.root[e.dst]]] for e in es}
+            for (oo, rr), var in u.items():
+                self.m.AddHint(var, oo == o and rr in moved)
+
+
+def _ns(seconds: float) -> int:
+    """A cost in the model's integer nanoseconds, capped at MAX_NS so that no sum of terms can
+    leave int64 (a cost that large already rules its strategy out)."""
+    return int(round(min(seconds * PS, MAX_NS)))
 
 
 def _distinct(layouts) -> list:
@@ -193,11 +264,15 @@ def _distinct(layouts) -> list:
     return list(seen)
 
 
-def _solver(time_limit_s: float) -> cp_model.CpSolver:
+def _solver(time_limit_s: float, wall_s: float = math.inf) -> cp_model.CpSolver:
     s = cp_model.CpSolver()
     s.parameters.num_workers = 1
     s.parameters.random_seed = 0
     s.parameters.max_deterministic_time = float(time_limit_s)
+    # The wall-clock cap of the plan call (planner.budget): a solve it does not cut is the same
+    # from run to run; one it cuts returns the best solution found so far.
+    if math.isfinite(wall_s):
+        s.parameters.max_time_in_seconds = float(wall_s)
     # Probing in presolve spends a full deterministic second per pass on these 0-1 models and
     # found nothing the search does not; without it the search starts from the hint at once.
     s.parameters.cp_model_probing_level = 0
@@ -219,37 +294,58 @@ CANDIDATES = 6
 
 def solve(p: Problem, cost_model, memory_budget: float | None = None, time_limit_s: float = 30.0,
           allowed: Mapping[int, set[int]] | None = None,
-          hint: Mapping[int, int] | None = None, seeds=()) -> Solution:
-    """The best plan CP-SAT finds within ``time_limit_s`` (deterministic seconds), started from
-    a descent from ``hint``. A model with more than ``FULL_MODEL_PAIRS`` flow pairs is solved
-    over candidates: per root group the strategies of the start and of ``seeds`` (other good
+          hint: Mapping[int, int] | None = None, clock: Clock | None = None,
+          hint_name: str = "HINT", seeds=()) -> Solution:
+    """The best plan CP-SAT finds from the descent start (see the module docstring); ``clock``
+    (``planner.budget``) cuts the model build and the search at the call's wall-clock budget,
+    and a plan kept without the ILP is labelled by where it came from (``hint_name`` for
+    ``hint`` itself). A model with more than ``FULL_MODEL_PAIRS`` flow pairs is solved over
+    candidates: per root group the strategies of the start and of ``seeds`` (other good
     solutions, e.g. each hand-written start's), plus the ``CANDIDATES`` cheapest given the start;
     the solution then says so (``candidates``) and its gap is over those candidates."""
-    from autopar.planner.descent import descend, local_costs
-
-    start = descend(p, cost_model, dict(hint) if hint else None, allowed=allowed)
-    if hint and memory_budget is not None:
-        fits_start = memory_of(p, _as_tuple(p, start)) <= memory_budget
-        if not fits_start and memory_of(p, _as_tuple(p, hint)) <= memory_budget:
-            start = dict(hint)   # descent ignores memory: keep the start that fits
+    clock = clock or Clock(time.perf_counter(), time_limit_s)
+    start, name = _start(p, cost_model, memory_budget, allowed, hint, clock, hint_name)
+    fits = memory_budget is None or memory_of(p, _as_tuple(p, start)) <= memory_budget
+    if clock.spent(SEARCH_BEFORE) and fits:
+        clock.note(f"time limit: returning the {name.lower()} plan without the ILP")
+        return _kept(p, start, f"{name} (time limit)", 0.0, 0.0, (0, 0))
+    run = _Run(cost_model, memory_budget, time_limit_s, clock, name, fits)
     if flow_pairs(p) <= FULL_MODEL_PAIRS:
-        return _solve_model(p, cost_model, memory_budget, time_limit_s, allowed, start)
-    local = local_costs(p, cost_model, {g: start[g] for g in start if p.root(g) == g})
-    cands = {r: _candidates(r, cost, start, seeds, allowed, p) for r, cost in local.items()}
+        return _solve_model(p, allowed, start, run)
+    return _solve_candidates(p, allowed, start, seeds, run)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """What every model of one ``solve`` call shares."""
+
+    cost_model: object
+    memory_budget: float | None
+    time_limit_s: float
+    clock: Clock
+    name: str         # where the start came from ("DESCENT", "HINT", ...)
+    fits: bool        # the start fits the memory budget
+
+
+def _solve_candidates(p: Problem, allowed, start, seeds, run: _Run) -> Solution:
+    """``_solve_model`` over each root's candidate strategies (``_candidates``)."""
+    from autopar.planner.descent import local_costs
+
+    local = local_costs(p, run.cost_model, {g: start[g] for g in start if p.root(g) == g})
+    cands = {r: _candidates(r, cost, start, seeds, allowed) for r, cost in local.items()}
     small = restrict(p, cands)
     small_allowed = {g: {j for j, i in enumerate(cands[p.root(g)]) if i in ok}
                      for g, ok in (allowed or {}).items()}
     small_start = {g.id: cands[p.root(g.id)].index(start[g.id]) for g in p.groups}
     try:
-        sol = _solve_model(small, cost_model, memory_budget, time_limit_s, small_allowed,
-                           small_start)
+        sol = _solve_model(small, small_allowed, small_start, run)
     except PlanError:   # the candidates may miss what fits the budget: the whole model decides
-        return _solve_model(p, cost_model, memory_budget, time_limit_s, allowed, start)
+        return _solve_model(p, allowed, start, run)
     choice = tuple(cands[p.root(g.id)][j] for g, j in zip(p.groups, sol.choice))
     return dataclasses.replace(sol, choice=choice, candidates=max(map(len, cands.values())))
 
 
-def _candidates(r: int, cost, start, seeds, allowed, p: Problem) -> list[int]:
+def _candidates(r: int, cost, start, seeds, allowed) -> list[int]:
     """The start's strategy, the seeds' and the cheapest others (allowed ones only)."""
     ok = (allowed or {}).get(r)
     picks = [start[r]] + [s[r] for s in seeds if r in s]
@@ -263,51 +359,102 @@ def _candidates(r: int, cost, start, seeds, allowed, p: Problem) -> list[int]:
     return out or [start[r]]
 
 
-def _solve_model(p: Problem, cost_model, memory_budget, time_limit_s, allowed, start) -> Solution:
-    import time
-
-    mdl = _Model(p, cost_model)
-    mdl.add_group_costs()
-    mdl.add_edges()
-    if allowed:
-        mdl.restrict(allowed)
-    if memory_budget is not None:
-        for k, expr in enumerate(mdl.memory_exprs()):
-            mdl.m.Add(expr <= int(memory_budget / KIB)).WithName(f"mem:{k}")
+def _solve_model(p: Problem, allowed, start, run: _Run) -> Solution:
+    clock, name = run.clock, run.name
+    try:
+        mdl = _build(p, run.cost_model, run.memory_budget, allowed, clock if run.fits else None)
+    except _OutOfTime:
+        clock.note(f"time limit while building the ILP: returning the {name.lower()} plan")
+        return _kept(p, start, f"{name} (time limit)", 0.0, 0.0, (0, 0))
     mdl.hint(start)
     mdl.m.Minimize(sum(c * x for c, x in mdl.obj))
-    solver = _solver(time_limit_s)
+    solver = _solver(run.time_limit_s, clock.solver_wall_s())
     t0 = time.perf_counter()
     status = solver.Solve(mdl.m)
     dt = time.perf_counter() - t0
-    if status == cp_model.UNKNOWN and (memory_budget is None or
-                                       memory_of(p, _as_tuple(p, start)) <= memory_budget):
+    size = (len(mdl.m.Proto().variables), len(mdl.m.Proto().constraints))
+    if status == cp_model.UNKNOWN and run.fits:
         # The time limit ran out before CP-SAT rebuilt a solution: keep the descent plan, which
         # fits the budget, and report the solver's bound for the gap.
-        from autopar.planner.descent import objective
-
-        return Solution(_as_tuple(p, start), objective(p, cost_model, start),
-                        max(0.0, solver.BestObjectiveBound() / PS), "DESCENT (time limit)", dt,
-                        len(mdl.m.Proto().variables), len(mdl.m.Proto().constraints))
+        return _kept(p, start, f"{name} (time limit)", solver.BestObjectiveBound() / PS, dt, size)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        if status == cp_model.INFEASIBLE and memory_budget is not None:
-            raise _memory_error(p, cost_model, memory_budget, allowed)
-        raise PlanError(f"the sharding ILP found no plan (solver status "
-                        f"{solver.StatusName(status)} after {dt:.1f}s): raise time_limit_s or "
-                        f"relax the fixed shardings")
+        raise _no_plan(p, run.cost_model, run.memory_budget, allowed, solver, status, dt, clock,
+                       mdl)
     picked = {r: next(i for i, x in enumerate(xs) if solver.Value(x)) for r, xs in mdl.x.items()}
     choice = tuple(picked[p.root(g.id)] for g in p.groups)
-    proto = mdl.m.Proto()
     return Solution(choice, solver.ObjectiveValue() / PS, solver.BestObjectiveBound() / PS,
-                    solver.StatusName(status), dt, len(proto.variables), len(proto.constraints))
+                    solver.StatusName(status), dt, *size)
+
+
+def _start(p: Problem, cost_model, memory_budget, allowed, hint, clock: Clock,
+           hint_name: str) -> tuple[dict[int, int], str]:
+    """(start, its name): the descent plan from ``hint``; ``hint`` itself when the budget is
+    spent (descent's edge matrices cost about as much as building the problem) or when only it
+    fits the memory."""
+    from autopar.planner.descent import descend
+
+    if hint and clock.spent(SEARCH_BEFORE):
+        return dict(hint), hint_name
+    start = descend(p, cost_model, dict(hint) if hint else None, allowed=allowed)
+    if hint and memory_budget is not None:
+        fits_start = memory_of(p, _as_tuple(p, start)) <= memory_budget
+        if not fits_start and memory_of(p, _as_tuple(p, hint)) <= memory_budget:
+            return dict(hint), hint_name   # descent ignores memory: keep the start that fits
+    return start, "DESCENT"
+
+
+class _OutOfTime(Exception):
+    """The wall-clock budget ran out while the ILP was being built."""
+
+
+def _build(p: Problem, cost_model, memory_budget, allowed, clock: Clock | None) -> _Model:
+    mdl = _Model(p, cost_model)
+    mdl.add_group_costs()
+    mdl.add_edges(clock)
+    if allowed:
+        mdl.restrict(allowed)
+    if memory_budget is not None:
+        limit = int(min(memory_budget, MAX_BUDGET) / KIB)
+        for k, expr in enumerate(mdl.memory_exprs()):
+            mdl.m.Add(expr <= limit).WithName(f"mem:{k}")
+    return mdl
+
+
+def _kept(p: Problem, start, status: str, bound_s: float, dt: float, size) -> Solution:
+    """A solution that keeps ``start``, costed edge by edge (no dense matrices)."""
+    choice = _as_tuple(p, start)
+    cost = sum(g.compute_s[choice[g.id]] + g.comm_s[choice[g.id]] for g in p.groups)
+    for e in p.edges:
+        src = p.groups[e.src].shard[e.value][choice[e.src]]
+        cost += e.mult * p.reshard_s(e.value, src, e.need[choice[e.dst]])
+    return Solution(choice, float(cost), max(0.0, bound_s), status, dt, *size)
+
+
+def _no_plan(p: Problem, cost_model, memory_budget, allowed, solver, status, dt, clock,
+             mdl) -> Exception:
+    name = solver.StatusName(status)
+    if status == cp_model.INFEASIBLE and memory_budget is not None:
+        return _memory_error(p, cost_model, memory_budget, allowed, clock)
+    if status == cp_model.UNKNOWN:
+        return PlanError(
+            f"no plan within the memory budget of {memory_budget / 2**30:.3f} GiB per device on "
+            f"mesh {dict(p.mesh)} was found in {clock.elapsed_s():.1f} s (time_limit_s="
+            f"{clock.limit_s:g}); the descent start does not fit. Raise time_limit_s or "
+            f"memory_budget.")
+    if status == cp_model.INFEASIBLE:
+        return PlanError(f"the fixed input layouts admit no plan on mesh {dict(p.mesh)} (solver "
+                         f"status {name} after {dt:.1f}s); relax the strategy's fixed layouts")
+    raise AssertionError(f"sharding ILP: {name}: {mdl.m.Validate()}")
 
 
 def _as_tuple(p: Problem, choice: Mapping[int, int]) -> tuple[int, ...]:
     return tuple(choice[g.id] for g in p.groups)
 
 
-def min_memory_bytes(p: Problem, cost_model, allowed=None, time_limit_s: float = 10.0) -> float:
-    """The smallest peak per-device memory any plan reaches (the least budget that fits)."""
+def min_memory_bytes(p: Problem, cost_model, allowed=None, time_limit_s: float = 10.0,
+                     wall_s: float = math.inf) -> float | None:
+    """The smallest peak per-device memory any plan reaches (the least budget that fits), or
+    None when the solver finds no plan within its time limits."""
     mdl = _Model(p, cost_model)
     if allowed:
         mdl.restrict(allowed)
@@ -315,18 +462,25 @@ def min_memory_bytes(p: Problem, cost_model, allowed=None, time_limit_s: float =
     for expr in mdl.memory_exprs():
         mdl.m.Add(peak >= expr)
     mdl.m.Minimize(peak)
-    solver = _solver(time_limit_s)
+    solver = _solver(time_limit_s, wall_s)
     status = solver.Solve(mdl.m)
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return float(solver.ObjectiveValue()) * KIB
+    if status == cp_model.UNKNOWN:
+        return None
     raise AssertionError(f"min-memory model: {solver.StatusName(status)} {mdl.m.Validate()}")
 
 
-def _memory_error(p: Problem, cost_model, budget: float, allowed) -> PlanError:
-    need = min_memory_bytes(p, cost_model, allowed)
+def _memory_error(p: Problem, cost_model, budget: float, allowed, clock: Clock) -> PlanError:
+    need = min_memory_bytes(p, cost_model, allowed, wall_s=clock.solver_wall_s())
+    where = (f"no plan fits a memory budget of {budget / 2**30:.3f} GiB per device on mesh "
+             f"{dict(p.mesh)}")
+    if need is None:
+        return PlanError(f"{where}, and the smallest budget that fits was not found within "
+                         f"time_limit_s={clock.limit_s:g}. Raise memory_budget, use a larger "
+                         f"mesh, or raise time_limit_s to learn the smallest budget.")
     return PlanError(
-        f"no plan fits a memory budget of {budget / 2**30:.3f} GiB per device on mesh "
-        f"{dict(p.mesh)}: the smallest peak any plan reaches is {need / 2**30:.3f} GiB "
+        f"{where}: the smallest peak any plan reaches is {need / 2**30:.3f} GiB "
         f"({int(need)} bytes). Raise memory_budget to at least that, use a larger mesh, or shrink "
         f"the batch.")
 

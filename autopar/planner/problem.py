@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from autopar.planner import rules
+from autopar.planner.budget import SEARCH_BEFORE
 from autopar.planner.reshard import reshard_s
 from autopar.planner.rules import Choices, Follow, RuleContext, Strategy
 from autopar.sharding import Sharding, replicated, shard_factor
@@ -45,6 +46,17 @@ FUSIBLE = frozenset(rules.ELEMENTWISE) | {
     "pad", "concatenate", "select_n", "convert_element_type", "rev", "dynamic_slice"}
 
 
+@dataclasses.dataclass(frozen=True)
+class Edge:
+    src: int
+    dst: int
+    value: int
+    need: tuple[Sharding, ...]                    # per dst strategy
+    mult: float
+    where: str                                    # "op12:arg1", for explanations
+    op: int = -1                                  # the op that reads the value (-1: none)
+
+
 @dataclasses.dataclass
 class Group:
     id: int
@@ -55,20 +67,11 @@ class Group:
     members: dict[int, list[Strategy]] = dataclasses.field(default_factory=dict)
     shard: dict[int, list[Sharding]] = dataclasses.field(default_factory=dict)  # value -> per i
     mults: dict[int, float] = dataclasses.field(default_factory=dict)  # member op -> multiplier
+    self_edges: list[Edge] = dataclasses.field(default_factory=list)   # both ends in this group
 
     @property
     def n(self) -> int:
         return len(self.strategies)
-
-
-@dataclasses.dataclass(frozen=True)
-class Edge:
-    src: int
-    dst: int
-    value: int
-    need: tuple[Sharding, ...]                    # per dst strategy
-    mult: float
-    where: str                                    # "op12:arg1", for explanations
 
 
 @dataclasses.dataclass
@@ -113,31 +116,71 @@ class Problem:
                 del self.ties[g]
             else:
                 self.ties[g] = new_root
-        self.__dict__.pop("_merged", None)
-        self.__dict__.pop("_edge_matrices", None)
+        for memo in ("_merged", "_edge_matrices", "_root_costs"):
+            self.__dict__.pop(memo, None)
 
-    def merged_edges(self) -> list[Edge]:
-        """Edges between the same roots, of the same value type and with the same layouts on both
-        ends, as one edge carrying the sum of their multipliers."""
+    def merged_edge_sets(self) -> list[list[Edge]]:
+        """``edge_sets`` of repeated layers folded together: sets moving values of one type in
+        the same layouts from the same root to the same roots, which need the same layouts, are
+        one set whose edges carry the summed multipliers. The solver and the descent see these,
+        so their size does not grow with depth. The set semantics (each distinct move paid once)
+        are kept: only edges that make the same move are folded."""
         hit = self.__dict__.get("_merged")
         if hit is None:
-            merged: dict[tuple, Edge] = {}
-            for e in self.edges:
-                have = self.groups[e.src].shard[e.value]
-                key = (self.root(e.src), self.root(e.dst), id(self.graph.values[e.value]),
-                       id(have), id(e.need))
+            merged: dict[tuple, list[Edge]] = {}
+            for es in self.edge_sets():
+                # readers of one root needing one layout share its move: one edge stands for
+                # them (a value every layer reads, like a mask, stays one edge at any depth)
+                same_move: dict[tuple, Edge] = {}
+                for e in es:
+                    same_move.setdefault((self.root(e.dst), id(e.need)), e)
+                es = list(same_move.values())
+                e0 = es[0]
+                key = (self.root(e0.src), self.graph.values[e0.value],
+                       id(self.groups[e0.src].shard[e0.value]),
+                       tuple((self.root(e.dst), id(e.need)) for e in es))
                 old = merged.get(key)
-                merged[key] = e if old is None else dataclasses.replace(old, mult=old.mult + e.mult)
+                merged[key] = es if old is None else [
+                    dataclasses.replace(o, mult=o.mult + e.mult) for o, e in zip(old, es)]
             hit = self.__dict__["_merged"] = list(merged.values())
         return hit
 
+    def merged_edges(self) -> list[Edge]:
+        """The edges of ``merged_edge_sets``, one list."""
+        return [e for es in self.merged_edge_sets() for e in es]
+
     def root_costs(self) -> dict[int, np.ndarray]:
-        """Per root group: the summed compute and collective time of it and its tied groups."""
-        out: dict[int, np.ndarray] = {}
-        for g in self.groups:
-            r = self.root(g.id)
-            out[r] = out[r] + g.compute_s + g.comm_s if r in out else g.compute_s + g.comm_s
+        """Per root group: the summed compute and collective time of it and its tied groups
+        (memoised: do not modify)."""
+        out = self.__dict__.get("_root_costs")
+        if out is None:
+            out = self.__dict__["_root_costs"] = {}
+            for g in self.groups:
+                r = self.root(g.id)
+                out[r] = out[r] + g.compute_s + g.comm_s if r in out else g.compute_s + g.comm_s
         return out
+
+    def edge_sets(self) -> list[list[Edge]]:
+        """Edges that move the same value from the same group in the same region: XLA reshards
+        a value once per layout its readers need (identical reshards are common
+        subexpressions), so a set costs each distinct needed layout once."""
+        memo = self.__dict__.get("_edge_sets")
+        if memo is None:
+            by_key: dict[tuple, list[Edge]] = {}
+            for e in self.edges:
+                by_key.setdefault((e.src, e.value, e.mult), []).append(e)
+            memo = self.__dict__["_edge_sets"] = list(by_key.values())
+        return memo
+
+    def transition_s(self, choice) -> float:
+        """Resharding seconds of the plan ``choice`` (group -> strategy index) on the edges
+        between groups, each distinct (value, layout) move counted once (``edge_sets``)."""
+        total = 0.0
+        for es in self.merged_edge_sets():   # repeated layers' sets fold into one: same total
+            have = self.groups[es[0].src].shard[es[0].value][choice[es[0].src]]
+            for need in {e.need[choice[e.dst]] for e in es} - {have}:
+                total += es[0].mult * self.reshard_s(es[0].value, have, need)
+        return total
 
 
 class ReshardCache:
@@ -169,13 +212,16 @@ class _Planned:
 
 
 class _Builder:
-    def __init__(self, graph: Graph, mesh: Mapping[str, int], cost_model, max_strategies: int):
+    def __init__(self, graph: Graph, mesh: Mapping[str, int], cost_model, max_strategies: int,
+                 clock=None):
+        self.clock = clock    # planner.budget.Clock: past its search limit, ops run replicated
+        self.late_ops = 0
         self.g = graph
         self.mesh = dict(mesh)
         self.cm = cost_model
         lit = frozenset(v for v, _ in graph.literals)
         producers = {v: op.prim for op in graph.all_ops() for v in op.outs}
-        self.ctx = RuleContext(graph.values, lit, producers, self.mesh, max_strategies)
+        self.ctx = RuleContext(graph.values, lit, producers, self.mesh, max_strategies, clock)
         self.groups: list[Group] = []
         self.edges: list[Edge] = []
         self.gv: dict[int, int] = {}
@@ -186,6 +232,7 @@ class _Builder:
         labels = node_graph(graph)[0]
         self.labels = {op.id: int(labels[first + j]) for j, op in enumerate(graph.ops)}
         self.interned: dict = {}    # layout tuple -> the one instance of it
+        self.self_moves: set = set()  # (group, value, need, mult) of self edges already costed
 
     def intern(self, layouts: tuple) -> tuple:
         return self.interned.setdefault(layouts, layouts)
@@ -289,15 +336,20 @@ class _Builder:
         for k, v in enumerate(op.ins):
             if k == skip or pl.needs[k] is None or v not in self.gv:
                 continue
-            self.add_edge(self.gv[v], grp.id, v, pl.needs[k], mult, f"op{op.id}:arg{k}")
+            self.add_edge(self.gv[v], grp.id, v, pl.needs[k], mult, f"op{op.id}:arg{k}", op.id)
 
     def add_edge(self, src: int, dst: int, v: int, need: tuple[Sharding, ...], mult: float,
-                 where: str) -> None:
+                 where: str, op: int = -1) -> None:
         if src == dst:  # both ends decided by one variable: a per-strategy cost
             grp = self.groups[src]
+            key = (src, v, need, mult)
+            if key in self.self_moves:
+                return   # the same move again: XLA computes it once
+            self.self_moves.add(key)
             grp.comm_s += mult * self.self_edge(v, grp.shard[v], need)
+            grp.self_edges.append(Edge(src, dst, v, need, mult, where, op))
             return
-        self.edges.append(Edge(src, dst, v, need, mult, where))
+        self.edges.append(Edge(src, dst, v, need, mult, where, op))
 
     def self_edge(self, v: int, have: Sequence[Sharding], need: Sequence[Sharding]) -> np.ndarray:
         t = self.g.values[v]
@@ -310,16 +362,25 @@ class _Builder:
         return hit
 
     # -- walking the graph ------------------------------------------------------------------
+    def late(self) -> bool:
+        """Past the plan call's time limit for enumerating strategies (``planner.budget``)."""
+        return self.clock is not None and self.clock.spent(SEARCH_BEFORE)
+
     def add_inputs(self) -> list[int]:
         out = []
         for k, v in enumerate(self.g.inputs):
             shape = self.g.values[v].shape
-            key = ("input", shape)
-            hit = self.memo.get(key)
-            if hit is None:
-                strategies = rules.input_choices(shape, self.mesh)
-                hit = self.memo[key] = (strategies,
-                                        self.intern(tuple(s.outs[0] for s in strategies)))
+            if self.late():   # only the replicated layout: no time left to enumerate them all
+                self.late_ops += 1
+                hit = ((Strategy("R", (), (replicated(len(shape)),), 1),),
+                       self.intern((replicated(len(shape)),)))
+            else:
+                key = ("input", shape)
+                hit = self.memo.get(key)
+                if hit is None:
+                    strategies = rules.input_choices(shape, self.mesh)
+                    hit = self.memo[key] = (strategies,
+                                            self.intern(tuple(s.outs[0] for s in strategies)))
             grp = self.new_group(-1 - k, hit[0])
             grp.shard[v] = hit[1]
             self.gv[v] = grp.id
@@ -347,6 +408,9 @@ class _Builder:
             return self.memo[("rule", key)]
         if op.regions:  # while / cond: opaque, replicated
             found = rules.fallback_rule(op, self.ctx)
+        elif self.late():
+            self.late_ops += 1   # the time limit has passed: no more strategies to enumerate
+            return rules.fallback_rule(op, self.ctx)
         else:
             found = rules.rule_for(op, self.ctx)
         if key is not None:
@@ -383,8 +447,11 @@ class _Builder:
             if cout in self.gv and cin in self.gv:
                 need = self.groups[self.gv[cin]].shard[cin]
                 self.add_edge(self.gv[cout], self.gv[cin], cout, need, mult * trip,
-                              f"op{op.id}:carry{k}")
+                              f"op{op.id}:carry{k}", op.id)
         for k, (inner, outer) in enumerate(zip(body.outputs, op.outs)):
+            # a carry leaves the loop in its carry-in layout (the carry edge above moves it there)
+            if k < ncarry and body.inputs[nc + k] in self.gv:
+                inner = body.inputs[nc + k]
             if inner not in self.gv:
                 continue
             derive = _alias_same if k < ncarry else _alias_add0
@@ -491,10 +558,13 @@ def _memory_points(graph: Graph, pairs: Mapping[int, int], n_points: int) -> lis
 
 
 def build(graph: Graph, mesh: Mapping[str, int], cost_model, max_strategies: int = 96,
-          memory_points: int = 6) -> Problem:
-    b = _Builder(graph, mesh, cost_model, max_strategies)
+          memory_points: int = 6, clock=None) -> Problem:
+    b = _Builder(graph, mesh, cost_model, max_strategies, clock)
     input_group = b.add_inputs()
     b.walk(graph.ops, 1.0)
+    if b.late_ops:
+        clock.note(f"time limit while building the problem: the last {b.late_ops} inputs and "
+                   f"ops stay replicated (no sharding strategies enumerated)")
     pairs = _output_pairs(graph)
     for j, k in pairs.items():  # donated state: the new value lands in the old one's layout
         v_out, v_in = graph.outputs[j], graph.inputs[k]
@@ -542,9 +612,12 @@ def restrict(problem: Problem, candidates: Mapping[int, Sequence[int]]) -> Probl
                     g.comm_s[list(idx)], {}, {v: pick(s, idx) for v, s in g.shard.items()},
                     g.mults)
         groups.append(new)
-    edges = [dataclasses.replace(e, need=pick(e.need, tuple(candidates[problem.root(e.dst)])))
-             for e in problem.merged_edges()]   # the solver sees only these
-    return dataclasses.replace(problem, groups=groups, edges=edges, ties=dict(problem.ties))
+    sets = [[dataclasses.replace(e, need=pick(e.need, tuple(candidates[problem.root(e.dst)])))
+             for e in es] for es in problem.merged_edge_sets()]   # the solver sees only these
+    small = dataclasses.replace(problem, groups=groups, edges=[e for es in sets for e in es],
+                                ties=dict(problem.ties))
+    small.__dict__["_edge_sets"] = small.__dict__["_merged"] = sets   # already merged
+    return small
 
 
 def value_bytes(problem: Problem, v: int) -> np.ndarray:

@@ -21,6 +21,7 @@ import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 
+from autopar.planner.budget import SEARCH_BEFORE
 from autopar.sharding import (
     Sharding,
     divides,
@@ -72,6 +73,7 @@ class RuleContext:
     producers: Mapping[int, str]         # value id -> producing primitive (absent for inputs)
     mesh: Mapping[str, int]
     max_strategies: int = 96
+    clock: object = None                 # planner.budget.Clock: enumeration stops when spent
 
     def t(self, v: int) -> TensorType:
         return self.types[v]
@@ -383,7 +385,7 @@ def _assignments(n_classes: int, mesh: Mapping[str, int]):
 def _with_partial(op: Op, ctx: RuleContext, name: str, ins, out: Sharding, partial: tuple[str, ...],
                   div: int) -> list[Strategy]:
     """A contraction whose output is partial over ``partial``: all-reduce, or reduce-scatter
-    onto one output dim."""
+    onto one output dim (see ``_scatter``)."""
     if not partial:
         return [Strategy(name, ins, (out,), div)]
     out_v = op.outs[0]
@@ -393,10 +395,34 @@ def _with_partial(op: Op, ctx: RuleContext, name: str, ins, out: Sharding, parti
     for d in range(len(shape)):
         scattered = tuple(tuple(x) + (partial if i == d else ()) for i, x in enumerate(out))
         if divides(scattered, shape, ctx.mesh):
-            res.append(Strategy(f"{name}|RS{d}", ins, (scattered,), div,
-                                (Comm("reduce-scatter", ctx.per_device_bytes(out_v, out),
-                                      partial),)))
+            res.append(_scatter(op, ctx, f"{name}|RS{d}", ins, out, scattered, partial, div))
     return res
+
+
+def _scatter(op: Op, ctx: RuleContext, name: str, ins, out: Sharding, scattered: Sharding,
+             partial: tuple[str, ...], div: int) -> Strategy:
+    """A partial output reduce-scattered onto one dim, as XLA's partitioner implements it.
+
+    When the scattered result stays replicated over mesh axes ``Q`` with ``|Q| >= |partial|``,
+    XLA computes only one output tile per device (its row block chosen by the replicated axes),
+    all-reduces that tile over ``partial`` and moves tiles to their owners with a
+    collective-permute; otherwise it reduce-scatters the whole partial result (measured on
+    XLA's SPMD partitioner, jax 0.10; ``autopar.verify`` checks it on every plan)."""
+    out_v = op.outs[0]
+    used = {a for dim in scattered for a in dim}
+    spare = tuple(a for a, n in ctx.mesh.items() if a not in used and n > 1)
+    group = math.prod(ctx.mesh[a] for a in partial)
+    if op.prim in _CONTRACTION_PRIMS and math.prod(ctx.mesh[a] for a in spare) >= group:
+        tile = ctx.per_device_bytes(out_v, scattered)
+        # the permute moves tiles between devices that differ along the partial and spare axes
+        return Strategy(name, ins, (scattered,), div * group,
+                        (Comm("all-reduce", tile, partial),
+                         Comm("collective-permute", tile, partial + spare)))
+    return Strategy(name, ins, (scattered,), div,
+                    (Comm("reduce-scatter", ctx.per_device_bytes(out_v, out), partial),))
+
+
+_CONTRACTION_PRIMS = ("dot_general", "conv_general_dilated")
 
 
 def _prune(strategies: list[Strategy], ctx: RuleContext, op: Op) -> tuple[Strategy, ...]:
@@ -487,8 +513,12 @@ def _gather_classes(op: Op, ctx: RuleContext):
 
 def _indexed_layouts(classes, shapes, ctx: RuleContext):
     """Each valid way to place the mesh axes on ``classes`` (tuples of one dim per tensor, or
-    None, plus a partial flag): (a layout per tensor in ``shapes``, the partial-sum axes)."""
-    for assign in _assignments(len(classes), ctx.mesh):
+    None, plus a partial flag): (a layout per tensor in ``shapes``, the partial-sum axes).
+    On many-axis meshes there are (classes + 1) ** axes ways: past the plan call's time limit
+    (``ctx.clock``) the enumeration stops with the ways found so far."""
+    for n, assign in enumerate(_assignments(len(classes), ctx.mesh)):
+        if ctx.clock is not None and n % 4096 == 4095 and ctx.clock.spent(SEARCH_BEFORE):
+            return
         dims = [[[] for _ in shape] for shape in shapes]
         partial = []
         for axis, ci in assign.items():

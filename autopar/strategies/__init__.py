@@ -128,8 +128,10 @@ class HandWritten:
         layouts = self.fix_inputs(graph, mesh)
         info = annotate(graph)
         params = frozenset(graph.input_paths[k] for k, a in enumerate(info) if a.kind == "param")
+        experts = frozenset(graph.input_paths[k] for k, a in enumerate(info)
+                            if a.kind == "param" and "expert" in a.names)
         notes = self.notes(graph, mesh, layouts)
-        return Bound(self, graph, layouts, params, notes)
+        return Bound(self, graph, layouts, params, notes, experts)
 
     def notes(self, graph: Graph, mesh: Mapping[str, int],
               layouts: Mapping[int, Sharding] | None = None) -> tuple[str, ...]:
@@ -141,14 +143,16 @@ class HandWritten:
 
         return placement_notes(self, graph, mesh, layouts)
 
-    def allows(self, op, strategy, origins=(), params: frozenset | None = None) -> bool:
+    def allows(self, op, strategy, origins=(), params: frozenset | None = None,
+               experts: frozenset = frozenset()) -> bool:
         """Contractions split their work over the data axis, as every data-parallel worker runs
         its own slice of the batch (without this the planner may gather a small batch and compute
         replicated); a parameter is never split over the data axis where it is used (FSDP/ZeRO-3
         all-gather it first, data parallelism splits only the batch); tensor-parallel families
         use their weights split over the model axis as stored; ZeRO-1 all-reduces
         gradients, so no reduce-scatter outputs. ``origins`` (from the planner) names the input
-        each operand comes from.
+        each operand comes from; ``params`` and ``experts`` (from ``bind``) are the input paths
+        of the parameters and of the expert kernels, found from the graph.
 
         The planner ignores a veto that leaves an op nothing, so a mesh without the data axis
         (resolved here as ``data_axis or "data"``: ``allows`` does not see the mesh) is
@@ -170,6 +174,10 @@ class HandWritten:
             # tensor parallelism computes with its model-split weights as stored, never gathered
             if self.tensor_parallel and not any(model in dim for dim in s):
                 return False
+            # expert parallelism keeps each expert's weights on its devices
+            if self.experts and origin in experts and not any(
+                    (self.expert_axis or model) in dim for dim in s):
+                return False
         return any(data in dim for s in strategy.ins if s for dim in s)
 
 
@@ -182,6 +190,7 @@ class Bound:
     layouts: Mapping[int, Sharding] = dataclasses.field(repr=False)
     params: frozenset[str] = frozenset()
     notes: tuple[str, ...] = ()
+    experts: frozenset[str] = frozenset()
 
     @property
     def name(self) -> str:
@@ -193,7 +202,7 @@ class Bound:
         return dict(self.layouts)
 
     def allows(self, op, strategy, origins=()) -> bool:
-        return self.strategy.allows(op, strategy, origins, self.params)
+        return self.strategy.allows(op, strategy, origins, self.params, self.experts)
 
 
 def _default(mesh: Mapping[str, int], want: str, fallback: str, one_axis_ok: bool) -> str | None:

@@ -1,0 +1,84 @@
+"""The wall-clock budget of one plan call, and the few progress lines long planning prints.
+
+``time_limit_s`` (L below) bounds the whole ``autopar.plan`` call, tracing included. Each stage
+that can stop early checks the clock (``Clock``):
+
+  stage                         rule
+  tracing                       cannot stop
+  problem build                 ops reached after SEARCH_BEFORE * L get no sharding rule: they
+                                run replicated (a valid plan; only many-axis meshes get there)
+  descent from the free start   skipped after SEARCH_BEFORE * L: each decision group then takes
+                                its cheapest strategy alone (descent's edge matrices cost about
+                                as much as the build)
+  hand-written starts           each tried only while the call is under START_BEFORE * L
+  ILP                           skipped after SEARCH_BEFORE * L when the start fits the memory
+                                budget; its model build stops at BUDGET_FACTOR * L, and CP-SAT
+                                at BUDGET_FACTOR * L or after MIN_SOLVE_FRACTION * L, the later
+  smallest-budget search        the same CP-SAT limits, after an infeasible budget
+
+So a call returns in about BUDGET_FACTOR * L plus the one step that was running when its stage's
+limit passed. CP-SAT also keeps its deterministic limit of L: a solve that the wall clock does
+not cut gives the same plan on every run. With ``deterministic=True`` the wall clock cuts nothing
+(every start is tried, CP-SAT stops on its deterministic clock only): the same plan on any machine
+under any load, however long that takes. ``AUTOPAR_DETERMINISTIC=1`` makes that the default (the
+test suite sets it, as its golden plans must not depend on the machine's load).
+
+Progress goes to the ``"autopar"`` logger: INFO while the call is young, WARNING (which Python
+prints on stderr when logging is not configured) once it has run PROGRESS_AFTER_S seconds, and
+at most a handful of lines per call.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+
+LOG = logging.getLogger("autopar")
+START_BEFORE = 1.0
+SEARCH_BEFORE = 2.0
+BUDGET_FACTOR = 3.0
+MIN_SOLVE_FRACTION = 0.25
+PROGRESS_AFTER_S = 10.0
+# Meshes with more axes of size > 1 than this take long to build (every contraction enumerates
+# (classes + 1) ** axes placements before pruning): say so before starting.
+MANY_AXES = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Clock:
+    """The budget of one plan call: ``start`` (``time.perf_counter``), ``limit_s`` (L)."""
+
+    start: float
+    limit_s: float
+    deterministic: bool = False
+
+    def elapsed_s(self) -> float:
+        return time.perf_counter() - self.start
+
+    def spent(self, fraction: float = 1.0) -> bool:
+        """Has the call run past ``fraction`` of its budget? Never, when deterministic."""
+        return not self.deterministic and self.elapsed_s() > fraction * self.limit_s
+
+    def solver_wall_s(self) -> float:
+        """Wall seconds a solver may still run: what is left of the budget, at least the floor."""
+        if self.deterministic or math.isinf(self.limit_s):
+            return math.inf
+        return max(BUDGET_FACTOR * self.limit_s - self.elapsed_s(),
+                   MIN_SOLVE_FRACTION * self.limit_s)
+
+    def note(self, message: str) -> None:
+        """One progress line: INFO, or WARNING once the call has run long."""
+        level = logging.WARNING if self.elapsed_s() > PROGRESS_AFTER_S else logging.INFO
+        LOG.log(level, "autopar: %s (%.1f s into planning, time_limit_s=%g)", message,
+                self.elapsed_s(), self.limit_s)
+
+
+def warn_many_axes(mesh, clock: Clock) -> None:
+    axes = [a for a, n in mesh.items() if n > 1]
+    if len(axes) > MANY_AXES:
+        LOG.warning(
+            "autopar: the mesh %s has %d axes of size > 1; building the planning problem grows "
+            "as (placements per op) ** axes and cannot stop at time_limit_s=%g. Merging axes "
+            "(e.g. one 'data' axis of their product) plans much faster.", dict(mesh), len(axes),
+            clock.limit_s)

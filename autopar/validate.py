@@ -1,0 +1,315 @@
+"""What users hand to autopar, checked once where it comes in.
+
+``autopar.plan``, ``autopar.autoparallel``, ``plan_graph`` and each call of a decorated step run
+these checks before anything reaches the tracer, the solver or XLA; every failure is an
+``AutoparError`` saying what was given, where (option, argument path, shape, mesh axis) and how to
+fix it. Deeper layers may then assume well-formed values: a failure there is a bug, not a user
+error, and surfaces as such.
+"""
+from __future__ import annotations
+
+import difflib
+import math
+import numbers
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+
+from autopar.errors import AutoparError, PlanError, ShardingError
+
+# Budgets beyond this many bytes cannot bind on any device; the ILP works in KiB and int64.
+MAX_BUDGET_BYTES = 2.0**60
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10,
+          "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+# ---- options ----------------------------------------------------------------------------------
+def reject_unknown(kwargs: Mapping[str, Any], known: Sequence[str], where: str) -> None:
+    """Name an unknown keyword option and its closest known one."""
+    if not kwargs:
+        return
+    name = sorted(kwargs)[0]
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]}=? " if close else ""
+    raise AutoparError(
+        f"{where}() got an unknown option {name}={kwargs[name]!r}; {hint}{where} takes "
+        f"{', '.join(known)}. Keyword arguments of the step itself are not supported: pass them "
+        f"positionally or bind them with functools.partial.")
+
+
+def memory_budget(value: Any) -> float | None:
+    """Per-device bytes as a float; ``None`` for ``None`` (the caller's default applies) and for
+    infinity (no limit)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        raise AutoparError(f"memory_budget={value!r} is a string; give bytes per device as a "
+                           f"number, {_size_hint(value)}")
+    x = _real("memory_budget", value, "bytes per device, e.g. 16e9 or 16 * 2**30")
+    if x == math.inf:
+        return None
+    if x <= 0:
+        raise AutoparError(f"memory_budget={value!r} must be > 0 bytes per device (None for no "
+                           f"limit), e.g. memory_budget=16e9")
+    if x > MAX_BUDGET_BYTES:
+        raise AutoparError(f"memory_budget={value!r} bytes exceeds any device "
+                           f"({MAX_BUDGET_BYTES:.3g} bytes); pass None for no limit")
+    return x
+
+
+def time_limit(value: Any) -> float:
+    """Seconds, > 0 (infinity allowed: no limit)."""
+    x = _real("time_limit_s", value, "seconds, e.g. time_limit_s=10")
+    if x <= 0:
+        raise AutoparError(f"time_limit_s={value!r} must be > 0 seconds, e.g. time_limit_s=10")
+    return x
+
+
+def flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise AutoparError(f"{name}={value!r} must be True or False")
+    return value
+
+
+def donate_argnums(value: Any) -> tuple[int, ...]:
+    """A sorted tuple of distinct non-negative positions."""
+    items = (value,) if isinstance(value, numbers.Integral) else value
+    try:
+        items = tuple(items)
+    except TypeError:
+        items = (value,)
+    for i in items:
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral) or i < 0:
+            raise AutoparError(f"donate_argnums={value!r}: each entry must be the position (an "
+                               f"int >= 0) of an argument whose buffers the step may reuse, "
+                               f"e.g. donate_argnums=(0,)")
+    return tuple(sorted({int(i) for i in items}))
+
+
+def check_donation_in_range(donated: Sequence[int], nargs: int) -> None:
+    bad = [i for i in donated if i >= nargs]
+    if bad:
+        raise AutoparError(f"donate_argnums={tuple(donated)} names argument {bad[0]}, but the "
+                           f"step was called with {nargs} positional arguments; donate "
+                           f"positions 0..{nargs - 1}")
+
+
+def strategy(value: Any):
+    """``(name, strategy object or None for auto)``."""
+    if value is None or value == "auto":
+        return "auto", None
+    if isinstance(value, str):
+        from autopar import strategies
+
+        return value, strategies.get(value)
+    if not callable(getattr(value, "fix_inputs", None)):
+        raise ShardingError(
+            f"strategy={value!r} ({type(value).__name__}) is not a strategy: pass 'auto', a name "
+            f"from autopar.strategies.NAMES, autopar.strategies.get(name, ...), or an object with "
+            f"fix_inputs(graph, mesh) -> {{input index: layout}}")
+    allows = getattr(value, "allows", None)
+    if allows is not None and not callable(allows):
+        raise ShardingError(f"strategy {value!r}: its allows attribute must be callable "
+                            f"allows(op, strategy[, origins]) -> bool, or absent")
+    return getattr(value, "name", type(value).__name__), value
+
+
+def fixed_layouts(fixed: Any, graph, mesh: Mapping[str, int], name: str) -> dict[int, tuple]:
+    """A strategy's ``fix_inputs`` answer: input index -> a layout that fits that input."""
+    if not isinstance(fixed, Mapping):
+        raise ShardingError(f"strategy {name!r}: fix_inputs returned {type(fixed).__name__}; it "
+                            f"must return a dict {{input index: layout}}")
+    out = {}
+    for k, layout in fixed.items():
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not (
+                0 <= k < len(graph.inputs)):
+            raise ShardingError(f"strategy {name!r}: fix_inputs names input {k!r}, but the step "
+                                f"has inputs 0..{len(graph.inputs) - 1}")
+        shape = graph.values[graph.inputs[k]].shape
+        where = f"strategy {name!r}, input {graph.input_paths[k]} of shape {shape}"
+        out[int(k)] = layout_for(layout, shape, mesh, where)
+    return out
+
+
+# ---- layouts ----------------------------------------------------------------------------------
+def layout(value: Any, mesh: Mapping[str, int], where: str, error=ShardingError) -> tuple:
+    """A layout (one tuple of mesh-axis names per dim), each axis in ``mesh`` and used once."""
+    if not isinstance(value, (tuple, list)) or not all(isinstance(d, (tuple, list))
+                                                       for d in value):
+        raise error(f"{where}: layout {value!r} must give one list of mesh-axis names per dim, "
+                    f"e.g. [['data'], []]")
+    seen: set[str] = set()
+    for d in value:
+        for a in d:
+            if not isinstance(a, str) or a not in mesh:
+                raise error(f"{where}: layout {value!r} names mesh axis {a!r}, but the mesh has "
+                            f"axes {dict(mesh)}")
+            if a in seen:
+                raise error(f"{where}: layout {value!r} uses mesh axis {a!r} twice; an axis "
+                            f"splits at most one dim")
+            seen.add(a)
+    return tuple(tuple(d) for d in value)
+
+
+def layout_for(value: Any, shape: Sequence[int], mesh: Mapping[str, int], where: str,
+               error=ShardingError) -> tuple:
+    """A layout that also fits ``shape``: one entry per dim, each dim divisible by its axes."""
+    s = layout(value, mesh, where, error)
+    if len(s) != len(shape):
+        raise error(f"{where}: layout {value!r} has {len(s)} dims but the shape {tuple(shape)} "
+                    f"has {len(shape)}")
+    for d, (axes, size) in enumerate(zip(s, shape)):
+        n = math.prod(mesh[a] for a in axes)
+        if size % n:
+            raise error(f"{where}: dim {d} of size {size} is split over {axes} ({n} devices), "
+                        f"which does not divide it; leave that dim whole or pick axes whose "
+                        f"sizes divide {size}")
+    return s
+
+
+# ---- arguments --------------------------------------------------------------------------------
+def leaf_types(args: tuple, *, run: bool) -> list:
+    """The abstract type (``jax.typeof``) of every leaf of ``args``, checked.
+
+    Python scalars are accepted as the weak-typed scalars jax makes of them. With ``run`` the
+    leaves must be values (not ``ShapeDtypeStruct``s), and arrays must still hold their buffers
+    (a donated array is deleted by the call it was donated to).
+    """
+    out, deleted = [], []
+    for path, x in jax.tree_util.tree_flatten_with_path(args)[0]:
+        where = "argument " + jax.tree_util.keystr(path)
+        if isinstance(x, jax.core.Tracer):
+            raise AutoparError(
+                f"{where} is a jax tracer ({x.aval}): the autoparallel step was called inside "
+                f"jax.jit/grad/vmap. It compiles and runs on its own mesh: call it outside "
+                f"those transforms, or transform the function first, e.g. "
+                f"autoparallel(jax.grad(loss), mesh=...)")
+        if run and isinstance(x, jax.ShapeDtypeStruct):
+            raise AutoparError(f"{where} is a ShapeDtypeStruct {x.dtype}{list(x.shape)}: running "
+                               f"needs arrays; use step.lower(...) or autopar.plan(...) to plan "
+                               f"from shapes alone")
+        if run and isinstance(x, jax.Array) and x.is_deleted():
+            deleted.append(f"{jax.tree_util.keystr(path)} ({x.dtype}{list(x.shape)})")
+        out.append(_typeof(x, where))
+    if deleted:
+        what = (f"argument {deleted[0]} was deleted" if len(deleted) == 1 else
+                f"{len(deleted)} argument arrays were deleted (the first: argument {deleted[0]})")
+        raise AutoparError(
+            f"{what}: donated to an earlier call (donate_argnums), whose outputs reuse the "
+            f"buffers, or freed with .delete(). Pass the value that call returned instead, e.g. "
+            f"state, loss = step(state, batch)")
+    return out
+
+
+def _typeof(x: Any, where: str):
+    try:
+        return jax.typeof(x)
+    except OverflowError as e:
+        raise AutoparError(f"{where} = {x!r}: {e}; pass a jnp.int64 array with "
+                           f"jax_enable_x64, or a value that fits") from None
+    except TypeError:
+        raise AutoparError(
+            f"{where} is {type(x).__name__} {short(x)}, which jax cannot trace; arguments are "
+            f"arrays (jax or numpy, numeric dtypes), jax.ShapeDtypeStructs or Python scalars: "
+            f"close over other values with functools.partial") from None
+
+
+def abstract(args: tuple, types: list) -> tuple:
+    """``args`` as unsharded ``ShapeDtypeStruct``s: tracing needs no data and no mesh."""
+    tree = jax.tree_util.tree_structure(args)
+    leaves = [jax.ShapeDtypeStruct(t.shape, t.dtype, weak_type=getattr(t, "weak_type", False))
+              for t in types]
+    return jax.tree_util.tree_unflatten(tree, leaves)
+
+
+def signature(args: tuple, types: list) -> tuple:
+    """The cache key of a call: tree, shapes, dtypes and weak types, as ``jax.jit`` keys it."""
+    return (jax.tree_util.tree_structure(args),
+            tuple((tuple(t.shape), str(t.dtype), bool(getattr(t, "weak_type", False)))
+                  for t in types))
+
+
+def callable_fn(fn: Any, where: str) -> Callable:
+    if not callable(fn):
+        raise AutoparError(f"{where} needs the step function first; got {type(fn).__name__} "
+                           f"{short(fn)}, which is not callable")
+    return fn
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+def _real(name: str, value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise AutoparError(f"{name}={value!r} ({type(value).__name__}) must be a number: {what}")
+    x = float(value)
+    if math.isnan(x):
+        raise AutoparError(f"{name}={value!r} is NaN; give {what}")
+    return x
+
+
+def _size_hint(text: str) -> str:
+    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if m and m.group(2).lower() in _UNITS:
+        try:
+            n = float(m.group(1)) * _UNITS[m.group(2).lower()]
+            return f"e.g. memory_budget={n:.6g} for {text.strip()}".replace("e+0", "e").replace(
+                "e+", "e")
+        except ValueError:
+            pass
+    return "e.g. memory_budget=16e9 (16 GB) or 16 * 2**30 (16 GiB)"
+
+
+def short(x: Any) -> str:
+    text = repr(x)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# ---- saved plans ------------------------------------------------------------------------------
+def plan_applies(plan, graph) -> None:
+    """A loaded plan fits the traced ``graph``: same program (fingerprint), and each pinned
+    layout names an op of this program and divides its output shape."""
+    if plan.graph_fingerprint != graph.fingerprint():
+        raise PlanError(f"the loaded plan was made for another program: {_difference(plan, graph)}"
+                        f"; plan again for this step, or call it with the arguments the plan was "
+                        f"made for")
+    mesh = dict(plan.mesh)
+    by_origin = {tuple(op.origin): op for op in graph.all_ops()}
+    for pin in plan.pins:
+        v, op = _pinned_value(pin, by_origin)
+        if v is None:
+            raise PlanError(f"the loaded plan pins {pin.slot} {pin.index} of equation "
+                            f"{tuple(pin.path)}, which this step does not have; the plan file "
+                            f"was edited: plan again")
+        for s in pin.chain:
+            layout_for(s, graph.values[v].shape, mesh,
+                       f"plan pin on op {op.id} {op.prim} @ {op.source or '?'}", PlanError)
+    for j, (s, v) in enumerate(zip(plan.output_shardings, graph.outputs)):
+        layout_for(s, graph.values[v].shape, mesh, f"plan output {graph.output_paths[j]}",
+                   PlanError)
+
+
+def _pinned_value(pin, by_origin):
+    """(value id, op) a pin addresses, or (None, None) when the graph has no such place."""
+    if pin.slot in ("out", "in"):
+        op = by_origin.get(tuple(pin.path))
+        vals = () if op is None else (op.outs if pin.slot == "out" else op.ins)
+    else:   # a region's parameter or result: the path ends with the region's index
+        op = by_origin.get(tuple(pin.path[:-1])) if pin.path else None
+        r = pin.path[-1] if pin.path else -1
+        region = op.regions[r] if op is not None and 0 <= r < len(op.regions) else None
+        vals = () if region is None else (region.inputs if pin.slot == "arg" else region.outputs)
+    return (vals[pin.index], op) if 0 <= pin.index < len(vals) else (None, None)
+
+
+def _difference(plan, graph) -> str:
+    """Where a plan and a graph first differ, for the mismatch message."""
+    shapes = tuple(graph.values[v].shape for v in graph.inputs)
+    if len(plan.input_paths) != len(graph.inputs):
+        return (f"it has {len(plan.input_paths)} inputs, this call has {len(graph.inputs)} "
+                f"(e.g. {list(graph.input_paths[:3])})")
+    for p, q, a, b in zip(plan.input_paths, graph.input_paths, plan.input_shapes, shapes):
+        if p != q or tuple(a) != tuple(b):
+            return f"its input {p} has shape {tuple(a)}, this call's {q} has shape {tuple(b)}"
+    return ("the input paths and shapes match but the traced program differs (dtypes, ops, or "
+            "op parameters such as a reduction axis or a constant)")

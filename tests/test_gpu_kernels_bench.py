@@ -1,0 +1,26 @@
+"""``benchmarks/gpu_kernels.py --quick --interpret`` runs on the CPU and writes a results table
+in which every implementation ran (the GPU figures themselves need a GPU)."""
+from __future__ import annotations
+
+import csv
+import os
+import pathlib
+import subprocess
+import sys
+
+BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def test_gpu_kernel_benchmark_runs_in_interpret_mode(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "gpu_kernels.py"), "--quick", "--interpret", "--out",
+         str(tmp_path)], cwd=BENCH.parent, env=dict(os.environ), capture_output=True, text=True,
+        timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(tmp_path / "gpu_kernels_interpret.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert {r["kernel"] for r in rows} == {"attention", "norm", "xent", "adamw"}
+    assert {r["impl"] for r in rows} == {"pallas", "xla"}
+    assert all(r["status"] == "ok" and float(r["median_ms"]) > 0 for r in rows), rows
+    text = (tmp_path / "gpu_kernels_interpret.md").read_text()
+    assert "jax " in text and "Device: cpu" in text and "| attention |" in text
