@@ -49,6 +49,8 @@ def plan_graph(graph: ir.Graph, mesh, *, hardware=None, memory_budget=None, stra
     time_limit_s = validate.time_limit(time_limit_s)
     cm = cost_models.CostModel(hw, sizes, device_nodes=distributed.device_nodes(mesh))
     name, strat = validate.strategy(strategy)
+    if hasattr(strat, "bind"):   # hand-written: find parameters and their roles in this graph
+        strat = strat.bind(graph, sizes)
     fixed = (validate.fixed_layouts(strat.fix_inputs(graph, sizes), graph, sizes, name)
              if strat is not None else None)
     op_filter = getattr(strat, "allows", None)
@@ -59,7 +61,13 @@ def plan_graph(graph: ir.Graph, mesh, *, hardware=None, memory_budget=None, stra
     opts = PlannerOptions(strategy=name, memory_budget=budget, time_limit_s=time_limit_s,
                           fixed_inputs=fixed, op_filter=op_filter, starts=tuple(starts),
                           deterministic=_deterministic(deterministic))
-    return make_plan(graph, sizes, cm, opts, trace_s=trace_s)
+    notes = tuple(getattr(strat, "notes", ()))
+    if notes:
+        warnings.warn(f"autopar: strategy {name!r} cannot place every parameter as it intends "
+                      f"(plan.summary() lists them):\n  " + "\n  ".join(notes), UserWarning,
+                      stacklevel=3)
+    plan = make_plan(graph, sizes, cm, opts, trace_s=trace_s)
+    return dataclasses.replace(plan, notes=notes) if notes else plan
 
 
 # Hand-written strategies the auto plan starts from: the cheapest one that fits seeds the ILP.

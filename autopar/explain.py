@@ -23,15 +23,23 @@ def collective_rows(plan):
     return sorted(((k, a, n, t) for (k, a), (n, t) in agg.items()), key=lambda r: -r[3])
 
 
+def _over(stats) -> str:
+    n = getattr(stats, "candidates", 0)
+    return f" over the best {n} candidate strategies of each group" if n else ""
+
+
 def summary(plan, max_rows: int = 40) -> str:
     lines = [f"autopar plan  strategy={plan.strategy}  mesh={dict(plan.mesh)}  "
              f"hardware={plan.hardware}",
              f"predicted: {plan.cost}",
-             f"solver: {plan.solver.status}, gap {plan.solver.gap:.2%}, {plan.solver.num_groups} "
-             f"decision groups, trace {plan.solver.trace_s:.2f}s + build {plan.solver.build_s:.2f}s"
-             f" + solve {plan.solver.solve_s:.2f}s", "",
-             f"{'input':<64} {'shape':<22} spec"]
+             f"solver: {plan.solver.status}, gap {plan.solver.gap:.2%}{_over(plan.solver)}, "
+             f"{plan.solver.num_groups} decision groups, trace {plan.solver.trace_s:.2f}s + "
+             f"build {plan.solver.build_s:.2f}s + solve {plan.solver.solve_s:.2f}s", ""]
+    header = f"{'input':<64} {'shape':<22} spec"
+    if plan.notes:
+        lines += ["not placed as the strategy intends:"] + [f"  {n}" for n in plan.notes] + [""]
     rows = param_rows(plan)
+    lines.append(header)
     for p, s, spec in rows[:max_rows]:
         lines.append(f"{p[:64]:<64} {str(s):<22} {spec}")
     if len(rows) > max_rows:

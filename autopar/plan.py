@@ -84,6 +84,7 @@ class SolverStats:
     num_groups: int
     num_vars: int
     num_constraints: int
+    candidates: int = 0      # > 0: solved over at most this many strategies per decision group
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +112,7 @@ class Plan:
     solver: SolverStats
     in_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
     out_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
+    notes: tuple[str, ...] = ()   # what a hand-written strategy could not place, and why
 
     # ---- views ------------------------------------------------------------------------------
     @property
@@ -207,7 +209,8 @@ def _plan_from_dict(d) -> Plan:
         choices=tuple(_choice(x, k) for k, x in enumerate(_list(d["choices"], "choices"))),
         collectives=tuple(_collective(x, sizes, k)
                           for k, x in enumerate(_list(d["collectives"], "collectives"))),
-        cost=_cost(d["cost"]), solver=_solver_stats(d["solver"]))
+        cost=_cost(d["cost"]), solver=_solver_stats(d["solver"]),
+        notes=_strs(d.get("notes", []), "notes"))
 
 
 def _check_top(d) -> None:
@@ -221,7 +224,7 @@ def _check_top(d) -> None:
                         f"autopar reads")
     fields = {f.name for f in dataclasses.fields(Plan)} - {"in_tree", "out_tree"}
     unknown = sorted(set(d) - fields - {"format_version"})
-    missing = sorted(fields - set(d))
+    missing = sorted(fields - set(d) - {"notes"})     # notes: absent from older saved plans
     if unknown or missing:
         raise PlanError(f"unknown fields {unknown} / missing fields {missing}")
 
@@ -302,8 +305,10 @@ def _kind_pairs(x, where: str) -> tuple[tuple[str, float], ...]:
 
 
 def _solver_stats(x) -> SolverStats:
-    d = _fields(x, "solver", [f.name for f in dataclasses.fields(SolverStats)])
-    ints = ("num_groups", "num_vars", "num_constraints")
+    d = _fields(x, "solver", [f.name for f in dataclasses.fields(SolverStats)],
+                optional=("candidates",))
+    d = {"candidates": 0, **d}
+    ints = ("num_groups", "num_vars", "num_constraints", "candidates")
     return SolverStats(status=_str(d["status"], "solver.status"),
                        **{n: _num(d[n], f"solver.{n}") for n in ("gap", "solve_s", "build_s",
                                                                   "trace_s")},

@@ -1,20 +1,30 @@
-"""ir.layers: repeated blocks of unrolled and scanned models."""
+"""ir.layers: repeated blocks and structural roles of unrolled and scanned models, by structure."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections import Counter
 
+import jax
+import jax.numpy as jnp
+import optax
 import pytest
 
 import ir
-from autopar.models import gpt
-from ir.layers import block_key
+from autopar.models import adamw_step, gpt, nnx_mlp
+from ir.layers import module_path, roles
 
 CFG = gpt.GPTConfig(layers=4, d_model=32, heads=2, d_ff=64, seq=16, vocab=64)
 
 
-@pytest.mark.parametrize("remat", [False, True])
-def test_unrolled_gpt_has_four_equal_layers(remat):
-    g = ir.trace(*gpt.abstract(dataclasses.replace(CFG, remat=remat), 2))
+@functools.cache
+def _gpt(layers: int = 4, remat: bool = False, scan: bool = False) -> ir.Graph:
+    cfg = dataclasses.replace(CFG, layers=layers, remat=remat, scan=scan)
+    return ir.trace(*gpt.abstract(cfg, 2))
+
+
+def test_unrolled_gpt_has_four_equal_layers():
+    g = _gpt()
     blocks = [layer for layer in g.layers if layer.name.startswith("GPT/layer_")]
     assert [b.name for b in blocks] == [f"GPT/layer_{i}" for i in range(4)]
     assert len({b.signature for b in blocks}) == 1 and len({len(b.op_ids) for b in blocks}) == 1
@@ -26,22 +36,92 @@ def test_unrolled_gpt_has_four_equal_layers(remat):
     assert [g.op(i).prim for i in first.op_ids] == [g.op(i).prim for i in second.op_ids]
 
 
+def test_remat_gpt_blocks_forward_and_backward():
+    """With remat the backward recomputes each block from its input, so it reads the previous
+    block's output rather than residuals: forward and backward blocks stay two families."""
+    g = _gpt(remat=True)
+    families = Counter(layer.signature for layer in g.layers if layer.name.startswith("GPT/layer_"))
+    assert sorted(families.values()) == [4, 4]
+    names = Counter(layer.name for layer in g.layers if layer.name.startswith("GPT/layer_"))
+    assert names == {f"GPT/layer_{i}": 2 for i in range(4)}
+
+
 def test_scan_gpt_layers():
-    g = ir.trace(*gpt.abstract(dataclasses.replace(CFG, scan=True), 2))
-    assert [layer.kind for layer in g.layers] == ["scan", "scan"]
-    assert all(layer.repeats == 4 for layer in g.layers)
-    fwd = g.layers[0]
+    g = _gpt(scan=True)
+    scans = [layer for layer in g.layers if layer.kind == "scan"]
+    assert len(scans) == 2 and all(layer.repeats == 4 for layer in scans)
+    fwd = scans[0]
     scan_op = g.op(fwd.op_ids[0])
     assert scan_op.prim == "scan" and len(fwd.op_ids) == 1 + len(scan_op.regions[0].ops)
     assert g.op(fwd.op_ids[1]).layer == fwd.index
 
 
-@pytest.mark.parametrize("name, key", [
-    ("transpose(jvp(GPT))/layer_3/mlp", ("GPT/layer", 3)),
-    ("jvp(MLP)/Dense_1", ("MLP/Dense", 1)),
-    ("transpose(jvp(GPT))/jvp(GPT)/rematted_computation/layer_3/ln1", ("GPT/layer", 3)),
-    ("jvp(GPT)/ln_f", None),
-    ("", None),
+# ---- roles ----------------------------------------------------------------------------------
+def _input_role(g: ir.Graph, suffix: str) -> int:
+    (k,) = [k for k, p in enumerate(g.input_paths) if p.endswith(suffix)]
+    return roles(g).input[k]
+
+
+def test_roles_do_not_grow_with_depth():
+    """The same number of distinct roles for 4 and 8 layers: every added layer repeats one."""
+    four, eight = roles(_gpt(4)), roles(_gpt(8))
+    assert four.distinct == eight.distinct
+    assert len(eight.op) > 1.8 * len(four.op)
+
+
+def test_parameters_and_moments_of_equal_layers_share_a_role():
+    g = _gpt(4)
+    fc1 = {i: _input_role(g, f"['params']['layer_{i}']['mlp']['fc1']['kernel']") for i in range(4)}
+    mu = {i: _input_role(g, f".mu['layer_{i}']['mlp']['fc1']['kernel']") for i in range(4)}
+    assert len(set(fc1.values())) == 1 and len(set(mu.values())) == 1
+    fc2 = _input_role(g, "['params']['layer_0']['mlp']['fc2']['kernel']")
+    assert len({fc1[0], mu[0], fc2}) == 3
+
+
+def _loop_step(n_blocks: int, width: int = 32):
+    """An anonymous Python loop over a list of weight dicts: no module names at all."""
+    def loss_fn(params, batch):
+        x = batch["x"]                                   # (B, W)
+        for blk in params["blocks"]:
+            x = x + jnp.tanh(x @ blk["a"]) @ blk["b"]
+        return jnp.mean((x @ params["out"] - batch["y"]) ** 2)
+
+    tx = optax.adamw(1e-3)
+    sd = jax.ShapeDtypeStruct
+    params = {"blocks": [{"a": sd((width, 2 * width), jnp.float32),
+                          "b": sd((2 * width, width), jnp.float32)} for _ in range(n_blocks)],
+              "out": sd((width, 4), jnp.float32)}
+    state = {"params": params, "opt_state": jax.eval_shape(tx.init, params)}
+    batch = {"x": sd((8, width), jnp.float32), "y": sd((8, 4), jnp.float32)}
+    return adamw_step(loss_fn, tx), state, batch
+
+
+def test_anonymous_loop_blocks_and_roles():
+    """Six forward blocks of one signature; the first block's backward differs (it needs no
+    input gradient), so roles agree from the second block on."""
+    g = ir.trace(*_loop_step(6))
+    families = Counter(layer.signature for layer in g.layers)
+    forward = [layer for layer in g.layers if g.op(layer.op_ids[0]).prim == "dot_general"
+               and families[layer.signature] == 6]
+    assert len(forward) == 6 and forward[0].op_ids[0] == g.ops[0].id
+    a = {_input_role(g, f"['params']['blocks'][{i}]['a']") for i in range(1, 6)}
+    b = {_input_role(g, f"['params']['blocks'][{i}]['b']") for i in range(1, 6)}
+    assert len(a) == 1 and len(b) == 1 and a != b
+    assert roles(g).distinct == roles(ir.trace(*_loop_step(9))).distinct
+
+
+def test_nnx_list_layers_share_roles():
+    g = ir.trace(*nnx_mlp.abstract(16, 32, 6, 8))
+    kernels = {_input_role(g, f"['params']['layers'][{i}]['kernel'].value") for i in range(1, 6)}
+    assert len(kernels) <= 2, kernels   # the first layer (16 wide) differs; the rest repeat
+
+
+@pytest.mark.parametrize("name, path", [
+    ("transpose(jvp(GPT))/layer_3/mlp", "GPT/layer_3/mlp"),
+    ("jvp(MLP)/Dense_1", "MLP/Dense_1"),
+    ("transpose(jvp(GPT))/jvp(GPT)/rematted_computation/layer_3/ln1", "GPT/layer_3/ln1"),
+    ("jvp(FlaxGPT2LMHeadModule)/transformer/h/0/attn", "FlaxGPT2LMHeadModule/transformer/h/0/attn"),
+    ("", ""),
 ])
-def test_block_key(name, key):
-    assert block_key(name) == key
+def test_module_path(name, path):
+    assert module_path(name) == path

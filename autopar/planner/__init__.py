@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 from collections.abc import Mapping
 
@@ -68,14 +69,24 @@ def _filtered(prob: problem.Problem, op_filter, allowed: dict[int, set[int]]) ->
     """Let a hand-written strategy veto op strategies (e.g. ZeRO-1 forbids reduce-scatter).
     ``op_filter(op, strategy)`` or ``op_filter(op, strategy, origins)`` (see operand_origins)."""
     with_origins = _takes_origins(op_filter)
+    seen: dict[tuple, set[int]] = {}   # a repeated layer's groups ask once per role
     for grp in prob.groups:
         if grp.leader < 0 or grp.id in allowed:
             continue
         op = prob.graph.op(grp.leader)
         extra = (operand_origins(prob, op),) if with_origins else ()
-        ok = {i for i, st in enumerate(grp.strategies) if op_filter(op, st, *extra)}
+        key = (prob.root(grp.id), _origin_kinds(extra[0]) if extra else ())
+        ok = seen.get(key)
+        if ok is None:
+            ok = seen[key] = {i for i, st in enumerate(grp.strategies) if op_filter(op, st, *extra)}
         if ok and len(ok) < grp.n:
             allowed[grp.id] = ok
+
+
+def _origin_kinds(origins: tuple[str | None, ...]) -> tuple:
+    """Origins with layer indices dropped: ``['h']['3']['attn']`` and ``['h']['7']['attn']`` filter
+    alike, so tied groups are asked once."""
+    return tuple(None if o is None else re.sub(r"\d+", "#", o) for o in origins)
 
 
 def _best_start(prob: problem.Problem, cm, allowed, starts, hint, budget, clock: Clock):
@@ -92,11 +103,14 @@ def _best_start(prob: problem.Problem, cm, allowed, starts, hint, budget, clock:
 
     free = descent.descend(prob, cm, dict(hint) if hint else None, allowed=allowed)
     best = (descent.objective(prob, cm, free), free) if fits(free) else None
+    seeds = [free]
     for k, strat in enumerate(starts):
         if clock.spent(START_BEFORE):
             clock.note(f"time limit: tried {k} of {len(starts)} hand-written starts")
             break
         try:
+            if hasattr(strat, "bind"):
+                strat = strat.bind(prob.graph, sizes)
             fixed = _allowed(prob, strat.fix_inputs(prob.graph, sizes))
             if getattr(strat, "allows", None) is not None:
                 _filtered(prob, strat.allows, fixed)
@@ -105,9 +119,10 @@ def _best_start(prob: problem.Problem, cm, allowed, starts, hint, budget, clock:
         merged = {**fixed, **allowed}
         choice = descent.descend(prob, cm, allowed=merged)
         cost = descent.objective(prob, cm, choice)
+        seeds.append(choice)
         if fits(choice) and (best is None or cost < best[0]):
             best = (cost, choice)
-    return best[1] if best else free
+    return (best[1] if best else free), seeds
 
 
 def _cheapest_alone(prob: problem.Problem, allowed, hint=None) -> dict[int, int]:
@@ -157,19 +172,20 @@ def make_plan(graph: Graph, mesh: Mapping[str, int], cost_model,
     allowed = _allowed_in_time(prob, options, clock)
     if options.op_filter is not None:
         _filtered(prob, options.op_filter, allowed)
-    hint, hint_name = options.hint, "HINT"
+    prob.untie(allowed)
+    hint, hint_name, seeds = options.hint, "HINT", []
     if clock.spent(SEARCH_BEFORE):
         clock.note(f"building the problem ({len(prob.groups)} decision groups) spent the time "
                    f"limit; each group takes its cheapest strategy alone, no descent or ILP")
         hint, hint_name = _cheapest_alone(prob, allowed, hint), "GREEDY"
     elif options.starts:
-        hint, hint_name = _best_start(prob, cost_model, allowed, options.starts, hint,
-                                      options.memory_budget, clock), "DESCENT"
+        (hint, seeds), hint_name = _best_start(prob, cost_model, allowed, options.starts, hint,
+                                               options.memory_budget, clock), "DESCENT"
     build_s = time.perf_counter() - t0
     sol = ilp.solve(prob, cost_model, options.memory_budget, options.time_limit_s, allowed, hint,
-                    clock=clock, hint_name=hint_name)
-    stats = SolverStats(sol.status, sol.gap, sol.solve_s, build_s, trace_s, len(prob.groups),
-                        sol.num_vars, sol.num_constraints)
+                    clock=clock, hint_name=hint_name, seeds=seeds)
+    stats = SolverStats(sol.status, sol.gap, sol.solve_s, build_s, trace_s, prob.num_decisions,
+                        sol.num_vars, sol.num_constraints, sol.candidates)
     plan = assemble(prob, sol.choice, cost_model, cost_model.hw.name, options.strategy,
                     options.memory_budget, stats)
     _warn_over_budget(plan, options.memory_budget)

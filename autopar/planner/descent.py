@@ -15,9 +15,7 @@ from autopar.planner.problem import Problem
 
 
 def _root(p: Problem, g: int) -> int:
-    while g in p.ties:
-        g = p.ties[g]
-    return g
+    return p.root(g)
 
 
 def _index(layouts) -> tuple[list, np.ndarray]:
@@ -40,12 +38,9 @@ def edge_matrices(p: Problem, cm):
     if memo is not None:
         return memo
     rs = p.reshard_s
-    unary: dict[int, np.ndarray] = {}
-    for g in p.groups:
-        r = _root(p, g.id)
-        unary[r] = unary.get(r, 0) + g.compute_s + g.comm_s
+    unary = dict(p.root_costs())
     pair = []
-    for e in p.edges:
+    for e in p.merged_edges():   # repeated layers' edges arrive merged: depth costs nothing here
         s, d = _root(p, e.src), _root(p, e.dst)
         have = p.groups[e.src].shard[e.value]
         if s == d:
@@ -134,5 +129,16 @@ def _icm(unary, pair, incident, choice: dict[int, int], sweeps: int) -> dict[int
 def objective(p: Problem, cm, choice: dict[int, int]) -> float:
     """The plan's exact objective (the descent itself works on pairwise edge costs, which count
     a value resharded for several readers once per reader; see ``Problem.edge_sets``)."""
-    unary = sum(g.compute_s[choice[g.id]] + g.comm_s[choice[g.id]] for g in p.groups)
+    unary = sum(float(c[choice[r]]) for r, c in p.root_costs().items())
     return float(unary + p.transition_s(choice))
+
+
+def local_costs(p: Problem, cm, choice: dict[int, int]) -> dict[int, np.ndarray]:
+    """Per root: the total cost of each of its strategies with every other group kept at
+    ``choice`` (what one descent step compares)."""
+    unary, pair = edge_matrices(p, cm)
+    out = {r: u.copy() for r, u in unary.items()}
+    for s, d, m in pair:
+        out[s] += m[:, choice[d]]
+        out[d] += m[choice[s], :]
+    return out

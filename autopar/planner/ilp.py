@@ -25,14 +25,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections import defaultdict
 from collections.abc import Mapping
 
+import numpy as np
 from ortools.sat.python import cp_model
 
 from autopar.errors import PlanError
 from autopar.planner.budget import BUDGET_FACTOR, SEARCH_BEFORE, Clock
-from autopar.planner.problem import Problem, value_bytes
+from autopar.planner.problem import Problem, flow_pairs, restrict, value_bytes
 
 # Integer units of the model. CP-SAT's LP works in doubles: with picoseconds a large model's
 # objective passed 2^53, presolve discarded a feasible hint and the bound rose above a known
@@ -56,6 +56,7 @@ class Solution:
     solve_s: float
     num_vars: int
     num_constraints: int
+    candidates: int = 0              # > 0: solved over at most this many strategies per group
 
     @property
     def gap(self) -> float:
@@ -80,9 +81,7 @@ class _Model:
                 self.m.AddExactlyOne(self.x[g.id]).WithName(f"pick:{g.id}")
 
     def _root(self, g: int) -> int:
-        while g in self.p.ties:
-            g = self.p.ties[g]
-        return g
+        return self.p.root(g)
 
     def xs(self, g: int) -> list:
         return self.x[self.root[g]]
@@ -91,25 +90,16 @@ class _Model:
         return self.p.reshard_s(v, src, dst)
 
     def add_group_costs(self) -> None:
-        for g in self.p.groups:
-            cost = g.compute_s + g.comm_s
-            self.obj += [(_ns(c), x) for c, x in zip(cost, self.xs(g.id)) if c > 0]
+        """One term per root strategy: tied groups' costs are summed first."""
+        for r, cost in self.p.root_costs().items():
+            self.obj += [(_ns(c), x) for c, x in zip(cost, self.x[r]) if c > 0]
 
     def add_edges(self, clock: Clock | None = None) -> None:
         """Edge sets (a value and its readers, ``Problem.edge_sets``) that repeat between the same
-        tied groups with the same layouts are one set carrying the sum of their multipliers, so
-        the model does not grow with depth. Raises _OutOfTime when ``clock``'s budget is spent
-        (the model is then discarded)."""
-        merged: dict[tuple, list] = {}
-        for es in self.p.edge_sets():
-            e0 = es[0]
-            have = tuple(self.p.groups[e0.src].shard[e0.value])
-            key = (self.root[e0.src], self.p.graph.values[e0.value], have,
-                   tuple((self.root[e.dst], e.need) for e in es))
-            old = merged.get(key)
-            merged[key] = es if old is None else [
-                dataclasses.replace(o, mult=o.mult + e.mult) for o, e in zip(old, es)]
-        for k, es in enumerate(merged.values()):
+        tied groups with the same layouts arrive as one set carrying the sum of their
+        multipliers (``Problem.merged_edge_sets``), so the model does not grow with depth.
+        Raises _OutOfTime when ``clock``'s budget is spent (the model is then discarded)."""
+        for k, es in enumerate(self.p.merged_edge_sets()):
             if clock is not None and clock.spent(BUDGET_FACTOR):
                 raise _OutOfTime
             if len(es) == 1:
@@ -225,14 +215,14 @@ class _Model:
         return exprs
 
     def _bytes_terms(self, values) -> dict[tuple[int, int], int]:
-        terms: dict[tuple[int, int], int] = defaultdict(int)
+        per_root: dict[int, np.ndarray] = {}
         for v in values:
             if v not in self.p.group_of_value:
                 continue
             g = self.root[self.p.group_of_value[v]]
-            for i, b in enumerate(value_bytes(self.p, v)):
-                terms[(g, i)] += int(round(b / KIB))
-        return terms
+            kib = np.rint(value_bytes(self.p, v) / KIB).astype(np.int64)
+            per_root[g] = per_root[g] + kib if g in per_root else kib
+        return {(g, i): int(b) for g, arr in per_root.items() for i, b in enumerate(arr)}
 
     def restrict(self, allowed: Mapping[int, set[int]]) -> None:
         for g, ok in allowed.items():
@@ -296,40 +286,102 @@ def _solver(time_limit_s: float, wall_s: float = math.inf) -> cp_model.CpSolver:
     return s
 
 
+# Above this many flow pairs the full model costs more to build and search than it gains over
+# the descent start: the solver works on the best few candidate strategies of each group.
+FULL_MODEL_PAIRS = 10_000
+CANDIDATES = 6
+
+
 def solve(p: Problem, cost_model, memory_budget: float | None = None, time_limit_s: float = 30.0,
           allowed: Mapping[int, set[int]] | None = None,
           hint: Mapping[int, int] | None = None, clock: Clock | None = None,
-          hint_name: str = "HINT") -> Solution:
+          hint_name: str = "HINT", seeds=()) -> Solution:
     """The best plan CP-SAT finds from the descent start (see the module docstring); ``clock``
     (``planner.budget``) cuts the model build and the search at the call's wall-clock budget,
     and a plan kept without the ILP is labelled by where it came from (``hint_name`` for
-    ``hint`` itself)."""
+    ``hint`` itself). A model with more than ``FULL_MODEL_PAIRS`` flow pairs is solved over
+    candidates: per root group the strategies of the start and of ``seeds`` (other good
+    solutions, e.g. each hand-written start's), plus the ``CANDIDATES`` cheapest given the start;
+    the solution then says so (``candidates``) and its gap is over those candidates."""
     clock = clock or Clock(time.perf_counter(), time_limit_s)
     start, name = _start(p, cost_model, memory_budget, allowed, hint, clock, hint_name)
     fits = memory_budget is None or memory_of(p, _as_tuple(p, start)) <= memory_budget
     if clock.spent(SEARCH_BEFORE) and fits:
         clock.note(f"time limit: returning the {name.lower()} plan without the ILP")
         return _kept(p, start, f"{name} (time limit)", 0.0, 0.0, (0, 0))
+    run = _Run(cost_model, memory_budget, time_limit_s, clock, name, fits)
+    if flow_pairs(p) <= FULL_MODEL_PAIRS:
+        return _solve_model(p, allowed, start, run)
+    return _solve_candidates(p, allowed, start, seeds, run)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """What every model of one ``solve`` call shares."""
+
+    cost_model: object
+    memory_budget: float | None
+    time_limit_s: float
+    clock: Clock
+    name: str         # where the start came from ("DESCENT", "HINT", ...)
+    fits: bool        # the start fits the memory budget
+
+
+def _solve_candidates(p: Problem, allowed, start, seeds, run: _Run) -> Solution:
+    """``_solve_model`` over each root's candidate strategies (``_candidates``)."""
+    from autopar.planner.descent import local_costs
+
+    local = local_costs(p, run.cost_model, {g: start[g] for g in start if p.root(g) == g})
+    cands = {r: _candidates(r, cost, start, seeds, allowed) for r, cost in local.items()}
+    small = restrict(p, cands)
+    small_allowed = {g: {j for j, i in enumerate(cands[p.root(g)]) if i in ok}
+                     for g, ok in (allowed or {}).items()}
+    small_start = {g.id: cands[p.root(g.id)].index(start[g.id]) for g in p.groups}
     try:
-        mdl = _build(p, cost_model, memory_budget, allowed, clock if fits else None)
+        sol = _solve_model(small, small_allowed, small_start, run)
+    except PlanError:   # the candidates may miss what fits the budget: the whole model decides
+        return _solve_model(p, allowed, start, run)
+    choice = tuple(cands[p.root(g.id)][j] for g, j in zip(p.groups, sol.choice))
+    return dataclasses.replace(sol, choice=choice, candidates=max(map(len, cands.values())))
+
+
+def _candidates(r: int, cost, start, seeds, allowed) -> list[int]:
+    """The start's strategy, the seeds' and the cheapest others (allowed ones only)."""
+    ok = (allowed or {}).get(r)
+    picks = [start[r]] + [s[r] for s in seeds if r in s]
+    order = [int(i) for i in np.argsort(cost, kind="stable") if ok is None or i in ok]
+    out = list(dict.fromkeys(i for i in picks if ok is None or i in ok))
+    for i in order:
+        if len(out) >= len(set(picks)) + CANDIDATES:
+            break
+        if i not in out:
+            out.append(i)
+    return out or [start[r]]
+
+
+def _solve_model(p: Problem, allowed, start, run: _Run) -> Solution:
+    clock, name = run.clock, run.name
+    try:
+        mdl = _build(p, run.cost_model, run.memory_budget, allowed, clock if run.fits else None)
     except _OutOfTime:
         clock.note(f"time limit while building the ILP: returning the {name.lower()} plan")
         return _kept(p, start, f"{name} (time limit)", 0.0, 0.0, (0, 0))
     mdl.hint(start)
     mdl.m.Minimize(sum(c * x for c, x in mdl.obj))
-    solver = _solver(time_limit_s, clock.solver_wall_s())
+    solver = _solver(run.time_limit_s, clock.solver_wall_s())
     t0 = time.perf_counter()
     status = solver.Solve(mdl.m)
     dt = time.perf_counter() - t0
     size = (len(mdl.m.Proto().variables), len(mdl.m.Proto().constraints))
-    if status == cp_model.UNKNOWN and fits:
+    if status == cp_model.UNKNOWN and run.fits:
         # The time limit ran out before CP-SAT rebuilt a solution: keep the descent plan, which
         # fits the budget, and report the solver's bound for the gap.
         return _kept(p, start, f"{name} (time limit)", solver.BestObjectiveBound() / PS, dt, size)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        raise _no_plan(p, cost_model, memory_budget, allowed, solver, status, dt, clock, mdl)
-    choice = tuple(next(i for i, x in enumerate(mdl.xs(g.id)) if solver.Value(x))
-                   for g in p.groups)
+        raise _no_plan(p, run.cost_model, run.memory_budget, allowed, solver, status, dt, clock,
+                       mdl)
+    picked = {r: next(i for i, x in enumerate(xs) if solver.Value(x)) for r, xs in mdl.x.items()}
+    choice = tuple(picked[p.root(g.id)] for g in p.groups)
     return Solution(choice, solver.ObjectiveValue() / PS, solver.BestObjectiveBound() / PS,
                     solver.StatusName(status), dt, *size)
 
@@ -435,8 +487,25 @@ def _memory_error(p: Problem, cost_model, budget: float, allowed, clock: Clock) 
 
 def memory_of(p: Problem, choice) -> float:
     """Predicted peak per-device bytes of a chosen plan (same model as the constraints)."""
-    def total(values):
-        return sum(value_bytes(p, v)[choice[p.group_of_value[v]]] for v in values
-                   if v in p.group_of_value)
-    base = total(p.const_values)
-    return float(base + max((total(live) for live in p.mem_points), default=0.0))
+    base, points = _memory_tables(p)
+    def total(table):
+        return sum(float(arr[choice[g]]) for g, arr in table.items())
+    return float(total(base) + max((total(t) for t in points), default=0.0))
+
+
+def _memory_tables(p: Problem):
+    """Per group, the bytes of its always-live values and of its values live at each check
+    point, under each of its strategies (summed once per problem: descent asks per start)."""
+    hit = p.__dict__.get("_memory_tables")
+    if hit is None:
+        def table(values):
+            out: dict[int, np.ndarray] = {}
+            for v in values:
+                g = p.group_of_value.get(v)
+                if g is not None:
+                    b = value_bytes(p, v)
+                    out[g] = out[g] + b if g in out else b
+            return out
+        hit = p.__dict__["_memory_tables"] = (table(p.const_values),
+                                              [table(live) for live in p.mem_points])
+    return hit

@@ -12,6 +12,14 @@ Notation (used by ``ilp.py`` too):
   memory   per-device bytes of inputs plus the live intermediates at a few check points of the
            schedule (the points where the replicated live size is largest).
 
+Repeated layers: ops and inputs with equal structural role (``ir.layers.roles``: the same part of
+structurally equal unrolled layers, their parameters, optimizer state and updates) that lead
+groups with the same strategies share one decision (``ties``: group -> root group). Per-op work is
+memoised by the op's structure and the layouts of the operand it follows, so a repeated layer
+costs dictionary look-ups, not rule evaluations; ``merged_edges`` folds edges that repeat between
+the same roots with the same layouts into one, summing their multipliers. The problem the solver
+sees (roots and merged edges) is then the same size for 12 layers as for 96.
+
 Regions: a scan body is planned once, not unrolled. Its inputs follow the scan's operands (xs lose
 their leading axis), its outputs feed the scan's results (ys gain it), and a loop-carried value
 pays an edge from the body's carry-out back to its carry-in, ``trip_count`` times.
@@ -31,6 +39,8 @@ from autopar.sharding import Sharding, replicated, shard_factor
 from cost_models.compute import MATMUL_PRIMS
 from ir import Graph, Op
 from ir.fusion import Fusion, fuse
+from ir.layers import node_graph
+from ir.layers import roles as layer_roles
 
 _CONTRACTIONS = ("dot_general", "conv_general_dilated")
 
@@ -82,6 +92,74 @@ class Problem:
     def reshard_s(self, v: int, src: Sharding, dst: Sharding) -> float:
         return self.reshard(self.graph.values[v], src, dst)
 
+    def root(self, g: int) -> int:
+        return self.ties.get(g, g)
+
+    @property
+    def num_decisions(self) -> int:
+        """Groups with variables of their own (the others are tied to a root)."""
+        return len(self.groups) - len(self.ties)
+
+    def untie(self, allowed: Mapping[int, set[int]]) -> None:
+        """Split tie classes whose members a hand-written strategy restricts differently (it may
+        pin two parameters of one role to different layouts): each distinct restriction gets its
+        own root."""
+        classes: dict[tuple[int, frozenset | None], int] = {}
+        for g in sorted(self.ties):
+            r = self.ties[g]
+            mine, theirs = allowed.get(g), allowed.get(r)
+            if mine == theirs:
+                continue
+            key = (r, None if mine is None else frozenset(mine))
+            new_root = classes.setdefault(key, g)
+            if new_root == g:
+                del self.ties[g]
+            else:
+                self.ties[g] = new_root
+        for memo in ("_merged", "_edge_matrices", "_root_costs"):
+            self.__dict__.pop(memo, None)
+
+    def merged_edge_sets(self) -> list[list[Edge]]:
+        """``edge_sets`` of repeated layers folded together: sets moving values of one type in
+        the same layouts from the same root to the same roots, which need the same layouts, are
+        one set whose edges carry the summed multipliers. The solver and the descent see these,
+        so their size does not grow with depth. The set semantics (each distinct move paid once)
+        are kept: only edges that make the same move are folded."""
+        hit = self.__dict__.get("_merged")
+        if hit is None:
+            merged: dict[tuple, list[Edge]] = {}
+            for es in self.edge_sets():
+                # readers of one root needing one layout share its move: one edge stands for
+                # them (a value every layer reads, like a mask, stays one edge at any depth)
+                same_move: dict[tuple, Edge] = {}
+                for e in es:
+                    same_move.setdefault((self.root(e.dst), id(e.need)), e)
+                es = list(same_move.values())
+                e0 = es[0]
+                key = (self.root(e0.src), self.graph.values[e0.value],
+                       id(self.groups[e0.src].shard[e0.value]),
+                       tuple((self.root(e.dst), id(e.need)) for e in es))
+                old = merged.get(key)
+                merged[key] = es if old is None else [
+                    dataclasses.replace(o, mult=o.mult + e.mult) for o, e in zip(old, es)]
+            hit = self.__dict__["_merged"] = list(merged.values())
+        return hit
+
+    def merged_edges(self) -> list[Edge]:
+        """The edges of ``merged_edge_sets``, one list."""
+        return [e for es in self.merged_edge_sets() for e in es]
+
+    def root_costs(self) -> dict[int, np.ndarray]:
+        """Per root group: the summed compute and collective time of it and its tied groups
+        (memoised: do not modify)."""
+        out = self.__dict__.get("_root_costs")
+        if out is None:
+            out = self.__dict__["_root_costs"] = {}
+            for g in self.groups:
+                r = self.root(g.id)
+                out[r] = out[r] + g.compute_s + g.comm_s if r in out else g.compute_s + g.comm_s
+        return out
+
     def edge_sets(self) -> list[list[Edge]]:
         """Edges that move the same value from the same group in the same region: XLA reshards
         a value once per layout its readers need (identical reshards are common
@@ -98,7 +176,7 @@ class Problem:
         """Resharding seconds of the plan ``choice`` (group -> strategy index) on the edges
         between groups, each distinct (value, layout) move counted once (``edge_sets``)."""
         total = 0.0
-        for es in self.edge_sets():
+        for es in self.merged_edge_sets():   # repeated layers' sets fold into one: same total
             have = self.groups[es[0].src].shard[es[0].value][choice[es[0].src]]
             for need in {e.need[choice[e.dst]] for e in es} - {have}:
                 total += es[0].mult * self.reshard_s(es[0].value, have, need)
@@ -120,6 +198,20 @@ class ReshardCache:
         return hit
 
 
+@dataclasses.dataclass(frozen=True)
+class _Planned:
+    """What one op contributes under each strategy of its group, shared by every op of the same
+    structure that sees the same operand layouts: strategies, output layouts, unscaled costs and
+    the layout each strategy needs of every operand (interned tuples, compared by identity)."""
+
+    per_i: tuple[Strategy, ...]
+    outs: tuple[tuple[Sharding, ...], ...]
+    compute_s: np.ndarray
+    comm_s: np.ndarray
+    needs: tuple[tuple[Sharding, ...] | None, ...]
+    hbm_bytes: np.ndarray
+
+
 class _Builder:
     def __init__(self, graph: Graph, mesh: Mapping[str, int], cost_model, max_strategies: int,
                  clock=None):
@@ -137,22 +229,83 @@ class _Builder:
         self.gop: dict[int, int] = {}
         self.reshard = ReshardCache(cost_model, mesh)
         self.fusion = fuse(graph)
+        self.memo: dict = {}        # op structure (+ operand layouts) -> rule / _Planned
+        first = len(graph.inputs) + len(graph.consts)
+        labels = node_graph(graph)[0]
+        self.labels = {op.id: int(labels[first + j]) for j, op in enumerate(graph.ops)}
+        self.interned: dict = {}    # layout tuple -> the one instance of it
+        self.self_moves: set = set()  # (group, value, need, mult) of self edges already costed
+
+    def intern(self, layouts: tuple) -> tuple:
+        return self.interned.setdefault(layouts, layouts)
+
+    def op_key(self, op: Op) -> tuple | None:
+        """Everything the rules and the costs read of an op; None for ops with regions. A
+        top-level op's structural label (``ir.layers.node_graph``: primitive, params, types,
+        literals) stands in for the first five."""
+        if op.regions:
+            return None
+        vals, ctx = self.g.values, self.ctx
+        label = self.labels.get(op.id)
+        if label is not None:
+            return (label, tuple(ctx.producers.get(v) for v in op.ins), op.flops,
+                    op.transcendentals, op.bytes_accessed, self.fusion_role(op))
+        return (op.prim, op.params, tuple(vals[v] for v in op.ins),
+                tuple(vals[v] for v in op.outs), tuple(v in ctx.literals for v in op.ins),
+                tuple(ctx.producers.get(v) for v in op.ins), op.flops, op.transcendentals,
+                op.bytes_accessed, self.fusion_role(op))
+
+    def fusion_role(self, op: Op) -> tuple:
+        """What the op's kernel reads, writes and copies (positions among its operands and
+        results) and whether it launches the kernel: its costs depend on them."""
+        f = self.fusion
+
+        def at(values, vs):
+            return tuple(values.index(v) for v in vs)
+
+        return (at(op.ins, f.reads.get(op.id, ())), at(op.outs, f.writes.get(op.id, ())),
+                at(op.ins, f.copies.get(op.id, ())), op.id in f.roots)
+
+    def planned(self, op: Op, per_i: Sequence[Strategy], key) -> _Planned:
+        """The op's contribution under ``per_i``, memoised under ``key`` (None: not memoised)."""
+        hit = self.memo.get(key) if key is not None else None
+        if hit is None:
+            per_i = tuple(per_i)
+            n = len(per_i)
+            outs = tuple(self.intern(tuple(st.outs[k] for st in per_i))
+                         for k in range(len(op.outs)))
+            needs = tuple(None if v in self.ctx.literals else self.intern(tuple(
+                st.ins[k] if k < len(st.ins) and st.ins[k] is not None
+                else replicated(len(self.g.values[v].shape)) for st in per_i))
+                for k, v in enumerate(op.ins))
+            scratch = Group(-1, op.id, per_i, np.zeros(n), np.zeros(n), np.zeros(n))
+            self.add_costs(scratch, op, list(per_i), 1.0)
+            hit = _Planned(per_i, outs, scratch.compute_s, scratch.comm_s, needs,
+                           scratch.hbm_bytes)
+            if key is not None:
+                self.memo[key] = hit
+        return hit
 
     # -- groups -----------------------------------------------------------------------------
-    def new_group(self, leader: int, strategies: Sequence[Strategy], op: Op | None,
-                  mult: float) -> Group:
-        n = len(strategies)
-        grp = Group(len(self.groups), leader, tuple(strategies), np.zeros(n), np.zeros(n),
-                    np.zeros(n))
-        self.groups.append(grp)
-        outs = op.outs if op is not None else ()
-        grp.members[leader] = list(strategies)
+    def new_group(self, leader: int, strategies: Sequence[Strategy], op: Op | None = None,
+                  mult: float = 1.0, pl: _Planned | None = None) -> Group:
+        """A decision group led by an input (``op`` None) or by ``op`` under ``strategies``
+        (``pl``: their memoised contribution, computed here when not given)."""
+        if op is None:
+            n = len(strategies)
+            grp = Group(len(self.groups), leader, tuple(strategies), np.zeros(n), np.zeros(n),
+                        np.zeros(n))
+            grp.members[leader] = grp.strategies
+        else:
+            pl = pl or self.planned(op, strategies, None)
+            grp = Group(len(self.groups), leader, pl.per_i, mult * pl.compute_s,
+                        mult * pl.comm_s, mult * pl.hbm_bytes)
+            grp.members[leader] = pl.per_i
+            for v, layouts in zip(op.outs, pl.outs):
+                grp.shard[v] = layouts
+                self.gv[v] = grp.id
         grp.mults[leader] = mult
-        for k, v in enumerate(outs):
-            grp.shard[v] = [s.outs[k] for s in strategies]
-            self.gv[v] = grp.id
-        if op is not None:
-            self.add_costs(grp, op, list(strategies), mult)
+        self.groups.append(grp)
         return grp
 
     def compute_dtype(self, op: Op) -> str:
@@ -182,41 +335,55 @@ class _Builder:
         return op_hbm_bytes(self.g, self.fusion, self.mesh, op, st)
 
     def follow(self, op: Op, operand_value: int, derive, mult: float,
-               out_values: Sequence[int] | None = None) -> Group:
+               out_values: Sequence[int] | None = None, key=None) -> tuple[Group, _Planned]:
         grp = self.groups[self.gv[operand_value]]
-        per_i = [derive(s) for s in grp.shard[operand_value]]
+        have = grp.shard[operand_value]
+        memo_key = None if key is None else ("follow", key, id(have))
+        pl = self.memo.get(memo_key) if memo_key is not None else None
+        if pl is None:
+            pl = self.planned(op, [derive(s) for s in have], memo_key)
         if op.prim != "alias":
-            grp.members[op.id] = per_i
+            grp.members[op.id] = pl.per_i
             grp.mults[op.id] = mult
-        self.add_costs(grp, op, per_i, mult)
+        grp.compute_s += mult * pl.compute_s
+        grp.comm_s += mult * pl.comm_s
+        grp.hbm_bytes += mult * pl.hbm_bytes
         outs = op.outs if out_values is None else out_values
-        for k, v in enumerate(outs):
-            grp.shard[v] = [st.outs[k] for st in per_i]
+        for v, layouts in zip(outs, pl.outs):
+            grp.shard[v] = layouts
             self.gv[v] = grp.id
-        return grp
+        return grp, pl
 
-    def link_inputs(self, op: Op, grp: Group, per_i: Sequence[Strategy], skip: int | None,
+    def link_inputs(self, op: Op, grp: Group, pl: _Planned, skip: int | None,
                     mult: float) -> None:
         """Edges for every non-literal input the op reads, except the one it follows."""
         for k, v in enumerate(op.ins):
-            if k == skip or v in self.ctx.literals or v not in self.gv:
+            if k == skip or pl.needs[k] is None or v not in self.gv:
                 continue
-            need = tuple(st.ins[k] if k < len(st.ins) and st.ins[k] is not None
-                         else replicated(len(self.g.values[v].shape)) for st in per_i)
-            self.add_edge(self.gv[v], grp.id, v, need, mult, f"op{op.id}:arg{k}", op.id)
+            self.add_edge(self.gv[v], grp.id, v, pl.needs[k], mult, f"op{op.id}:arg{k}", op.id)
 
     def add_edge(self, src: int, dst: int, v: int, need: tuple[Sharding, ...], mult: float,
                  where: str, op: int = -1) -> None:
         if src == dst:  # both ends decided by one variable: a per-strategy cost
             grp = self.groups[src]
-            if any(e.value == v and e.need == need and e.mult == mult for e in grp.self_edges):
+            key = (src, v, need, mult)
+            if key in self.self_moves:
                 return   # the same move again: XLA computes it once
-            have = grp.shard[v]
-            for i in range(grp.n):
-                grp.comm_s[i] += mult * self.reshard(self.g.values[v], have[i], need[i])
+            self.self_moves.add(key)
+            grp.comm_s += mult * self.self_edge(v, grp.shard[v], need)
             grp.self_edges.append(Edge(src, dst, v, need, mult, where, op))
             return
         self.edges.append(Edge(src, dst, v, need, mult, where, op))
+
+    def self_edge(self, v: int, have: Sequence[Sharding], need: Sequence[Sharding]) -> np.ndarray:
+        t = self.g.values[v]
+        key = ("self-edge", t, id(have), id(need))
+        hit = self.memo.get(key)
+        if hit is None:
+            hit = np.array([self.reshard(t, a, b) for a, b in zip(have, need)])
+            self.memo[key] = hit
+            self.memo[("keep", key)] = (have, need)   # keeps the ids above unique
+        return hit
 
     # -- walking the graph ------------------------------------------------------------------
     def late(self) -> bool:
@@ -229,11 +396,17 @@ class _Builder:
             shape = self.g.values[v].shape
             if self.late():   # only the replicated layout: no time left to enumerate them all
                 self.late_ops += 1
-                choices = (Strategy("R", (), (replicated(len(shape)),), 1),)
+                hit = ((Strategy("R", (), (replicated(len(shape)),), 1),),
+                       self.intern((replicated(len(shape)),)))
             else:
-                choices = rules.input_choices(shape, self.mesh)
-            grp = self.new_group(-1 - k, choices, None, 1.0)
-            grp.shard[v] = [s.outs[0] for s in grp.strategies]
+                key = ("input", shape)
+                hit = self.memo.get(key)
+                if hit is None:
+                    strategies = rules.input_choices(shape, self.mesh)
+                    hit = self.memo[key] = (strategies,
+                                            self.intern(tuple(s.outs[0] for s in strategies)))
+            grp = self.new_group(-1 - k, hit[0])
+            grp.shard[v] = hit[1]
             self.gv[v] = grp.id
             out.append(grp.id)
         for v in self.g.consts:
@@ -243,8 +416,8 @@ class _Builder:
     def whole(self, v: int, leader: int) -> None:
         """A value with one layout, replicated: a closed-over constant, a literal scan operand."""
         layout = replicated(len(self.g.values[v].shape))
-        grp = self.new_group(leader, (Strategy("R", (), (layout,)),), None, 1.0)
-        grp.shard[v] = [layout]
+        grp = self.new_group(leader, (Strategy("R", (), (layout,)),))
+        grp.shard[v] = self.intern((layout,))
         self.gv[v] = grp.id
 
     def walk(self, ops: Sequence[Op], mult: float) -> None:
@@ -254,21 +427,32 @@ class _Builder:
             else:
                 self.add_op(op, mult)
 
-    def add_op(self, op: Op, mult: float) -> None:
+    def rule(self, op: Op, key) -> Choices | Follow:
+        if key is not None and ("rule", key) in self.memo:
+            return self.memo[("rule", key)]
         if op.regions:  # while / cond: opaque, replicated
-            rule = rules.fallback_rule(op, self.ctx)
+            found = rules.fallback_rule(op, self.ctx)
         elif self.late():
             self.late_ops += 1   # the time limit has passed: no more strategies to enumerate
-            rule = rules.fallback_rule(op, self.ctx)
+            return rules.fallback_rule(op, self.ctx)
         else:
-            rule = rules.rule_for(op, self.ctx)
+            found = rules.rule_for(op, self.ctx)
+        if key is not None:
+            self.memo[("rule", key)] = found
+        return found
+
+    def add_op(self, op: Op, mult: float) -> None:
+        key = self.op_key(op)
+        rule = self.rule(op, key)
         if isinstance(rule, Follow) and op.ins[rule.operand] in self.gv:
-            grp = self.follow(op, op.ins[rule.operand], rule.derive, mult)
-            self.link_inputs(op, grp, grp.members[op.id], rule.operand, mult)
+            grp, pl = self.follow(op, op.ins[rule.operand], rule.derive, mult, key=key)
+            self.link_inputs(op, grp, pl, rule.operand, mult)
         else:
             choices = rule if isinstance(rule, Choices) else rules.fallback_rule(op, self.ctx)
-            grp = self.new_group(op.id, choices.strategies, op, mult)
-            self.link_inputs(op, grp, list(choices.strategies), None, mult)
+            memo_key = ("decide", key) if isinstance(rule, Choices) and key is not None else None
+            pl = self.planned(op, choices.strategies, memo_key)
+            grp = self.new_group(op.id, pl.per_i, op, mult, pl)
+            self.link_inputs(op, grp, pl, None, mult)
         self.gop[op.id] = grp.id
 
     def walk_scan(self, op: Op, mult: float) -> None:
@@ -285,7 +469,7 @@ class _Builder:
         for k in range(ncarry):  # loop-carried: carry-out must come back as carry-in
             cin, cout = body.inputs[nc + k], body.outputs[k]
             if cout in self.gv and cin in self.gv:
-                need = tuple(self.groups[self.gv[cin]].shard[cin])
+                need = self.groups[self.gv[cin]].shard[cin]
                 self.add_edge(self.gv[cout], self.gv[cin], cout, need, mult * trip,
                               f"op{op.id}:carry{k}", op.id)
         for k, (inner, outer) in enumerate(zip(body.outputs, op.outs)):
@@ -381,24 +565,24 @@ def _feed_costs(graph: Graph, b: _Builder, input_group: list[int], pairs: Mappin
 
 
 def _ties(graph: Graph, b: _Builder) -> dict[int, int]:
-    """Groups of structurally equal layers share the ILP variables of the first such layer."""
+    """Groups led by ops or inputs of equal structural role (``ir.layers.roles``) with the same
+    strategies share the ILP variables of the first such group: layer ``k``'s q projection, its
+    kernel, the kernel's Adam moments and their update decide as layer 0's do."""
+    role = layer_roles(graph)
+    n_in = len(graph.inputs)
+    first: dict[tuple, int] = {}
     ties: dict[int, int] = {}
-    first: dict[str, tuple[int, ...]] = {}
-    for layer in graph.layers:
-        if layer.kind != "unrolled":
+    for grp in b.groups:
+        if grp.leader >= 0:
+            r = role.op.get(grp.leader)
+        else:
+            k = -1 - grp.leader
+            r = role.input[k] if k < n_in else None
+        if r is None:
             continue
-        ref = first.setdefault(layer.signature, layer.op_ids)
-        if ref is layer.op_ids or len(ref) != len(layer.op_ids):
-            continue
-        for a, r in zip(layer.op_ids, ref):
-            ga, gr = b.gop.get(a), b.gop.get(r)
-            if ga is None or gr is None or ga == gr or ga < 0 or gr < 0:
-                continue
-            A, R = b.groups[ga], b.groups[gr]
-            if A.leader == a and R.leader == r and [s.name for s in A.strategies] == [
-                    s.name for s in R.strategies]:
-                ties[ga] = gr
-        # inputs read by the layer's decision ops: tie parameters too
+        root = first.setdefault((grp.leader >= 0, r, id(grp.strategies)), grp.id)
+        if root != grp.id:
+            ties[grp.id] = root
     return ties
 
 
@@ -478,7 +662,7 @@ def build(graph: Graph, mesh: Mapping[str, int], cost_model, max_strategies: int
         v_out, v_in = graph.outputs[j], graph.inputs[k]
         if v_out == v_in or v_out not in b.gv:
             continue
-        need = tuple(b.groups[input_group[k]].shard[v_in])
+        need = b.groups[input_group[k]].shard[v_in]
         b.add_edge(b.gv[v_out], input_group[k], v_out, need, 1.0, f"output{j}->input{k}")
     _feed_costs(graph, b, input_group, pairs)
     ties = _ties(graph, b)
@@ -487,8 +671,57 @@ def build(graph: Graph, mesh: Mapping[str, int], cost_model, max_strategies: int
                    b.reshard, b.fusion)
 
 
+def flow_pairs(problem: Problem) -> int:
+    """How many (source layout, needed layout) pairs the merged edges have: the size of the
+    solver's flow model."""
+    total = 0
+    for e in problem.merged_edges():
+        if problem.root(e.src) != problem.root(e.dst):
+            total += len(set(problem.groups[e.src].shard[e.value])) * len(set(e.need))
+    return total
+
+
+def restrict(problem: Problem, candidates: Mapping[int, Sequence[int]]) -> Problem:
+    """The same problem, for the solver, with each root group (and the groups tied to it) down
+    to the strategy indices ``candidates[root]``, in that order; a solution's index ``j`` of
+    root ``r`` is ``candidates[r][j]`` of the full problem. Sliced layout tuples are shared
+    between tied groups, so their edges still merge."""
+    memo: dict = {}
+
+    def pick(seq, idx):
+        key = (id(seq), idx)
+        hit = memo.get(key)
+        if hit is None:
+            hit = memo[key] = tuple(seq[i] for i in idx)
+            memo[("keep", key)] = seq
+        return hit
+
+    groups = []
+    for g in problem.groups:
+        idx = tuple(candidates[problem.root(g.id)])
+        # members (per-op strategies, for reports) are left out: the solver never reads them
+        new = Group(g.id, g.leader, pick(g.strategies, idx), g.compute_s[list(idx)],
+                    g.comm_s[list(idx)], g.hbm_bytes[list(idx)],
+                    {}, {v: pick(s, idx) for v, s in g.shard.items()},
+                    g.mults)
+        groups.append(new)
+    sets = [[dataclasses.replace(e, need=pick(e.need, tuple(candidates[problem.root(e.dst)])))
+             for e in es] for es in problem.merged_edge_sets()]   # the solver sees only these
+    small = dataclasses.replace(problem, groups=groups, edges=[e for es in sets for e in es],
+                                ties=dict(problem.ties))
+    small.__dict__["_edge_sets"] = small.__dict__["_merged"] = sets   # already merged
+    return small
+
+
 def value_bytes(problem: Problem, v: int) -> np.ndarray:
-    """Per-device bytes of value ``v`` under each strategy of its group."""
-    grp = problem.groups[problem.group_of_value[v]]
+    """Per-device bytes of value ``v`` under each strategy of its group (memoised by type and
+    layout list: an unrolled model asks for the same few thousands of times)."""
+    layouts = problem.groups[problem.group_of_value[v]].shard[v]
     t = problem.graph.values[v]
-    return np.array([t.nbytes / shard_factor(s, problem.mesh) for s in grp.shard[v]])
+    memo = problem.__dict__.setdefault("_value_bytes", {})
+    hit = memo.get((t, id(layouts)))
+    if hit is None:
+        hit = np.array([t.nbytes / shard_factor(s, problem.mesh) for s in layouts])
+        memo[(t, id(layouts))] = hit
+        memo[("keep", id(layouts))] = layouts   # keeps the id above unique
+    return hit

@@ -1,9 +1,10 @@
 """Hand-written parallelism strategies (DP, ZeRO-1/2/3, FSDP, Megatron, sequence parallel, EP).
 
 A strategy is what a practitioner writes by hand: layouts for the *inputs* of the step, found
-from each input's pytree path and shape (``logical.annotate``: a Dense kernel of an MLP's first
-layer is ``("embed", "mlp")``, an embedding ``("vocab", "embed")``, a token batch
-``("batch", "seq")``), then a map of logical names to mesh axes, like flax's
+from each input's role in the graph, never its name (``logical.annotate`` over
+``roles.analyse``: a kernel whose output feeds another kernel is ``("embed", "mlp")``, one whose
+output feeds attention ``("embed", "heads")``, a gathered table ``("vocab", "embed")``, a token
+batch ``("batch", "seq")``), then a map of logical names to mesh axes, like flax's
 ``logical_axis_rules``:
 
     strategy    logical name -> mesh axis                optimizer state   reduce-scatter
@@ -28,6 +29,10 @@ collectives (e.g. it may gather a head-sharded kernel rather than run attention 
 Every layout is one the planner accepts: a dim holds at most two mesh axes, in mesh order, an
 axis of size 1 is dropped, and a dim the axes do not divide stays replicated (never an error).
 
+``bind(graph, mesh)`` applies a strategy to one step: its layouts, an op filter that knows the
+step's parameters, and ``notes``: what it cannot place as it intends, and why (``autopar.plan``
+warns with them and ``plan.summary()`` lists them).
+
     >>> autopar.plan(step, state, batch, mesh={"data": 2, "model": 4}, strategy="megatron")
     >>> autopar.plan(..., strategy=autopar.strategies.get("fsdp", data_axis="x"))
 """
@@ -39,10 +44,10 @@ from collections.abc import Mapping, Sequence
 
 from autopar.errors import ShardingError
 from autopar.sharding import Sharding
-from autopar.strategies.logical import LOGICAL_RULES, InputAxes, annotate, names_for, path_keys
+from autopar.strategies.logical import InputAxes, annotate
 from ir import Graph
 
-__all__ = ["LOGICAL_RULES", "NAMES", "HandWritten", "annotate", "get"]
+__all__ = ["NAMES", "Bound", "HandWritten", "annotate", "get"]
 
 _MODEL_FIRST = ("megatron", "megatron_sp")     # a one-axis mesh is their model axis
 _TP_NAMES = ("mlp", "heads", "vocab")          # Megatron's sharded logical dims
@@ -117,14 +122,37 @@ class HandWritten:
             return self.shard_params
         return info.kind == "opt_state" and (self.shard_params or self.shard_opt_state)
 
-    def allows(self, op, strategy, origins=()) -> bool:
+    def bind(self, graph: Graph, mesh: Mapping[str, int]) -> Bound:
+        """This strategy applied to one step: its input layouts, an op filter that knows which
+        inputs are parameters (from the graph, not their names) and what it could not place."""
+        layouts = self.fix_inputs(graph, mesh)
+        info = annotate(graph)
+        params = frozenset(graph.input_paths[k] for k, a in enumerate(info) if a.kind == "param")
+        experts = frozenset(graph.input_paths[k] for k, a in enumerate(info)
+                            if a.kind == "param" and "expert" in a.names)
+        notes = self.notes(graph, mesh, layouts)
+        return Bound(self, graph, layouts, params, notes, experts)
+
+    def notes(self, graph: Graph, mesh: Mapping[str, int],
+              layouts: Mapping[int, Sharding] | None = None) -> tuple[str, ...]:
+        """One line per kind of parameter this strategy means to split but cannot (a role it does
+        not recognise, a dim its axis does not divide, no such parameter at all), with why.
+        Parameters of repeated layers are reported once, with their count."""
+        layouts = self.fix_inputs(graph, mesh) if layouts is None else layouts
+        from autopar.strategies.notes import placement_notes
+
+        return placement_notes(self, graph, mesh, layouts)
+
+    def allows(self, op, strategy, origins=(), params: frozenset | None = None,
+               experts: frozenset = frozenset()) -> bool:
         """Contractions split their work over the data axis, as every data-parallel worker runs
         its own slice of the batch (without this the planner may gather a small batch and compute
         replicated); a parameter is never split over the data axis where it is used (FSDP/ZeRO-3
         all-gather it first, data parallelism splits only the batch); tensor-parallel families
         use their weights split over the model axis as stored; ZeRO-1 all-reduces
         gradients, so no reduce-scatter outputs. ``origins`` (from the planner) names the input
-        each operand comes from.
+        each operand comes from; ``params`` and ``experts`` (from ``bind``) are the input paths
+        of the parameters and of the expert kernels, found from the graph.
 
         The planner ignores a veto that leaves an op nothing, so a mesh without the data axis
         (resolved here as ``data_axis or "data"``: ``allows`` does not see the mesh) is
@@ -137,7 +165,9 @@ class HandWritten:
         data = self.data_axis or "data"
         model = self.model_axis or "model"
         for origin, s in zip(origins, strategy.ins):
-            if not (origin and "['params']" in origin and s):
+            is_param = origin and (origin in params if params is not None
+                                   else "['params']" in origin)
+            if not (is_param and s):
                 continue
             if any(data in dim for dim in s):
                 return False
@@ -145,19 +175,34 @@ class HandWritten:
             if self.tensor_parallel and not any(model in dim for dim in s):
                 return False
             # expert parallelism keeps each expert's weights on its devices
-            if self.experts and _is_expert(origin, len(s)) and not any(
+            if self.experts and origin in experts and not any(
                     (self.expert_axis or model) in dim for dim in s):
                 return False
         return any(data in dim for s in strategy.ins if s for dim in s)
 
 
-def _is_expert(origin: str, rank: int) -> bool:
-    """The parameter at pytree path ``origin`` has a logical "expert" dim."""
-    keys = path_keys(origin)
-    if "params" not in keys:
-        return False
-    names = names_for(keys[len(keys) - keys[::-1].index("params"):], rank)
-    return bool(names) and "expert" in names
+@dataclasses.dataclass(frozen=True)
+class Bound:
+    """A hand-written strategy bound to one graph and mesh (``HandWritten.bind``)."""
+
+    strategy: HandWritten
+    graph: Graph = dataclasses.field(repr=False, compare=False)
+    layouts: Mapping[int, Sharding] = dataclasses.field(repr=False)
+    params: frozenset[str] = frozenset()
+    notes: tuple[str, ...] = ()
+    experts: frozenset[str] = frozenset()
+
+    @property
+    def name(self) -> str:
+        return self.strategy.name
+
+    def fix_inputs(self, graph: Graph, mesh: Mapping[str, int]) -> dict[int, Sharding]:
+        if graph is not self.graph:
+            return self.strategy.fix_inputs(graph, mesh)
+        return dict(self.layouts)
+
+    def allows(self, op, strategy, origins=()) -> bool:
+        return self.strategy.allows(op, strategy, origins, self.params, self.experts)
 
 
 def _default(mesh: Mapping[str, int], want: str, fallback: str, one_axis_ok: bool) -> str | None:
