@@ -23,7 +23,7 @@ from autopar.plan import Plan
 from autopar.planner import make_plan
 
 PLAN_OPTIONS = ("mesh", "hardware", "memory_budget", "strategy", "donate_argnums",
-                "time_limit_s", "deterministic")
+                "time_limit_s", "deterministic", "pipeline")
 
 
 def _trace(fn: Callable, args, types, donate_argnums) -> tuple[ir.Graph, float]:
@@ -75,7 +75,7 @@ def _handwritten_starts() -> list:
 
 def plan(fn: Callable, *args, mesh=None, hardware=None, memory_budget: float | None = None,
          strategy="auto", donate_argnums=(), time_limit_s: float = 30.0,
-         deterministic: bool | None = None, **options) -> Plan:
+         deterministic: bool | None = None, pipeline=None, **options) -> Plan:
     """Plan ``fn(*args)`` for ``mesh`` without running it.
 
     Args:
@@ -93,6 +93,11 @@ def plan(fn: Callable, *args, mesh=None, hardware=None, memory_budget: float | N
       deterministic: never stop on the wall clock, only on the solver's deterministic clock:
         the same plan on every run under any load, however long the call takes. Default False,
         or True when the environment sets ``AUTOPAR_DETERMINISTIC=1``.
+      pipeline: ``"auto"`` or a dict pinning some of ``axis``, ``stages``,
+        ``microbatches``, ``schedule``, ``virtual_stages``: split the step into pipeline
+        stages over a mesh axis (``autopar.pipeline``; the step must declare its layers, e.g.
+        ``autopar.pipeline.model.gpt_train_step``). Run the plan with
+        ``autopar.pipeline.planning.executable(plan, fn, mesh)``.
 
     Returns:
       An ``autopar.Plan``.
@@ -104,6 +109,11 @@ def plan(fn: Callable, *args, mesh=None, hardware=None, memory_budget: float | N
     validate.reject_unknown(options, PLAN_OPTIONS, "plan")
     validate.callable_fn(fn, "autopar.plan")
     _require_mesh(mesh, "plan")
+    if pipeline is not None:   # inter-op: see autopar.pipeline
+        from autopar.pipeline import planning
+
+        return planning.plan(fn, args, mesh, hardware=hardware, memory_budget=memory_budget,
+                             pipeline=pipeline, time_limit_s=time_limit_s)
     _check_options(dict(hardware=hardware, memory_budget=memory_budget, strategy=strategy,
                         time_limit_s=time_limit_s, deterministic=deterministic), mesh)
     types = validate.leaf_types(args, run=False)
@@ -123,7 +133,8 @@ def _require_mesh(mesh, where: str) -> None:
                             f"dict of axis sizes, e.g. mesh={{'data': 2, 'model': 4}}")
 
 
-AUTOPARALLEL_OPTIONS = PLAN_OPTIONS + ("plan",)
+# pipeline= is not wired into autoparallel yet (autopar.pipeline.planning.executable runs a plan).
+AUTOPARALLEL_OPTIONS = tuple(o for o in PLAN_OPTIONS if o != "pipeline") + ("plan",)
 
 
 class AutoParallel:

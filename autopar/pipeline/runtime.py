@@ -104,6 +104,12 @@ def state_specs(model: StagedModel, state, axis: str, tensor_axis: str | None):
     return jax.tree_util.tree_map_with_path(spec, state)
 
 
+def batch_spec(rank: int, sizes: dict, axis: str, tensor_axis: str | None = "model"):
+    """Batch inputs: rows over every axis but the pipeline and tensor axes."""
+    data = tuple(a for a in sizes if a not in (axis, tensor_axis))
+    return P(data or None) if rank else P()
+
+
 # ---- the step ---------------------------------------------------------------------------------
 def build_step(model: StagedModel, mesh, schedule: S.Schedule, axis: str = "stage",
                tensor_axis: str | None = "model", donate: bool = False):
@@ -137,8 +143,9 @@ def build_step(model: StagedModel, mesh, schedule: S.Schedule, axis: str = "stag
     def shardings(state, batch):
         st = jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s),
                                     state_specs(model, state, axis, tensor_axis))
+        sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
         bt = jax.tree_util.tree_map(
-            lambda x: NamedSharding(mesh, P(data_axes or None) if x.ndim else P()), batch)
+            lambda x: NamedSharding(mesh, batch_spec(x.ndim, sizes, axis, tensor_axis)), batch)
         return st, bt
 
     return PipelinedStep(step, shardings, mesh, donate, loss_and_grads)
