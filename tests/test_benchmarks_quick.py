@@ -21,6 +21,7 @@ CASES = {
     "cpu_measured.py": ("cpu_measured.md", "cpu_measured.csv", "cpu_measured.png"),
     "time_limit.py": ("time_limit.md", "time_limit.csv"),
     "checkpoint.py": ("checkpoint.md", "checkpoint.csv"),
+    "pipeline_cpu.py": ("pipeline_cpu.md", "pipeline_cpu.csv"),
 }
 
 

@@ -104,3 +104,12 @@ def test_slots_never_overlap(name):
 def test_bad_schedule_options(args, fix):
     with pytest.raises(AutoparError, match=fix):
         S.build(*args)
+
+
+def test_gantt_draws_every_action():
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    sch = S.build("1f1b", 4, 2, 8)
+    ax = S.gantt(S.price(sch, _unit))
+    assert len(ax.patches) == 2 * sch.microbatches * sch.chunks
+    assert "bubble" in ax.get_title()

@@ -323,3 +323,22 @@ def _peaks(intervals, stages: int) -> tuple[int, ...]:
 def ideal_bubble(name: str, stages: int, virtual: int, microbatches: int) -> float:
     """The textbook bubble with equal forward and backward times: ``(P-1)/(V M + P - 1)``."""
     return (stages - 1) / (virtual * microbatches + stages - 1)
+
+
+def gantt(timeline: Timeline, ax=None, title: str = ""):
+    """A Gantt chart of ``timeline`` (matplotlib): one row per stage, forwards light and
+    backwards dark, each bar labelled with its microbatch; idle time is the bubble."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 0.6 * len(timeline.busy_s) + 1))
+    colours = {"F": "#9ecae1", "B": "#3182bd"}
+    for s, start, end, a in timeline.spans:
+        ax.barh(s, end - start, left=start, color=colours[a.kind], edgecolor="white")
+        ax.text((start + end) / 2, s, str(a.mb), ha="center", va="center", fontsize=7)
+    ax.set_yticks(range(len(timeline.busy_s)))
+    ax.set_yticklabels([f"stage {s}" for s in range(len(timeline.busy_s))])
+    ax.invert_yaxis()
+    ax.set_xlabel("time")
+    ax.set_title(title or f"bubble {timeline.bubble_fraction:.1%}")
+    return ax
