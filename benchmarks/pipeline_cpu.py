@@ -128,6 +128,10 @@ def main() -> None:
         "alone; measured bubble: 1 - (the same busy time) / (2 x measured step), so it also "
         "holds the runtime's overheads. Memory: memory_analysis() (arguments + outputs + "
         "temporaries - aliased) against the planner's predicted peak of the busiest stage.", "",
+        "Caveat: the devices are emulated on a shared 2-core machine. When its load exceeds its "
+        "cores (see the environment line) the same configuration's step and action times vary "
+        "up to 2x between runs, so the step and bubble columns are not conclusive there; the "
+        "memory columns do not depend on load.", "",
         _common.md_table(HEADER, rows_out), "",
         f"Wall time {time.perf_counter() - t0:.0f} s. Environment: {_common.environment()}.", ""]
     (out / "pipeline_cpu.md").write_text("\n".join(text))
