@@ -109,13 +109,14 @@ def plan(fn: Callable, *args, mesh=None, hardware=None, memory_budget: float | N
     validate.reject_unknown(options, PLAN_OPTIONS, "plan")
     validate.callable_fn(fn, "autopar.plan")
     _require_mesh(mesh, "plan")
+    _check_options(dict(hardware=hardware, memory_budget=memory_budget, strategy=strategy,
+                        time_limit_s=time_limit_s, deterministic=deterministic), mesh)
     if pipeline is not None:   # inter-op: see autopar.pipeline
         from autopar.pipeline import planning
 
         return planning.plan(fn, args, mesh, hardware=hardware, memory_budget=memory_budget,
-                             pipeline=pipeline, time_limit_s=time_limit_s)
-    _check_options(dict(hardware=hardware, memory_budget=memory_budget, strategy=strategy,
-                        time_limit_s=time_limit_s, deterministic=deterministic), mesh)
+                             pipeline=pipeline, time_limit_s=time_limit_s, strategy=strategy,
+                             donate_argnums=donate_argnums)
     types = validate.leaf_types(args, run=False)
     graph, trace_s = _trace(fn, args, types, validate.donate_argnums(donate_argnums))
     return plan_graph(graph, mesh, hardware=hardware, memory_budget=memory_budget,

@@ -123,5 +123,9 @@ def test_a_step_without_layers_cannot_be_pipelined(gpt_step):
     plain, _ = gpt.make_train_step(CFG)
     with pytest.raises(AutoparError, match="declares its layers"):
         autopar.plan(plain, state, batch, mesh=MESH, pipeline="auto")
+    step, _, _ = gpt_step
+    for bad in ({"strategy": "megatron"}, {"donate_argnums": (0,)}):
+        with pytest.raises(AutoparError, match="does not combine with"):
+            autopar.plan(step, state, batch, mesh=MESH, pipeline="auto", **bad)
     with pytest.raises(AutoparError, match="unknown option pipeline"):
         autopar.autoparallel(plain, mesh=MESH, pipeline="auto")

@@ -212,15 +212,18 @@ def candidates(pins: Pins, model: StagedModel, rows: int, sizes: dict):
 
 
 def choose(model: StagedModel, params, batch, pins: Pins, sizes: dict, hw, budget: float,
-           time_limit_s: float = 10.0) -> PipelinePlan:
+           time_limit_s: float = 30.0) -> PipelinePlan:
     """The fastest candidate that fits ``budget`` bytes per device (else the leanest)."""
     rows = jax.tree_util.tree_leaves(batch)[0].shape[0]
     priced = []
     costs_by_rows: dict[int, Costs] = {}
-    for name, v, m in candidates(pins, model, rows, sizes):
+    cands = candidates(pins, model, rows, sizes)
+    # Six sub-plans per microbatch size share the time limit.
+    each_s = max(1.0, time_limit_s / (6 * len({m for _, _, m in cands})))
+    for name, v, m in cands:
         if rows // m not in costs_by_rows:
             costs_by_rows[rows // m] = stage_costs(model, params, batch, rows // m, sizes,
-                                                   pins.axis, hw, time_limit_s)
+                                                   pins.axis, hw, each_s)
         priced.append(price(model, params, costs_by_rows[rows // m], sizes, pins.axis, hw,
                             name, v, m))
     fits = [c for c in priced if max(c.stage_memory_bytes) <= budget]
@@ -242,7 +245,7 @@ def _why(best: PipelinePlan, priced, fits, budget: float) -> str:
 
 # ---- the plan ---------------------------------------------------------------------------------
 def plan(fn, args, mesh, *, hardware=None, memory_budget=None, pipeline="auto",
-         time_limit_s: float = 30.0):
+         time_limit_s: float = 30.0, strategy="auto", donate_argnums=()):
     """``autopar.plan(fn, state, batch, mesh=..., pipeline=...)``: an ``autopar.Plan`` whose
     layouts are the pipelined step's and whose ``pipeline`` is the chosen ``PipelinePlan``."""
     import time
@@ -251,6 +254,11 @@ def plan(fn, args, mesh, *, hardware=None, memory_budget=None, pipeline="auto",
     from autopar.pipeline.model import staged_model_of
 
     t0 = time.perf_counter()
+    if strategy not in (None, "auto") or donate_argnums:
+        given = "strategy=" if strategy not in (None, "auto") else "donate_argnums="
+        raise AutoparError(f"pipeline= does not combine with {given} yet: the stages' layouts "
+                           f"are the pipeline's own and the pipelined step donates nothing; "
+                           f"drop {given} or drop pipeline=")
     model = staged_model_of(fn)
     if len(args) != 2:
         raise AutoparError(f"a pipelined step takes (state, batch); got {len(args)} arguments")
@@ -260,8 +268,11 @@ def plan(fn, args, mesh, *, hardware=None, memory_budget=None, pipeline="auto",
     hw = cost_models.hardware(hardware if hardware is not None else default_hardware(mesh))
     rows = jax.tree_util.tree_leaves(batch)[0].shape[0]
     pins = parse(pipeline, sizes, model, rows)
-    budget = hw.memory_bytes if memory_budget is None else memory_budget
-    pp = choose(model, state["params"], batch, pins, sizes, hw, budget, min(time_limit_s, 10.0))
+    from autopar.validate import memory_budget as parse_budget
+
+    budget = parse_budget(memory_budget)
+    budget = hw.memory_bytes if budget is None else budget
+    pp = choose(model, state["params"], batch, pins, sizes, hw, budget, time_limit_s)
     with without_mesh():
         graph = ir.trace(fn, state, batch)
     return _assemble(model, graph, state, batch, pp, sizes, hw, budget,
