@@ -290,6 +290,9 @@ def _given_plan(plan, options: dict, mesh) -> Plan | None:
     if not isinstance(plan, Plan):
         raise PlanError(f"plan={validate.short(plan)} ({type(plan).__name__}) is not an "
                         f"autopar.Plan; load a saved one with plan=autopar.Plan.from_json(text)")
+    if getattr(plan, "pipeline", None) is not None:
+        raise PlanError("this plan pipelines the step, which autoparallel does not run yet; run "
+                        "it with autopar.pipeline.planning.executable(plan, step, mesh)")
     ignored = [k for k in ("hardware", "memory_budget") if options[k] is not None]
     ignored += ["strategy"] if options["strategy"] not in (None, "auto") else []
     if ignored:

@@ -50,6 +50,8 @@ def test_pipeline_plan_json_round_trip(pinned):
     d["pipeline"]["axis"] = "pipe"
     with pytest.raises(PlanError, match="pipeline.axis 'pipe'"):
         autopar.Plan.from_json(json.dumps(d))
+    with pytest.raises(PlanError, match="executable"):
+        autopar.autoparallel(lambda s, b: s, mesh={"stage": 4, "data": 2}, plan=back)
     d = json.loads(pinned.to_json())
     d["pipeline"]["stage_time_s"] = [1.0]
     with pytest.raises(PlanError, match="one per stage"):
@@ -75,9 +77,12 @@ def test_auto_picks_the_fastest_that_fits(gpt_step):
     hw = cost_models.hardware("cpu")
     pins = PL.parse("auto", MESH, sm, 8)
     costs = {}
-    for name, v, m in PL.candidates(pins, sm, 8, MESH):
+    cands = PL.candidates(pins, sm, 8, MESH)
+    limit_s = PL.sub_plan_limit_s(30.0, cands)          # what autopar.plan's default gives
+    for name, v, m in cands:
         if m not in costs:
-            costs[m] = PL.stage_costs(sm, state["params"], batch, 8 // m, MESH, "stage", hw)
+            costs[m] = PL.stage_costs(sm, state["params"], batch, 8 // m, MESH, "stage", hw,
+                                      limit_s)
         other = PL.price(sm, state["params"], costs[m], MESH, "stage", hw, name, v, m)
         assert pp.step_time_s <= other.step_time_s + 1e-12
     # A budget nothing fits: the leanest choice, and the plan says so.

@@ -211,6 +211,12 @@ def candidates(pins: Pins, model: StagedModel, rows: int, sizes: dict):
     return out
 
 
+def sub_plan_limit_s(time_limit_s: float, cands) -> float:
+    """Six sub-plans per microbatch size share the time limit (the solver's deterministic
+    clock scales with it, so the same limit gives the same stage costs)."""
+    return max(1.0, time_limit_s / (6 * len({m for _, _, m in cands})))
+
+
 def choose(model: StagedModel, params, batch, pins: Pins, sizes: dict, hw, budget: float,
            time_limit_s: float = 30.0) -> PipelinePlan:
     """The fastest candidate that fits ``budget`` bytes per device (else the leanest)."""
@@ -218,8 +224,7 @@ def choose(model: StagedModel, params, batch, pins: Pins, sizes: dict, hw, budge
     priced = []
     costs_by_rows: dict[int, Costs] = {}
     cands = candidates(pins, model, rows, sizes)
-    # Six sub-plans per microbatch size share the time limit.
-    each_s = max(1.0, time_limit_s / (6 * len({m for _, _, m in cands})))
+    each_s = sub_plan_limit_s(time_limit_s, cands)
     for name, v, m in cands:
         if rows // m not in costs_by_rows:
             costs_by_rows[rows // m] = stage_costs(model, params, batch, rows // m, sizes,
