@@ -23,7 +23,7 @@ from autopar.plan import Plan
 from autopar.planner import make_plan
 
 PLAN_OPTIONS = ("mesh", "hardware", "memory_budget", "strategy", "donate_argnums",
-                "time_limit_s", "deterministic")
+                "time_limit_s", "deterministic", "pipeline")
 
 
 def _trace(fn: Callable, args, types, donate_argnums) -> tuple[ir.Graph, float]:
@@ -83,7 +83,7 @@ def _handwritten_starts() -> list:
 
 def plan(fn: Callable, *args, mesh=None, hardware=None, memory_budget: float | None = None,
          strategy="auto", donate_argnums=(), time_limit_s: float = 30.0,
-         deterministic: bool | None = None, **options) -> Plan:
+         deterministic: bool | None = None, pipeline=None, **options) -> Plan:
     """Plan ``fn(*args)`` for ``mesh`` without running it.
 
     Args:
@@ -101,6 +101,11 @@ def plan(fn: Callable, *args, mesh=None, hardware=None, memory_budget: float | N
       deterministic: never stop on the wall clock, only on the solver's deterministic clock:
         the same plan on every run under any load, however long the call takes. Default False,
         or True when the environment sets ``AUTOPAR_DETERMINISTIC=1``.
+      pipeline: ``"auto"`` or a dict pinning some of ``axis``, ``stages``,
+        ``microbatches``, ``schedule``, ``virtual_stages``: split the step into pipeline
+        stages over a mesh axis (``autopar.pipeline``; the step must declare its layers, e.g.
+        ``autopar.pipeline.model.gpt_train_step``). Run the plan with
+        ``autopar.pipeline.planning.executable(plan, fn, mesh)``.
 
     Returns:
       An ``autopar.Plan``.
@@ -114,6 +119,12 @@ def plan(fn: Callable, *args, mesh=None, hardware=None, memory_budget: float | N
     _require_mesh(mesh, "plan")
     _check_options(dict(hardware=hardware, memory_budget=memory_budget, strategy=strategy,
                         time_limit_s=time_limit_s, deterministic=deterministic), mesh)
+    if pipeline is not None:   # inter-op: see autopar.pipeline
+        from autopar.pipeline import planning
+
+        return planning.plan(fn, args, mesh, hardware=hardware, memory_budget=memory_budget,
+                             pipeline=pipeline, time_limit_s=time_limit_s, strategy=strategy,
+                             donate_argnums=donate_argnums)
     types = validate.leaf_types(args, run=False)
     graph, trace_s = _trace(fn, args, types, validate.donate_argnums(donate_argnums))
     return plan_graph(graph, mesh, hardware=hardware, memory_budget=memory_budget,
@@ -131,7 +142,8 @@ def _require_mesh(mesh, where: str) -> None:
                             f"dict of axis sizes, e.g. mesh={{'data': 2, 'model': 4}}")
 
 
-AUTOPARALLEL_OPTIONS = PLAN_OPTIONS + ("plan",)
+# pipeline= is not wired into autoparallel yet (autopar.pipeline.planning.executable runs a plan).
+AUTOPARALLEL_OPTIONS = tuple(o for o in PLAN_OPTIONS if o != "pipeline") + ("plan",)
 
 
 class AutoParallel:
@@ -286,6 +298,9 @@ def _given_plan(plan, options: dict, mesh) -> Plan | None:
     if not isinstance(plan, Plan):
         raise PlanError(f"plan={validate.short(plan)} ({type(plan).__name__}) is not an "
                         f"autopar.Plan; load a saved one with plan=autopar.Plan.from_json(text)")
+    if getattr(plan, "pipeline", None) is not None:
+        raise PlanError("this plan pipelines the step, which autoparallel does not run yet; run "
+                        "it with autopar.pipeline.planning.executable(plan, step, mesh)")
     ignored = [k for k in ("hardware", "memory_budget") if options[k] is not None]
     ignored += ["strategy"] if options["strategy"] not in (None, "auto") else []
     if ignored:

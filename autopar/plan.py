@@ -19,7 +19,8 @@ from autopar.sharding import Sharding, to_spec
 # 2: the graph fingerprint covers op parameters, literals and donation (1 did not).
 # 3: pins address every layout (slot, chain); collectives carry count, source and name; the cost
 #    has bytes by collective kind and HBM bytes.
-FORMAT_VERSION = 3
+# 4: a plan may carry a pipeline (``autopar.pipeline.record.PipelinePlan``, null when none).
+FORMAT_VERSION = 4
 PIN_SLOTS = ("out", "in", "arg", "res")
 
 
@@ -113,6 +114,7 @@ class Plan:
     in_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
     out_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
     notes: tuple[str, ...] = ()   # what a hand-written strategy could not place, and why
+    pipeline: Any = None       # autopar.pipeline.record.PipelinePlan of a pipelined plan
 
     # ---- views ------------------------------------------------------------------------------
     @property
@@ -147,7 +149,8 @@ class Plan:
     def summary(self, max_rows: int = 40) -> str:
         from autopar.explain import summary
 
-        return summary(self, max_rows)
+        text = summary(self, max_rows)
+        return text if self.pipeline is None else text + "\n" + self.pipeline.summary()
 
     def __str__(self) -> str:
         return self.summary()
@@ -210,7 +213,14 @@ def _plan_from_dict(d) -> Plan:
         collectives=tuple(_collective(x, sizes, k)
                           for k, x in enumerate(_list(d["collectives"], "collectives"))),
         cost=_cost(d["cost"]), solver=_solver_stats(d["solver"]),
-        notes=_strs(d.get("notes", []), "notes"))
+        notes=_strs(d.get("notes", []), "notes"),
+        pipeline=_pipeline(d["pipeline"], sizes))
+
+
+def _pipeline(x, sizes):
+    from autopar.pipeline.record import from_dict
+
+    return from_dict(x, sizes)
 
 
 def _check_top(d) -> None:

@@ -22,6 +22,7 @@ CASES = {
     "time_limit.py": ("time_limit.md", "time_limit.csv"),
     "checkpoint.py": ("checkpoint.md", "checkpoint.csv"),
     "verify_matrix.py": ("verify_matrix.md", "verify_matrix.csv"),
+    "pipeline_cpu.py": ("pipeline_cpu.md", "pipeline_cpu.csv"),
 }
 
 

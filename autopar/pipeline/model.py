@@ -1,0 +1,126 @@
+"""A model as pipeline stages see it: an embedding, a stack of identical layers, a head and loss.
+
+``StagedModel`` is what the pipelined step (``autopar.pipeline.runtime``) runs: the parameters
+split into the stacked layers (a leading layer axis ``L``, as ``flax.linen.scan`` stacks them)
+and the rest (embedding, head), and three pure functions over them. A step built with
+``gpt_train_step`` carries its ``StagedModel`` (``staged_model_of``), which is how
+``autopar.plan(..., pipeline=...)`` learns the layer structure of a step; tracing an arbitrary
+step into stages is not done yet.
+
+Shapes: ``b`` rows of one microbatch, ``S`` sequence, ``D`` model width.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from autopar.errors import AutoparError
+
+ATTRIBUTE = "__autopar_staged_model__"
+
+
+@dataclasses.dataclass(frozen=True)
+class StagedModel:
+    """``embed(rest, batch_mb) -> x`` (b, S, D); ``layer(layer_params, x) -> x``;
+    ``head_loss(rest, x, batch_mb) -> scalar`` (the microbatch's mean loss); ``layers_key``: the
+    key of the stacked layer parameters in the params dict; ``tx``: the optax optimizer."""
+
+    embed: Callable
+    layer: Callable
+    head_loss: Callable
+    layers_key: str
+    num_layers: int
+    tx: Any
+    name: str = "model"
+    # "module/param" -> the dim (after the layer axis) a tensor-parallel axis splits inside a
+    # stage (Megatron-LM's layout); parameters not named stay whole on each stage.
+    tensor_dims: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+    def split(self, params: dict) -> tuple[Any, dict]:
+        """(stacked layer params, the rest)."""
+        rest = {k: v for k, v in params.items() if k != self.layers_key}
+        return params[self.layers_key], rest
+
+    def join(self, layers, rest: dict) -> dict:
+        return {**rest, self.layers_key: layers}
+
+    def loss(self, params: dict, batch: dict):
+        """The unpipelined loss, for tests and the reference."""
+        layers, rest = self.split(params)
+        x = self.embed(rest, batch)
+        x, _ = jax.lax.scan(lambda h, p: (self.layer(p, h), None), x, layers)
+        return self.head_loss(rest, x, batch)
+
+
+def staged_model_of(step: Callable) -> StagedModel:
+    """The ``StagedModel`` a step declares, or an ``AutoparError`` naming how to get one."""
+    model = getattr(step, ATTRIBUTE, None)
+    if model is None:
+        name = getattr(step, "__name__", type(step).__name__)
+        raise AutoparError(
+            f"pipeline= needs a step that declares its layers, and {name} does not: build it "
+            f"with autopar.pipeline.model.gpt_train_step(cfg) for autopar's scanned GPT, or "
+            f"attach a StagedModel with autopar.pipeline.model.declare(step, model); splitting "
+            f"an arbitrary traced step into stages is not supported yet")
+    return model
+
+
+def declare(step: Callable, model: StagedModel) -> Callable:
+    setattr(step, ATTRIBUTE, model)
+    return step
+
+
+def gpt_staged(cfg, lr: float = 1e-3) -> StagedModel:
+    """``StagedModel`` of autopar's GPT (``autopar.models.gpt``, ``scan=True``), with the adamw
+    optimizer ``make_train_step`` uses; the same flax modules compute the same values."""
+    import flax.linen as nn
+    import optax
+
+    from autopar.models import gpt
+
+    if not cfg.scan:
+        raise AutoparError("pipelining autopar's GPT needs GPTConfig(scan=True): the stages take "
+                           "contiguous ranges of the scanned layer stack; unrolled models are "
+                           "not supported yet")
+    block = gpt.Block(dataclasses.replace(cfg, scan=False))
+    if cfg.remat:
+        block = nn.remat(gpt.Block)(dataclasses.replace(cfg, scan=False))
+    wte = nn.Embed(cfg.vocab, cfg.d_model, dtype=cfg.dtype)
+    ln_f = nn.LayerNorm(dtype=cfg.dtype)
+    head = nn.Dense(cfg.vocab, use_bias=False, dtype=cfg.dtype)
+
+    def embed(rest, batch):
+        tokens = batch["tokens"]                                        # (b, S)
+        x = wte.apply({"params": rest["wte"]}, tokens)                  # (b, S, D)
+        return x + rest["wpe"][None, : tokens.shape[1]].astype(cfg.dtype)
+
+    def layer(p, x):
+        return block.apply({"params": p}, x)
+
+    def head_loss(rest, x, batch):
+        x = ln_f.apply({"params": rest["ln_f"]}, x)
+        logits = head.apply({"params": rest["lm_head"]}, x)             # (b, S, V)
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        return -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1).mean()
+
+    tx = optax.adamw(lr, weight_decay=0.01)
+    return StagedModel(embed, layer, head_loss, "layers", cfg.layers, tx, name="gpt",
+                       tensor_dims=MEGATRON_GPT)
+
+
+# Megatron-LM inside a stage: heads of qkv and out, the hidden dim of the MLP.
+MEGATRON_GPT = {"qkv/kernel": 2, "out/kernel": 0, "fc1/kernel": 1, "fc1/bias": 0,
+                "fc2/kernel": 0}
+
+
+def gpt_train_step(cfg, lr: float = 1e-3):
+    """``(train_step, init_state)`` of ``autopar.models.gpt.make_train_step`` with the step's
+    ``StagedModel`` attached, so ``autopar.plan(step, ..., pipeline=...)`` can pipeline it."""
+    from autopar.models import gpt
+
+    step, init = gpt.make_train_step(cfg, lr)
+    return declare(step, gpt_staged(cfg, lr)), init

@@ -1,0 +1,332 @@
+"""Planning a pipeline: stage costs from the intra-op planner, schedules priced, choices searched.
+
+Costs are analytic, never profiled. The ops of one layer, of the embedding and of the head are
+traced at one microbatch and planned by the existing ILP on the *submesh* (the mesh without the
+pipeline axis), forward and backward (the backward recomputes the forward: ``jax.vjp``, as the
+runtime does). A chunk's action costs its layers' sums; the schedule's lockstep ticks
+(``schedules.price``) add the collective-permute of each tick's activations and cotangents on
+the pipeline axis' link. The step adds the stage-axis all-reduce of the embedding and head
+gradients and the optimizer's pass over the stage's parameters.
+
+Per-device memory of stage ``s``: its parameters, gradient accumulators and Adam moments
+(``4 x`` its parameter bytes), the step's new state (``3 x``, no donation), the buffers its
+schedule needs (stash and inboxes: ``slots x`` one microbatch's activation) and the working
+set of one backward action (the intra-op plan's peak for one layer's vjp, times the chunk's
+layers, whose residuals the scan keeps).
+
+``pipeline="auto"`` enumerates schedules, virtual stages and microbatch counts with equal layer
+ranges (the runtime runs equal chunks of the stacked layers) and keeps the fastest that fits the
+memory budget; its ``why`` lists the runners-up.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+
+import cost_models
+import ir
+from autopar.errors import AutoparError
+from autopar.mesh import without_mesh
+from autopar.pipeline import schedules as S
+from autopar.pipeline.model import StagedModel
+from autopar.pipeline.record import PipelinePlan
+
+OPTIONS = ("axis", "stages", "microbatches", "schedule", "virtual_stages")
+ADAM_STATE = 4          # parameters + gradient accumulator + two moments
+NEW_STATE = 3           # parameters + two moments returned
+
+
+@dataclasses.dataclass(frozen=True)
+class Pins:
+    axis: str
+    stages: int
+    microbatches: int | None
+    schedule: str | None
+    virtual_stages: int | None
+
+
+def parse(pipeline, sizes: dict, model: StagedModel, rows: int) -> Pins:
+    """``pipeline=`` checked against the mesh and the model; ``"auto"`` pins only the axis."""
+    if pipeline == "auto":
+        pipeline = {}
+    if not isinstance(pipeline, dict):
+        raise AutoparError(f"pipeline={pipeline!r:.60} must be 'auto' or a dict of {OPTIONS}, "
+                           f"e.g. pipeline={{'axis': 'stage', 'microbatches': 8, "
+                           f"'schedule': '1f1b'}}")
+    unknown = sorted(set(pipeline) - set(OPTIONS))
+    if unknown:
+        raise AutoparError(f"pipeline= got unknown keys {unknown}; use some of {OPTIONS}")
+    axis = pipeline.get("axis", "stage")
+    if axis not in sizes:
+        raise AutoparError(f"pipeline axis {axis!r} is not an axis of the mesh {sizes}; add it "
+                           f"to the mesh (e.g. {{'stage': 4, **mesh}}) or name one of "
+                           f"{sorted(sizes)} with pipeline={{'axis': ...}}")
+    stages = pipeline.get("stages", sizes[axis])
+    if stages != sizes[axis]:
+        raise AutoparError(f"pipeline stages={stages!r} but mesh axis {axis!r} has {sizes[axis]} "
+                           f"devices: each stage is one slice of that axis; use "
+                           f"stages={sizes[axis]} or resize the axis")
+    pins = Pins(axis, stages, pipeline.get("microbatches"), pipeline.get("schedule"),
+                pipeline.get("virtual_stages"))
+    if pins.schedule is not None or pins.microbatches is not None:
+        S.check(pins.schedule or "1f1b", stages, pins.virtual_stages or 1,
+                pins.microbatches or stages * (pins.virtual_stages or 1))
+    if pins.microbatches is not None:
+        _check_rows(rows, pins.microbatches, sizes, axis)
+    if pins.virtual_stages is not None and model.num_layers % (stages * pins.virtual_stages):
+        raise AutoparError(f"{model.num_layers} layers do not split into stages x virtual_stages"
+                           f" = {stages * pins.virtual_stages} equal chunks; choose "
+                           f"virtual_stages so that {stages} x it divides {model.num_layers}")
+    return pins
+
+
+def _data_shards(sizes: dict, axis: str) -> int:
+    return math.prod(n for a, n in sizes.items() if a not in (axis, "model"))
+
+
+def _check_rows(rows: int, m: int, sizes: dict, axis: str) -> None:
+    shards = _data_shards(sizes, axis)
+    if rows % m or (rows // m) % shards:
+        raise AutoparError(f"a batch of {rows} rows does not split into microbatches={m} of "
+                           f"whole rows on each of {shards} data shards; choose microbatches "
+                           f"dividing {rows // shards if rows % shards == 0 else rows}")
+
+
+# ---- stage costs ------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Costs:
+    """Seconds and bytes of one microbatch's pieces, per device of a stage."""
+
+    layer_f: float
+    layer_b: float
+    embed_f: float
+    embed_b: float
+    head_f: float
+    head_b: float
+    layer_peak_bytes: float
+    act_bytes: float
+    solve_s: float
+
+
+def _spec(a, lead=None):
+    shape = a.shape if lead is None else (lead, *a.shape[1:])
+    return jax.ShapeDtypeStruct(shape, a.dtype)
+
+
+def _sub_plan(fn, args, submesh: dict, hardware, time_limit_s: float):
+    from autopar.api import plan_graph
+
+    with without_mesh():
+        graph = ir.trace(fn, *args)
+    return plan_graph(graph, submesh, hardware=hardware, time_limit_s=time_limit_s,
+                      deterministic=True)
+
+
+def stage_costs(model: StagedModel, params, batch, rows: int, sizes: dict, axis: str,
+                hardware, time_limit_s: float = 10.0) -> Costs:
+    """Per-microbatch costs of ``rows`` rows, planned by the ILP on the mesh without ``axis``."""
+    layers, rest = model.split(params)
+    layer = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), layers)
+    mb = jax.tree_util.tree_map(lambda a: _spec(a, rows), batch)
+    x = jax.eval_shape(model.embed, rest, mb)
+    sub = {a: n for a, n in sizes.items() if a != axis} or {"data": 1}
+    plan = functools.partial(_sub_plan, submesh=sub, hardware=hardware,
+                             time_limit_s=time_limit_s)
+    lf = plan(model.layer, (layer, x))
+    lb = plan(lambda p, h, dy: jax.vjp(model.layer, p, h)[1](dy), (layer, x, x))
+    ef = plan(model.embed, (rest, mb))
+    eb = plan(lambda r, b, dy: jax.vjp(lambda r_: model.embed(r_, b), r)[1](dy), (rest, mb, x))
+    hf = plan(model.head_loss, (rest, x, mb))
+    hb = plan(jax.grad(model.head_loss, argnums=(0, 1)), (rest, x, mb))
+    plans = (lf, lb, ef, eb, hf, hb)
+    act = x.size * x.dtype.itemsize / _data_shards(sizes, axis)
+    return Costs(*(p.cost.step_time_s for p in plans), lb.cost.peak_memory_bytes, act,
+                 sum(p.solver.solve_s + p.solver.build_s for p in plans))
+
+
+# ---- a candidate priced -----------------------------------------------------------------------
+def _bytes(tree) -> float:
+    return float(sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves(tree)))
+
+
+def price(model: StagedModel, params, costs: Costs, sizes: dict, axis: str, hw,
+          schedule: str, virtual: int, microbatches: int) -> PipelinePlan:
+    """The ``PipelinePlan`` of one choice, with its predicted time and memory."""
+    p = sizes[axis]
+    sch = S.build(schedule, p, virtual, microbatches)
+    k, lc = sch.chunks, model.num_layers // sch.chunks
+    cm = cost_models.CostModel(hw, sizes)
+
+    def duration(a: S.Action) -> float:
+        ends = ((costs.embed_f if a.kind == "F" else costs.embed_b) * (a.chunk == 0)
+                + (costs.head_f if a.kind == "F" else costs.head_b) * (a.chunk == k - 1))
+        return lc * (costs.layer_f if a.kind == "F" else costs.layer_b) + ends
+
+    hop = cm.collective_time_s("collective-permute", costs.act_bytes, axis)
+    timeline = S.price(sch, duration, lambda t, f, b: hop * (f + b))
+    layers, rest = model.split(params)
+    tensor = sizes.get("model", 1)
+    layer_bytes = _bytes(layers) / model.num_layers / tensor
+    rest_bytes = _bytes(rest)
+    stage_params = layer_bytes * lc * virtual + rest_bytes
+    sync = cm.collective_time_s("all-reduce", rest_bytes, axis)
+    optimizer = 12 * stage_params / hw.hbm_bytes_per_s
+    bufs = _buffer_slots(sch)
+    memory = tuple((ADAM_STATE + NEW_STATE) * stage_params + bufs[s] * costs.act_bytes
+                   + lc * costs.layer_peak_bytes for s in range(p))
+    ranges = tuple((c * lc, (c + 1) * lc) for c in range(k))
+    return PipelinePlan(axis, p, ranges, microbatches, sch.name, virtual,
+                        timeline.bubble_fraction, timeline.busy_s, memory, S.in_flight(sch),
+                        timeline.makespan_s + sync + optimizer, costs.act_bytes, costs.layer_f,
+                        costs.layer_b)
+
+
+def _buffer_slots(sch: S.Schedule) -> tuple[int, ...]:
+    """Per stage, the slots the runtime allocates: every stage gets the most any stage needs."""
+    n = sum(max(S.allocate(iv).count, 1) for iv in (
+        S.stash_intervals(sch), S.inbox_intervals(sch, "F"), S.inbox_intervals(sch, "B")))
+    return (n,) * sch.stages
+
+
+# ---- the search -------------------------------------------------------------------------------
+def candidates(pins: Pins, model: StagedModel, rows: int, sizes: dict):
+    """(schedule, virtual stages, microbatches) the runtime can run under ``pins``."""
+    p = pins.stages
+    shards = _data_shards(sizes, pins.axis)
+    ms = [pins.microbatches] if pins.microbatches else [
+        m for m in (p, 2 * p, 4 * p, 8 * p) if rows % m == 0 and (rows // m) % shards == 0]
+    vs = [pins.virtual_stages] if pins.virtual_stages else [
+        v for v in (1, 2, 4) if model.num_layers % (p * v) == 0]
+    names = [S.check(pins.schedule, p, 1, p)] if pins.schedule else list(S.SCHEDULES)
+    out = [(n, v, m) for n in names for v in vs for m in ms
+           if not (v > 1 and (m % p or n == "eager_1f1b"))]
+    if not out:
+        raise AutoparError(f"no pipeline of {p} stages fits a batch of {rows} rows on "
+                           f"{shards} data shards and {model.num_layers} layers: the batch "
+                           f"needs a multiple of {p * shards} rows; pin microbatches= or "
+                           f"change the batch")
+    return out
+
+
+def sub_plan_limit_s(time_limit_s: float, cands) -> float:
+    """Six sub-plans per microbatch size share the time limit (the solver's deterministic
+    clock scales with it, so the same limit gives the same stage costs)."""
+    return max(1.0, time_limit_s / (6 * len({m for _, _, m in cands})))
+
+
+def choose(model: StagedModel, params, batch, pins: Pins, sizes: dict, hw, budget: float,
+           time_limit_s: float = 30.0) -> PipelinePlan:
+    """The fastest candidate that fits ``budget`` bytes per device (else the leanest)."""
+    rows = jax.tree_util.tree_leaves(batch)[0].shape[0]
+    priced = []
+    costs_by_rows: dict[int, Costs] = {}
+    cands = candidates(pins, model, rows, sizes)
+    each_s = sub_plan_limit_s(time_limit_s, cands)
+    for name, v, m in cands:
+        if rows // m not in costs_by_rows:
+            costs_by_rows[rows // m] = stage_costs(model, params, batch, rows // m, sizes,
+                                                   pins.axis, hw, each_s)
+        priced.append(price(model, params, costs_by_rows[rows // m], sizes, pins.axis, hw,
+                            name, v, m))
+    fits = [c for c in priced if max(c.stage_memory_bytes) <= budget]
+    best = (min(fits, key=lambda c: (c.step_time_s, max(c.stage_memory_bytes))) if fits
+            else min(priced, key=lambda c: (max(c.stage_memory_bytes), c.step_time_s)))
+    return dataclasses.replace(best, why=_why(best, priced, fits, budget))
+
+
+def _why(best: PipelinePlan, priced, fits, budget: float) -> str:
+    def row(c):
+        return (f"{c.schedule} V={c.virtual_stages} M={c.microbatches}: step "
+                f"{c.step_time_s * 1e3:.3f} ms, bubble {c.bubble_fraction:.1%}, peak "
+                f"{max(c.stage_memory_bytes) / 2**30:.3f} GiB")
+    head = (f"chose {row(best)}" + ("" if fits else f"; nothing fits {budget / 2**30:.3f} GiB, "
+                                    "so the leanest"))
+    others = sorted((c for c in priced if c is not best), key=lambda c: c.step_time_s)[:4]
+    return head + "".join(f"\n  vs {row(c)}" for c in others)
+
+
+# ---- the plan ---------------------------------------------------------------------------------
+def plan(fn, args, mesh, *, hardware=None, memory_budget=None, pipeline="auto",
+         time_limit_s: float = 30.0, strategy="auto", donate_argnums=()):
+    """``autopar.plan(fn, state, batch, mesh=..., pipeline=...)``: an ``autopar.Plan`` whose
+    layouts are the pipelined step's and whose ``pipeline`` is the chosen ``PipelinePlan``."""
+    import time
+
+    from autopar.mesh import axis_sizes, default_hardware
+    from autopar.pipeline.model import staged_model_of
+
+    t0 = time.perf_counter()
+    if strategy not in (None, "auto") or donate_argnums:
+        given = "strategy=" if strategy not in (None, "auto") else "donate_argnums="
+        raise AutoparError(f"pipeline= does not combine with {given} yet: the stages' layouts "
+                           f"are the pipeline's own and the pipelined step donates nothing; "
+                           f"drop {given} or drop pipeline=")
+    model = staged_model_of(fn)
+    if len(args) != 2:
+        raise AutoparError(f"a pipelined step takes (state, batch); got {len(args)} arguments")
+    state, batch = jax.tree_util.tree_map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tuple(args))
+    sizes = axis_sizes(mesh)
+    hw = cost_models.hardware(hardware if hardware is not None else default_hardware(mesh))
+    rows = jax.tree_util.tree_leaves(batch)[0].shape[0]
+    pins = parse(pipeline, sizes, model, rows)
+    from autopar.validate import memory_budget as parse_budget
+
+    budget = parse_budget(memory_budget)
+    budget = hw.memory_bytes if budget is None else budget
+    pp = choose(model, state["params"], batch, pins, sizes, hw, budget, time_limit_s)
+    with without_mesh():
+        graph = ir.trace(fn, state, batch)
+    return _assemble(model, graph, state, batch, pp, sizes, hw, budget,
+                     time.perf_counter() - t0)
+
+
+def _assemble(model, graph, state, batch, pp: PipelinePlan, sizes, hw, budget, spent_s):
+    from autopar.pipeline.runtime import batch_spec, state_specs
+    from autopar.plan import Collective, CostBreakdown, Plan, SolverStats
+
+    tensor = "model" if "model" in sizes else None
+    specs = (state_specs(model, state, pp.axis, tensor),
+             jax.tree_util.tree_map(lambda a: batch_spec(a.ndim, sizes, pp.axis), batch))
+    ins = tuple(_sharding(s, len(v.shape)) for s, v in zip(
+        jax.tree_util.tree_leaves(specs, is_leaf=_is_spec),
+        jax.tree_util.tree_leaves((state, batch))))
+    outs = ins[:len(jax.tree_util.tree_leaves(state))] + ((),)
+    busy = max(pp.stage_time_s)
+    comm = pp.step_time_s - busy
+    p2p = Collective(f"activations and cotangents between stages ({pp.schedule})",
+                     "collective-permute", (pp.axis,), pp.p2p_bytes, comm)
+    cost = CostBreakdown(pp.step_time_s, busy, comm, 0.0, max(pp.stage_memory_bytes), budget,
+                         (("collective-permute", comm),),
+                         comm_bytes_by_kind=(("collective-permute", pp.p2p_bytes),))
+    return Plan(tuple(sizes.items()), hw.name, "pipeline", graph.fingerprint(),
+                graph.input_paths, graph.output_paths,
+                tuple(graph.values[v].shape for v in graph.inputs), ins, outs, (), (), (p2p,),
+                cost, SolverStats("PIPELINE", 0.0, spent_s, 0.0, 0.0, 0, 0, 0),
+                pipeline=pp).with_trees(graph.in_tree, graph.out_tree)
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, jax.sharding.PartitionSpec)
+
+
+def _sharding(spec, rank: int):
+    dims = tuple(spec) + (None,) * (rank - len(spec))
+    return tuple(() if d is None else ((d,) if isinstance(d, str) else tuple(d)) for d in dims)
+
+
+def executable(plan, fn, mesh):
+    """The pipelined step that runs ``plan`` (made by ``autopar.plan(..., pipeline=...)``)."""
+    from autopar.mesh import concrete_mesh
+    from autopar.pipeline.model import staged_model_of
+    from autopar.pipeline.runtime import build_step
+
+    pp = plan.pipeline
+    if pp is None:
+        raise AutoparError("this plan has no pipeline; make it with autopar.plan(..., "
+                           "pipeline=...) or run it with autopar.autoparallel(plan=...)")
+    sch = S.build(pp.schedule, pp.stages, pp.virtual_stages, pp.microbatches)
+    return build_step(staged_model_of(fn), concrete_mesh(mesh), sch, pp.axis)

@@ -1,0 +1,302 @@
+"""The pipelined training step: one ``jax.jit`` program over the whole mesh.
+
+``build_step(model, mesh, schedule)`` returns ``step(state, batch) -> (state, loss)`` computing
+what the unpipelined step computes (``state = {"params", "opt_state"}``, ``loss`` the batch
+mean):
+
+  * the batch is cut into ``M`` microbatches (row ``i`` goes to microbatch ``i % M``);
+  * the layer stack is cut into ``K = P V`` chunks of ``L / K`` consecutive layers; chunk ``k``
+    lives on stage ``k % P`` (its ``(P, V, L / K, ...)`` view is sharded over the stage axis);
+    the embedding and the head live on every stage, run only on the first and last chunk's
+    stage, and their gradients are summed over the stage axis;
+  * inside ``jax.shard_map`` (manual over the stage axis only, so the other axes stay automatic:
+    data and tensor parallelism inside a stage come from the input layouts), a ``lax.scan`` walks
+    the schedule's ticks (``autopar.pipeline.schedules``). Per tick each device reads its row of
+    the schedule's tables and runs at most two actions, each a ``lax.switch`` over {nothing,
+    forward, backward}, so a device executes only its own branch; then activations move one
+    stage on and cotangents one stage back with ``lax.ppermute``;
+  * a forward stores its chunk's input in a stash slot; the backward recomputes the chunk from
+    it under ``jax.vjp`` (activation memory: one chunk input per microbatch in flight) and
+    accumulates the parameter gradients;
+  * after the loop the optimizer updates every parameter where it lives: each stage its layers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from autopar.errors import AutoparError
+from autopar.pipeline import schedules as S
+from autopar.pipeline.model import StagedModel
+
+NONE, FWD, BWD = 0, 1, 2
+FIELDS = ("kind", "mb", "virtual", "chunk", "in_slot", "stash_slot")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tables:
+    """The schedule as arrays: ``act[f]`` (T, 2, P) per field of ``FIELDS`` for the tick's two
+    action places; ``recv_f``/``recv_b`` (T, P): the inbox slot where what arrives at the end of
+    the tick goes (-1: nothing); and the slot counts of the three buffers."""
+
+    act: dict
+    recv_f: np.ndarray
+    recv_b: np.ndarray
+    stash_slots: int
+    inbox_f_slots: int
+    inbox_b_slots: int
+
+
+def tables(sch: S.Schedule) -> Tables:
+    stash = S.allocate(S.stash_intervals(sch))
+    inf, inb = S.allocate(S.inbox_intervals(sch, "F")), S.allocate(S.inbox_intervals(sch, "B"))
+    n, p, k_last = len(sch.ticks), sch.stages, sch.chunks - 1
+    act = {f: np.full((n, 2, p), -1 if f.endswith("slot") else 0, np.int32) for f in FIELDS}
+    recv_f, recv_b = np.full((n, p), -1, np.int32), np.full((n, p), -1, np.int32)
+    for t, row in enumerate(sch.ticks):
+        for s, acts in enumerate(row):
+            for i, a in enumerate(acts):
+                key = (s, (a.mb, a.chunk))
+                fwd = a.kind == "F"
+                vals = dict(kind=FWD if fwd else BWD, mb=a.mb, virtual=a.chunk // p,
+                            chunk=a.chunk, stash_slot=stash.slot[key])
+                if fwd and a.chunk > 0:
+                    vals["in_slot"] = inf.slot[key]
+                if not fwd and a.chunk < k_last:
+                    vals["in_slot"] = inb.slot[key]
+                for f, v in vals.items():
+                    act[f][t, i, s] = v
+                nxt = a.chunk + (1 if fwd else -1)
+                if 0 <= nxt <= k_last:
+                    dest = sch.stage_of(nxt)
+                    box, recv = (inf, recv_f) if fwd else (inb, recv_b)
+                    recv[t, dest] = box.slot[(dest, (a.mb, nxt))]
+    return Tables(act, recv_f, recv_b, max(stash.count, 1), max(inf.count, 1),
+                  max(inb.count, 1))
+
+
+# ---- layouts ----------------------------------------------------------------------------------
+def _names(path) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+
+
+def state_specs(model: StagedModel, state, axis: str, tensor_axis: str | None):
+    """PartitionSpecs of the state: the stacked layers (and their optimizer moments) split over
+    the stage axis on the layer dim, and the dim ``model.tensor_dims`` names over the tensor
+    axis; everything else replicated."""
+    def spec(path, leaf):
+        names = _names(path)
+        if model.layers_key not in names or not getattr(leaf, "ndim", 0):
+            return P()
+        dims = [axis] + [None] * (leaf.ndim - 1)
+        d = model.tensor_dims.get(names[-2] + "/" + names[-1]) if len(names) > 1 else None
+        if tensor_axis is not None and d is not None:
+            dims[1 + d] = tensor_axis
+        return P(*dims)
+
+    return jax.tree_util.tree_map_with_path(spec, state)
+
+
+def batch_spec(rank: int, sizes: dict, axis: str, tensor_axis: str | None = "model"):
+    """Batch inputs: rows over every axis but the pipeline and tensor axes."""
+    data = tuple(a for a in sizes if a not in (axis, tensor_axis))
+    return P(data or None) if rank else P()
+
+
+# ---- the step ---------------------------------------------------------------------------------
+def build_step(model: StagedModel, mesh, schedule: S.Schedule, axis: str = "stage",
+               tensor_axis: str | None = "model", donate: bool = False):
+    """A jitted ``step(state, batch) -> (state, loss)`` running ``schedule`` over ``axis``."""
+    p, k = schedule.stages, schedule.chunks
+    _check(model, mesh, schedule, axis)
+    tensor_axis = tensor_axis if tensor_axis in mesh.axis_names else None
+    data_axes = tuple(a for a in mesh.axis_names if a not in (axis, tensor_axis))
+    grads = _grads_fn(model, mesh, schedule, axis, tables(schedule))
+    lc = model.num_layers // k
+
+    def to_stages(x):           # (L, ...) -> (P, V, Lc, ...): chunk v P + s on stage s
+        return jnp.swapaxes(x.reshape(schedule.virtual, p, lc, *x.shape[1:]), 0, 1)
+
+    def from_stages(x):
+        return jnp.swapaxes(x, 0, 1).reshape(model.num_layers, *x.shape[3:])
+
+    def loss_and_grads(params, batch):
+        layers, rest = model.split(params)
+        micro = jax.tree_util.tree_map(
+            lambda x: _microbatches(x, schedule.microbatches, mesh, data_axes), batch)
+        g_layers, g_rest, loss = grads(jax.tree_util.tree_map(to_stages, layers), rest, micro)
+        return loss, model.join(jax.tree_util.tree_map(from_stages, g_layers), g_rest)
+
+    def step(state, batch):
+        params = state["params"]
+        loss, g = loss_and_grads(params, batch)
+        updates, opt_state = model.tx.update(g, state["opt_state"], params)
+        return {"params": optax.apply_updates(params, updates), "opt_state": opt_state}, loss
+
+    def shardings(state, batch):
+        st = jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s),
+                                    state_specs(model, state, axis, tensor_axis))
+        sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+        bt = jax.tree_util.tree_map(
+            lambda x: NamedSharding(mesh, batch_spec(x.ndim, sizes, axis, tensor_axis)), batch)
+        return st, bt
+
+    return PipelinedStep(step, shardings, mesh, donate, loss_and_grads)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelinedStep:
+    """The pipelined step: ``jitted(state, batch)`` places its arguments in the step's layouts
+    (``in_shardings(state, batch)``) and runs one ``jax.jit`` program."""
+
+    fn: object
+    in_shardings_of: object
+    mesh: object
+    donate: bool
+    loss_and_grads: object      # (params, batch) -> (loss, grads), for tests and measurements
+
+    def jitted(self, state, batch):
+        st, bt = self.in_shardings_of(state, batch)
+        return jax.jit(self.fn, in_shardings=(st, bt), out_shardings=(st, NamedSharding(
+            self.mesh, P())), donate_argnums=(0,) if self.donate else ())
+
+    def __call__(self, state, batch):
+        st, bt = self.in_shardings_of(state, batch)
+        state, batch = jax.device_put(state, st), jax.device_put(batch, bt)
+        return self.jitted(state, batch)(state, batch)
+
+
+def _microbatches(x, m: int, mesh, data_axes):
+    """(B, ...) -> (M, B / M, ...), row ``i`` to microbatch ``i % M``; rows stay on their data
+    shards."""
+    x = jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1)
+    spec = P(None, data_axes or None, *([None] * (x.ndim - 2)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def _check(model: StagedModel, mesh, schedule: S.Schedule, axis: str) -> None:
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+    if axis not in sizes:
+        raise AutoparError(f"pipeline axis {axis!r} is not an axis of the mesh {sizes}; name one "
+                           f"of {sorted(sizes)} in pipeline={{'axis': ...}}")
+    if sizes[axis] != schedule.stages:
+        raise AutoparError(f"pipeline stages={schedule.stages} but mesh axis {axis!r} has "
+                           f"{sizes[axis]} devices; use stages={sizes[axis]}")
+    if schedule.stages < 2:
+        raise AutoparError("a pipeline needs stages >= 2; plan without pipeline= for one stage")
+    if model.num_layers % schedule.chunks:
+        raise AutoparError(f"{model.num_layers} layers do not split into stages x "
+                           f"virtual_stages = {schedule.chunks} equal chunks; choose stages and "
+                           f"virtual_stages whose product divides {model.num_layers}")
+
+
+def _grads_fn(model: StagedModel, mesh, sch: S.Schedule, axis: str, tab: Tables):
+    """``(staged layers, rest, microbatches) -> (layer grads, rest grads, loss)`` as a
+    ``shard_map`` over ``axis`` whose body walks the ticks."""
+    body = functools.partial(_pipeline_body, model, sch, axis, tab)
+    sm = jax.shard_map(body, mesh=mesh, in_specs=(P(axis), P(), P()),
+                       out_specs=(P(axis), P(), P()), axis_names=frozenset({axis}),
+                       check_vma=False)
+    return sm
+
+
+def _pipeline_body(model: StagedModel, sch: S.Schedule, axis: str, tab: Tables, layers, rest,
+                   micro):
+    """Runs on every device: ``layers`` its stage's (1, V, Lc, ...) view."""
+    layers = jax.tree_util.tree_map(lambda a: a[0], layers)                   # (V, Lc, ...)
+    s = jax.lax.axis_index(axis)
+    mb0 = jax.tree_util.tree_map(lambda x: x[0], micro)
+    x_aval = jax.eval_shape(model.embed, rest, mb0)                           # (b, S, D)
+    acts = Actions(model, sch, layers, rest, micro, x_aval)
+    zeros = functools.partial(jnp.zeros, dtype=x_aval.dtype)
+    carry = (zeros((tab.stash_slots, *x_aval.shape)), zeros((tab.inbox_f_slots, *x_aval.shape)),
+             zeros((tab.inbox_b_slots, *x_aval.shape)),
+             jax.tree_util.tree_map(jnp.zeros_like, layers),
+             jax.tree_util.tree_map(jnp.zeros_like, rest), jnp.zeros((), jnp.float32))
+    p = sch.stages
+    fwd_perm = [(i, (i + 1) % p) for i in range(p)]
+    bwd_perm = [(i, (i - 1) % p) for i in range(p)]
+
+    def tick(carry, row):
+        act, recv_f, recv_b = row
+        mine = {f: act[f][:, s] for f in FIELDS}                              # (2,) each
+        send_f = send_b = zeros(x_aval.shape)
+        for i in range(2):
+            a = {f: mine[f][i] for f in FIELDS}
+            carry, send_f, send_b = jax.lax.switch(
+                a["kind"], (acts.nothing, acts.forward, acts.backward), carry, send_f, send_b, a)
+        got_f = jax.lax.ppermute(send_f, axis, fwd_perm)
+        got_b = jax.lax.ppermute(send_b, axis, bwd_perm)
+        st, inf, inb, *rest_c = carry
+        inf = _put(inf, recv_f[s], got_f)
+        inb = _put(inb, recv_b[s], got_b)
+        return (st, inf, inb, *rest_c), None
+
+    xs = ({f: jnp.asarray(v) for f, v in tab.act.items()}, jnp.asarray(tab.recv_f),
+          jnp.asarray(tab.recv_b))
+    carry, _ = jax.lax.scan(tick, carry, xs)
+    *_, g_layers, g_rest, loss = carry
+    g_layers = jax.tree_util.tree_map(lambda g: g[None], g_layers)
+    return g_layers, jax.lax.psum(g_rest, axis), jax.lax.psum(loss, axis)
+
+
+def _put(buf, slot, x):
+    """``buf[slot] = x`` when ``slot >= 0``."""
+    i = jnp.maximum(slot, 0)
+    return buf.at[i].set(jnp.where(slot >= 0, x, buf[i]))
+
+
+class Actions:
+    """The forward and backward of one (microbatch, chunk) on this device, as ``lax.switch``
+    branches over the carry ``(stash, inbox_f, inbox_b, layer grads, rest grads, loss)``."""
+
+    def __init__(self, model: StagedModel, sch: S.Schedule, layers, rest, micro, x_aval):
+        self.model, self.layers, self.rest, self.micro = model, layers, rest, micro
+        self.last, self.m = sch.chunks - 1, sch.microbatches
+
+    def nothing(self, carry, send_f, send_b, a):
+        return carry, send_f, send_b
+
+    def _chunk_fn(self, a):
+        """``f(layer params of the chunk, rest, stashed input) -> (output, loss)``."""
+        model = self.model
+        batch = jax.tree_util.tree_map(lambda x: x[a["mb"]], self.micro)
+
+        def f(p_v, rest, x_in):
+            x = jax.lax.cond(a["chunk"] == 0, lambda: model.embed(rest, batch), lambda: x_in)
+            y, _ = jax.lax.scan(lambda h, lp: (model.layer(lp, h), None), x, p_v)
+            loss = jax.lax.cond(a["chunk"] == self.last,
+                                lambda: model.head_loss(rest, y, batch).astype(jnp.float32),
+                                lambda: jnp.zeros((), jnp.float32))
+            return y, loss
+
+        return f
+
+    def _params(self, a):
+        return jax.tree_util.tree_map(lambda x: x[a["virtual"]], self.layers)
+
+    def forward(self, carry, send_f, send_b, a):
+        stash, inf, inb, gl, gr, loss = carry
+        x_in = inf[jnp.maximum(a["in_slot"], 0)]
+        y, mb_loss = self._chunk_fn(a)(self._params(a), self.rest, x_in)
+        x_used = jnp.where(a["chunk"] == 0, jnp.zeros_like(x_in), x_in)
+        stash = stash.at[a["stash_slot"]].set(x_used)
+        return (stash, inf, inb, gl, gr, loss + mb_loss / self.m), y, send_b
+
+    def backward(self, carry, send_f, send_b, a):
+        stash, inf, inb, gl, gr, loss = carry
+        last = a["chunk"] == self.last
+        dy = jnp.where(last, 0, inb[jnp.maximum(a["in_slot"], 0)])
+        dl = jnp.where(last, 1.0 / self.m, 0.0).astype(jnp.float32)
+        _, vjp = jax.vjp(self._chunk_fn(a), self._params(a), self.rest, stash[a["stash_slot"]])
+        dp, dr, dx = vjp((dy.astype(stash.dtype), dl))
+        gl = jax.tree_util.tree_map(lambda g, d: g.at[a["virtual"]].add(d), gl, dp)
+        gr = jax.tree_util.tree_map(jnp.add, gr, dr)
+        return (stash, inf, inb, gl, gr, loss), send_f, dx

@@ -1,0 +1,344 @@
+"""Pipeline schedules: which microbatch, chunk and phase each stage runs at each tick.
+
+Notation: ``P`` stages (the devices along the pipeline axis), ``V`` virtual stages per device,
+``K = P * V`` chunks of consecutive layers; chunk ``k`` runs on stage ``k % P`` as its virtual
+stage ``v = k // P``. ``M`` microbatches. An action is ``F(m, k)`` (chunk ``k``'s forward ops on
+microbatch ``m``) or ``B(m, k)`` (its backward ops). Dependencies: ``F(m, k)`` after
+``F(m, k-1)``; ``B(m, k)`` after ``F(m, k)`` and ``B(m, k+1)``.
+
+Each stage follows a fixed *order* of its actions (the schedule):
+
+  ``gpipe``   all forwards, then all backwards (with ``V > 1``: the circular pipeline of MaxText,
+              microbatches in groups of ``P`` cycling through the virtual stages);
+  ``1f1b``    ``P - s - 1`` warm-up forwards on stage ``s``, then one forward and one backward
+              in turn, then the remaining backwards (with ``V > 1``: Megatron-LM's interleaved
+              1F1B, ``2 (P - s - 1) + (V - 1) P`` warm-up forwards, ``M`` a multiple of ``P``);
+  ``eager_1f1b``  1F1B with ``2 (P - s - 1)`` warm-up forwards (Megatron-LM's interleaved
+              warm-up at ``V = 1``): at most ``2 (P - s) - 1`` microbatches in flight, but no
+              ramp penalty in lockstep (below).
+
+Execution is *lockstep*, as one SPMD program runs it: in every tick each stage walks its order and
+runs at most one forward and at most one backward, each only once its inputs arrived in an earlier
+tick (an input made on the same stage may come from earlier in the same tick); then activations
+move one stage on and cotangents one stage back (collective-permutes), and the next tick starts.
+So a tick lasts as long as its busiest stage plus its transfers:
+
+    T = sum_t ( max_s work(s, t) + transfer(t) )          bubble = 1 - sum_s busy_s / (P T)
+
+Every hop between stages costs a whole tick. GPipe's and interleaved 1F1B's ticks then add up to
+the textbook ``(V M + P - 1)(t_F + t_B) / V``; plain 1F1B's ramp, whose backward chain has to
+cross every stage before stage 0 can go on, costs about ``(P - 1)(t_F + t_B)`` more: the price of
+holding only ``P - s`` microbatches in one SPMD program (an asynchronous MPMD runtime overlaps
+those hops). ``eager_1f1b`` trades memory back for that time.
+
+Following the order bounds the microbatches a stage keeps in flight: 1F1B holds at most ``P - s``
+on stage ``s`` (``min(M, P - s)``), GPipe all ``M``. ``stash_slots`` allocates the buffers that
+hold them (and the received activations and cotangents) and ``Timeline`` gives the Gantt data.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+
+from autopar.errors import AutoparError
+
+SCHEDULES = ("gpipe", "1f1b", "eager_1f1b")
+ALIASES = {"interleaved": "1f1b", "circular": "gpipe", "1F1B": "1f1b", "GPipe": "gpipe"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Action:
+    """``kind`` ``"F"`` or ``"B"`` of microbatch ``mb`` through chunk ``chunk``."""
+
+    kind: str
+    mb: int
+    chunk: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """A schedule's ticks: ``ticks[t][s]`` is the actions stage ``s`` runs at tick ``t``, in
+    order (at most one forward and one backward)."""
+
+    name: str
+    stages: int
+    virtual: int
+    microbatches: int
+    ticks: tuple[tuple[tuple[Action, ...], ...], ...]
+
+    @property
+    def chunks(self) -> int:
+        return self.stages * self.virtual
+
+    def stage_of(self, chunk: int) -> int:
+        return chunk % self.stages
+
+    def when(self) -> dict[Action, int]:
+        """Action -> tick."""
+        return {a: t for t, row in enumerate(self.ticks) for acts in row for a in acts}
+
+    def position(self) -> dict[Action, int]:
+        """Action -> ``2 * tick + phase`` (its place in its stage's tick): the clock of the
+        buffers, as an action earlier in a tick frees a slot a later one may fill."""
+        return {a: 2 * t + i for t, row in enumerate(self.ticks) for acts in row
+                for i, a in enumerate(acts)}
+
+
+def check(name: str, stages: int, virtual: int, microbatches: int) -> str:
+    """The canonical schedule name; an ``AutoparError`` naming the fix for a bad combination."""
+    canon = ALIASES.get(name, name)
+    if canon not in SCHEDULES:
+        raise AutoparError(f"pipeline schedule {name!r} is unknown; use one of "
+                           f"{SCHEDULES + tuple(ALIASES)}")
+    for what, n in (("stages", stages), ("virtual_stages", virtual),
+                    ("microbatches", microbatches)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise AutoparError(f"pipeline {what}={n!r} must be an integer >= 1")
+    if virtual > 1 and microbatches % stages:
+        raise AutoparError(f"a pipeline with virtual_stages={virtual} sends microbatches through "
+                           f"the virtual stages in groups of stages={stages}, so microbatches="
+                           f"{microbatches} must be a multiple of {stages}; use microbatches="
+                           f"{-(-microbatches // stages) * stages}")
+    return canon
+
+
+def orders(name: str, stages: int, virtual: int, microbatches: int) -> list[list[Action]]:
+    """Per stage, the order of its actions under schedule ``name``."""
+    name = check(name, stages, virtual, microbatches)
+    return [_order(name, s, stages, virtual, microbatches) for s in range(stages)]
+
+
+def _chunk_sequence(s: int, stages: int, virtual: int, microbatches: int, backward: bool):
+    """(mb, chunk) in the order stage ``s`` meets them: groups of ``stages`` microbatches go
+    through the virtual stages together (Megatron-LM's interleaving; plain order when V = 1)."""
+    out = []
+    group = stages if virtual > 1 else microbatches
+    for g in range(0, microbatches, group):
+        vs = range(virtual - 1, -1, -1) if backward else range(virtual)
+        for v in vs:
+            out += [(m, v * stages + s) for m in range(g, min(g + group, microbatches))]
+    return out
+
+
+def _order(name: str, s: int, stages: int, virtual: int, microbatches: int) -> list[Action]:
+    fwd = [Action("F", m, k) for m, k in _chunk_sequence(s, stages, virtual, microbatches, False)]
+    bwd = [Action("B", m, k) for m, k in _chunk_sequence(s, stages, virtual, microbatches, True)]
+    if name == "gpipe":
+        return fwd + bwd
+    n = len(fwd)
+    if virtual > 1 or name == "eager_1f1b":
+        warm = 2 * (stages - s - 1) + (virtual - 1) * stages
+    else:
+        warm = stages - s - 1
+    warm = min(warm, n)
+    out = fwd[:warm]
+    for i in range(n - warm):
+        out += [fwd[warm + i], bwd[i]]
+    return out + bwd[n - warm:]
+
+
+def build(name: str, stages: int, virtual: int = 1, microbatches: int = 1) -> Schedule:
+    """The lockstep ticks of schedule ``name`` (see the module docstring)."""
+    name = check(name, stages, virtual, microbatches)
+    order = orders(name, stages, virtual, microbatches)
+    done: dict[Action, int] = {}
+    pos = [0] * stages
+    ticks = []
+    total = sum(len(o) for o in order)
+    while len(done) < total:
+        row = tuple(_run_tick(order[s], pos, s, done, len(ticks), stages * virtual)
+                    for s in range(stages))
+        if not any(row):
+            raise AssertionError(f"schedule {name} deadlocked at tick {len(ticks)}")
+        ticks.append(row)
+    return Schedule(name, stages, virtual, microbatches, tuple(ticks))
+
+
+def _ready(a: Action, done: Mapping[Action, int], t: int, here: set, chunks: int,
+           stages: int) -> bool:
+    """Inputs arrived: from another stage in an earlier tick, from this stage any time before."""
+    def arrived(dep: Action) -> bool:
+        if dep in here:
+            return True
+        return dep in done and (done[dep] < t or dep.chunk % stages == a.chunk % stages)
+
+    if a.kind == "F":
+        return a.chunk == 0 or arrived(Action("F", a.mb, a.chunk - 1))
+    if not arrived(Action("F", a.mb, a.chunk)):
+        return False
+    return a.chunk == chunks - 1 or arrived(Action("B", a.mb, a.chunk + 1))
+
+
+def _run_tick(order: list[Action], pos: list[int], s: int, done: dict[Action, int], t: int,
+              chunks: int) -> tuple[Action, ...]:
+    stages = len(pos)
+    ran: list[Action] = []
+    here: set[Action] = set()
+    while pos[s] < len(order):
+        a = order[pos[s]]
+        if any(r.kind == a.kind for r in ran) or not _ready(a, done, t, here, chunks, stages):
+            break
+        ran.append(a)
+        here.add(a)
+        done[a] = t
+        pos[s] += 1
+    return tuple(ran)
+
+
+# ---- costs ------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Timeline:
+    """A schedule priced: per tick its duration, per stage its busy time, the makespan and the
+    bubble, and every action's (stage, start, end) for a Gantt chart."""
+
+    makespan_s: float
+    busy_s: tuple[float, ...]                       # per stage
+    tick_s: tuple[float, ...]
+    transfer_s: float                               # summed over ticks
+    spans: tuple[tuple[int, float, float, Action], ...]   # (stage, start, end, action)
+
+    @property
+    def bubble_fraction(self) -> float:
+        if not self.makespan_s:
+            return 0.0
+        return 1.0 - sum(self.busy_s) / (len(self.busy_s) * self.makespan_s)
+
+    def stage_bubble(self, s: int) -> float:
+        return 1.0 - self.busy_s[s] / self.makespan_s if self.makespan_s else 0.0
+
+
+def price(schedule: Schedule, duration: Callable[[Action], float],
+          transfer: Callable[[int, bool, bool], float] = lambda t, f, b: 0.0,
+          cores: float | None = None) -> Timeline:
+    """Lockstep timing of ``schedule``.
+
+    Args:
+      duration: seconds of one action on its stage.
+      transfer: ``transfer(t, any_forward_sent, any_backward_sent)`` seconds of tick ``t``'s
+        collective-permutes.
+      cores: when the stages share ``cores`` processors (emulated CPU devices), a tick lasts at
+        least its total work over ``cores``; ``None``: each stage has its own.
+    """
+    spans, busy, ticks = [], [0.0] * schedule.stages, []
+    clock = moved = 0.0
+    for t, row in enumerate(schedule.ticks):
+        work = [sum(duration(a) for a in acts) for acts in row]
+        longest = max(work)
+        if cores is not None:
+            longest = max(longest, sum(work) / cores)
+        stretch = longest / max(work) if max(work) else 1.0
+        for s, acts in enumerate(row):
+            start = clock
+            for a in acts:
+                d = duration(a) * stretch
+                spans.append((s, start, start + d, a))
+                start += d
+            busy[s] += work[s] * stretch
+        fwd = any(a.kind == "F" and a.chunk < schedule.chunks - 1 for acts in row for a in acts)
+        bwd = any(a.kind == "B" and a.chunk > 0 for acts in row for a in acts)
+        comm = transfer(t, fwd, bwd) if (fwd or bwd) else 0.0
+        ticks.append(longest + comm)
+        clock += longest + comm
+        moved += comm
+    return Timeline(clock, tuple(busy), tuple(ticks), moved, tuple(spans))
+
+
+# ---- buffers ----------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Slots:
+    """Static buffer slots: ``slot[(stage, key)]`` for every item a stage holds, and ``count``,
+    the number of slots one buffer needs (the most any stage holds at once)."""
+
+    slot: Mapping[tuple[int, tuple], int]
+    count: int
+
+
+def allocate(intervals: Sequence[tuple[int, tuple, int, int]]) -> Slots:
+    """Interval colouring per stage: ``(stage, key, first, last)`` -> a slot free over the whole
+    interval (both ends included, in ``Schedule.position`` units)."""
+    by_stage: dict[int, list] = {}
+    for s, key, a, b in intervals:
+        by_stage.setdefault(s, []).append((a, b, key))
+    slot: dict[tuple[int, tuple], int] = {}
+    count = 0
+    for s, items in by_stage.items():
+        free_at: list[int] = []          # per slot: the first position it is free again
+        for a, b, key in sorted(items, key=lambda x: (x[0], x[1], str(x[2]))):
+            k = next((i for i, f in enumerate(free_at) if f <= a), None)
+            if k is None:
+                k = len(free_at)
+                free_at.append(0)
+            free_at[k] = b + 1
+            slot[(s, key)] = k
+        count = max(count, len(free_at))
+    return Slots(slot, count)
+
+
+def stash_intervals(schedule: Schedule, keep: Callable[[int], bool] = lambda k: True):
+    """(stage, (mb, chunk), position of F, position of B) for every chunk ``keep`` selects: what
+    a stage holds from a forward until its backward (positions: ``Schedule.position``)."""
+    pos = schedule.position()
+    return [(schedule.stage_of(a.chunk), (a.mb, a.chunk), p, pos[Action("B", a.mb, a.chunk)])
+            for a, p in pos.items() if a.kind == "F" and keep(a.chunk)]
+
+
+def inbox_intervals(schedule: Schedule, kind: str):
+    """(stage, (mb, chunk), arrival, use) positions for every activation (``kind="F"``) or
+    cotangent (``"B"``) a stage receives from a neighbour: it arrives at the end of the
+    producer's tick and is held until the consumer runs."""
+    pos = schedule.position()
+    out = []
+    for a, p in pos.items():
+        if a.kind != kind:
+            continue
+        src = a.chunk - 1 if kind == "F" else a.chunk + 1
+        if not 0 <= src < schedule.chunks:
+            continue
+        if schedule.stage_of(src) == schedule.stage_of(a.chunk):
+            continue                     # same stage (one-stage pipelines): no transfer
+        sent_tick = pos[Action(kind, a.mb, src)] // 2
+        out.append((schedule.stage_of(a.chunk), (a.mb, a.chunk), 2 * sent_tick + 2, p))
+    return out
+
+
+def in_flight(schedule: Schedule) -> tuple[int, ...]:
+    """Per stage, the most microbatches held between a forward and its backward at once."""
+    return _peaks(stash_intervals(schedule), schedule.stages)
+
+
+def _peaks(intervals, stages: int) -> tuple[int, ...]:
+    out = []
+    for s in range(stages):
+        events = sorted([(a, 1) for st, _, a, _ in intervals if st == s]
+                        + [(b + 1, -1) for st, _, _, b in intervals if st == s],
+                        key=lambda e: (e[0], e[1]))
+        now = top = 0
+        for _, d in events:
+            now += d
+            top = max(top, now)
+        out.append(top)
+    return tuple(out)
+
+
+def ideal_bubble(name: str, stages: int, virtual: int, microbatches: int) -> float:
+    """The textbook bubble with equal forward and backward times: ``(P-1)/(V M + P - 1)``."""
+    return (stages - 1) / (virtual * microbatches + stages - 1)
+
+
+def gantt(timeline: Timeline, ax=None, title: str = ""):
+    """A Gantt chart of ``timeline`` (matplotlib): one row per stage, forwards light and
+    backwards dark, each bar labelled with its microbatch; idle time is the bubble."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 0.6 * len(timeline.busy_s) + 1))
+    colours = {"F": "#9ecae1", "B": "#3182bd"}
+    for s, start, end, a in timeline.spans:
+        ax.barh(s, end - start, left=start, color=colours[a.kind], edgecolor="white")
+        ax.text((start + end) / 2, s, str(a.mb), ha="center", va="center", fontsize=7)
+    ax.set_yticks(range(len(timeline.busy_s)))
+    ax.set_yticklabels([f"stage {s}" for s in range(len(timeline.busy_s))])
+    ax.invert_yaxis()
+    ax.set_xlabel("time")
+    ax.set_title(title or f"bubble {timeline.bubble_fraction:.1%}")
+    return ax

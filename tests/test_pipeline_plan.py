@@ -1,0 +1,136 @@
+"""autopar.plan(..., pipeline=...): the record, its JSON, the search, the errors, and the run."""
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import autopar
+import cost_models
+from autopar.errors import AutoparError, PlanError
+from autopar.models import gpt
+from autopar.pipeline import model as PM
+from autopar.pipeline import planning as PL
+from autopar.pipeline import schedules as S
+
+CFG = gpt.GPTConfig(vocab=64, seq=8, d_model=32, heads=4, d_ff=64, layers=4, scan=True)
+MESH = {"stage": 2, "data": 2, "model": 2}
+
+
+@pytest.fixture(scope="module")
+def gpt_step():
+    step, init = PM.gpt_train_step(CFG)
+    return step, init(jax.random.PRNGKey(0), 8), gpt.make_batch(CFG, 8)
+
+
+@pytest.fixture(scope="module")
+def pinned(gpt_step):
+    step, state, batch = gpt_step
+    return autopar.plan(step, state, batch, mesh={"stage": 4, "data": 2}, hardware="cpu",
+                        pipeline={"schedule": "1f1b", "microbatches": 4, "virtual_stages": 1})
+
+
+def test_pinned_plan_records_the_pipeline(pinned):
+    pp = pinned.pipeline
+    assert (pp.axis, pp.stages, pp.microbatches, pp.schedule, pp.virtual_stages) == (
+        "stage", 4, 4, "1f1b", 1)
+    assert pp.layer_ranges == ((0, 1), (1, 2), (2, 3), (3, 4))
+    assert pp.in_flight == (4, 3, 2, 1)
+    assert len(pp.stage_time_s) == len(pp.stage_memory_bytes) == 4
+    assert 0 < pp.bubble_fraction < 1 and pp.step_time_s > max(pp.stage_time_s)
+    assert pinned.strategy == "pipeline" and "1f1b" in pinned.summary()
+    assert pinned.spec_of("params']['layers']['mlp']['fc1']['kernel")[0] == "stage"
+
+
+def test_pipeline_plan_json_round_trip(pinned):
+    back = autopar.Plan.from_json(pinned.to_json())
+    assert back.pipeline == pinned.pipeline
+    d = json.loads(pinned.to_json())
+    d["pipeline"]["axis"] = "pipe"
+    with pytest.raises(PlanError, match="pipeline.axis 'pipe'"):
+        autopar.Plan.from_json(json.dumps(d))
+    with pytest.raises(PlanError, match="executable"):
+        autopar.autoparallel(lambda s, b: s, mesh={"stage": 4, "data": 2}, plan=back)
+    d = json.loads(pinned.to_json())
+    d["pipeline"]["stage_time_s"] = [1.0]
+    with pytest.raises(PlanError, match="one per stage"):
+        autopar.Plan.from_json(json.dumps(d))
+
+
+def test_pinned_plan_runs_as_planned(gpt_step, pinned):
+    step, state, batch = gpt_step
+    ref_state, ref_loss = jax.jit(step)(state, batch)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("stage", "data"))
+    new, loss = PL.executable(pinned, step, mesh)(state, batch)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+    layout = new["params"]["layers"]["attn"]["qkv"]["kernel"].sharding.spec
+    assert tuple(layout)[:1] == ("stage",)
+
+
+def test_auto_picks_the_fastest_that_fits(gpt_step):
+    step, state, batch = gpt_step
+    plan = autopar.plan(step, state, batch, mesh=MESH, hardware="cpu", pipeline="auto")
+    pp = plan.pipeline
+    assert pp.why.startswith("chose ") and "\n  vs " in pp.why
+    sm = PM.staged_model_of(step)
+    hw = cost_models.hardware("cpu")
+    pins = PL.parse("auto", MESH, sm, 8)
+    costs = {}
+    cands = PL.candidates(pins, sm, 8, MESH)
+    limit_s = PL.sub_plan_limit_s(30.0, cands)          # what autopar.plan's default gives
+    for name, v, m in cands:
+        if m not in costs:
+            costs[m] = PL.stage_costs(sm, state["params"], batch, 8 // m, MESH, "stage", hw,
+                                      limit_s)
+        other = PL.price(sm, state["params"], costs[m], MESH, "stage", hw, name, v, m)
+        assert pp.step_time_s <= other.step_time_s + 1e-12
+    # A budget nothing fits: the leanest choice, and the plan says so.
+    lean = autopar.plan(step, state, batch, mesh=MESH, hardware="cpu", memory_budget=1,
+                        pipeline={"microbatches": 4})
+    assert "nothing fits" in lean.pipeline.why
+
+
+def test_price_follows_the_schedule():
+    costs = PL.Costs(layer_f=1.0, layer_b=2.0, embed_f=0, embed_b=0, head_f=0, head_b=0,
+                     layer_peak_bytes=0, act_bytes=1.0, solve_s=0)
+    sm = PM.gpt_staged(dataclasses.replace(CFG, layers=8))
+    params = jax.eval_shape(lambda: PM.gpt_train_step(dataclasses.replace(CFG, layers=8))[1](
+        jax.random.PRNGKey(0), 8))["params"]
+    hw = dataclasses.replace(cost_models.hardware("cpu"), collective_launch_s=0.0)
+    sizes = {"stage": 4, "data": 2}
+    gp = PL.price(sm, params, costs, sizes, "stage", hw, "gpipe", 1, 8)
+    ob = PL.price(sm, params, costs, sizes, "stage", hw, "1f1b", 1, 8)
+    il = PL.price(sm, params, costs, sizes, "stage", hw, "1f1b", 2, 8)
+    assert gp.bubble_fraction > il.bubble_fraction
+    assert gp.bubble_fraction == pytest.approx(3 / 11, rel=0.05)   # hops are nearly free
+    assert max(ob.stage_memory_bytes) < max(gp.stage_memory_bytes)
+    assert ob.in_flight == S.in_flight(S.build("1f1b", 4, 1, 8))
+
+
+@pytest.mark.parametrize("pipeline,fix", [
+    ({"axis": "pipe"}, "not an axis of the mesh"),
+    ({"stages": 3}, "use stages=2"),
+    ({"microbatches": 3}, "microbatches dividing"),
+    ({"virtual_stages": 3}, "divides 4"),
+    ({"schedule": "zigzag"}, "use one of"),
+    ({"chunks": 2}, "unknown keys"),
+    ("fast", "must be 'auto' or a dict"),
+])
+def test_bad_pipeline_options(gpt_step, pipeline, fix):
+    step, state, batch = gpt_step
+    with pytest.raises(AutoparError, match=fix):
+        autopar.plan(step, state, batch, mesh=MESH, pipeline=pipeline)
+
+
+def test_a_step_without_layers_cannot_be_pipelined(gpt_step):
+    _, state, batch = gpt_step
+    plain, _ = gpt.make_train_step(CFG)
+    with pytest.raises(AutoparError, match="declares its layers"):
+        autopar.plan(plain, state, batch, mesh=MESH, pipeline="auto")
+    step, _, _ = gpt_step
+    for bad in ({"strategy": "megatron"}, {"donate_argnums": (0,)}):
+        with pytest.raises(AutoparError, match="does not combine with"):
+            autopar.plan(step, state, batch, mesh=MESH, pipeline="auto", **bad)
+    with pytest.raises(AutoparError, match="unknown option pipeline"):
+        autopar.autoparallel(plain, mesh=MESH, pipeline="auto")

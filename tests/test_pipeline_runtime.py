@@ -1,0 +1,106 @@
+"""The pipelined step computes what the unpipelined step computes, on 8 CPU devices."""
+import dataclasses
+
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from autopar.errors import AutoparError
+from autopar.models import adamw_step, gpt
+from autopar.pipeline import model as PM
+from autopar.pipeline import runtime as R
+from autopar.pipeline import schedules as S
+
+CFG = gpt.GPTConfig(vocab=64, seq=8, d_model=32, heads=4, d_ff=64, layers=4, scan=True)
+LR = 1e-3
+
+
+@pytest.fixture(scope="module")
+def setup():
+    step, init = PM.gpt_train_step(CFG, LR)
+    state, batch = init(jax.random.PRNGKey(0), 8), gpt.make_batch(CFG, 8)
+    ref_state, ref_loss = jax.jit(step)(state, batch)
+    return PM.staged_model_of(step), state, batch, ref_state, ref_loss
+
+
+def _mesh(shape: dict):
+    return jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(*shape.values()), tuple(shape))
+
+
+def _close(a, b, rel: float = 0.0, atol: float = 0.0):
+    """Equal to ``rel`` of each leaf's largest magnitude (float32 sums in another order), or
+    to ``atol``."""
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        x, y = np.asarray(x), np.asarray(y)
+        np.testing.assert_allclose(x, y, rtol=0, atol=max(rel * np.abs(y).max(), atol))
+
+
+MESH_A = {"stage": 2, "data": 2, "model": 2}
+MESH_B = {"stage": 4, "data": 2}
+
+
+@pytest.mark.parametrize("shape,name,virtual", [
+    (MESH_A, "gpipe", 1), (MESH_A, "1f1b", 1), (MESH_A, "1f1b", 2), (MESH_A, "gpipe", 2),
+    (MESH_B, "gpipe", 1), (MESH_B, "eager_1f1b", 1)])
+def test_step_equals_unsharded(setup, shape, name, virtual):
+    model, state, batch, ref_state, ref_loss = setup
+    step = R.build_step(model, _mesh(shape), S.build(name, shape["stage"], virtual, 4))
+    new, loss = step(state, batch)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+    # Adam's first moment is 0.1 x the gradient and its second 0.001 x its square: the
+    # gradients, checked tightly.
+    adam, ref_adam = new["opt_state"][0], ref_state["opt_state"][0]
+    _close(adam.mu, ref_adam.mu, rel=1e-5)
+    _close(adam.nu, ref_adam.nu, rel=2e-5)
+    # Adam's update is about lr x sign(g): near-zero gradients turn rounding into lr-sized
+    # differences, so parameters are checked to a fraction of lr (a missing or wrong-signed
+    # update is off by lr or 2 lr); test_sgd_update_is_exact checks them tightly.
+    _close(new["params"], ref_state["params"], atol=0.3 * LR)
+    sharding = new["params"]["layers"]["mlp"]["fc1"]["kernel"].sharding
+    assert sharding.spec[0] == "stage"
+
+
+def test_grads_and_sgd_update_are_exact(setup):
+    model, state, batch, _, _ = setup
+    sgd = dataclasses.replace(model, tx=optax.sgd(0.5))
+    mesh = _mesh(MESH_A)
+    step = R.build_step(sgd, mesh, S.build("1f1b", 2, 1, 4))
+    st, _ = step.in_shardings_of(state, batch)
+    assert st["params"]["layers"]["attn"]["qkv"]["kernel"].spec == P("stage", None, None, "model",
+                                                                  None)    # (L, D, 3, H, Dh)
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(model.loss))(state["params"], batch)
+    compiled = jax.jit(step.loss_and_grads).lower(state["params"], batch).compile()
+    assert "collective-permute" in compiled.as_text()          # one program, stages talk p2p
+    loss, grads = compiled(state["params"], batch)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+    _close(grads, ref_grads, rel=1e-5)
+    st = {"params": state["params"], "opt_state": sgd.tx.init(state["params"])}
+    ref_new, _ = jax.jit(adamw_step(model.loss, sgd.tx))(st, batch)
+    new, _ = step(st, batch)
+    _close(new["params"], ref_new["params"], rel=1e-6)
+
+
+def test_the_staged_model_is_the_model(setup):
+    model, state, batch, _, ref_loss = setup
+    np.testing.assert_allclose(float(model.loss(state["params"], batch)), float(ref_loss),
+                               rtol=1e-6)
+
+
+@pytest.mark.parametrize("shape,sch,fix", [
+    ({"pipe": 2, "data": 4}, ("1f1b", 2, 1, 4), "name one of"),
+    ({"stage": 4, "data": 2}, ("1f1b", 2, 1, 4), "use stages=4"),
+    ({"stage": 4, "data": 2}, ("1f1b", 4, 2, 4), "divides 4"),
+])
+def test_bad_pipeline_options(setup, shape, sch, fix):
+    with pytest.raises(AutoparError, match=fix):
+        R.build_step(setup[0], _mesh(shape), S.build(*sch))
+
+
+def test_steps_without_layers_are_refused():
+    step, _ = gpt.make_train_step(CFG)
+    with pytest.raises(AutoparError, match="gpt_train_step"):
+        PM.staged_model_of(step)
+    with pytest.raises(AutoparError, match="scan=True"):
+        PM.gpt_staged(dataclasses.replace(CFG, scan=False))

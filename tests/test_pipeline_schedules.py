@@ -1,0 +1,115 @@
+"""Pipeline schedules as data: validity, closed-form bubbles, microbatches in flight, slots."""
+import pytest
+
+from autopar.errors import AutoparError
+from autopar.pipeline import schedules as S
+
+
+def _unit(a):  # forward 1, backward 2: the usual t_B = 2 t_F
+    return 1.0 if a.kind == "F" else 2.0
+
+
+def _check_valid(sch):
+    """Every action once, on its chunk's stage, after its inputs (another stage: earlier tick)."""
+    when = sch.when()
+    assert len(when) == 2 * sch.microbatches * sch.chunks
+    for row in sch.ticks:
+        for s, acts in enumerate(row):
+            assert len(acts) <= 2 and len({a.kind for a in acts}) == len(acts)
+            for a in acts:
+                assert sch.stage_of(a.chunk) == s
+    for a, t in when.items():
+        deps = ([S.Action("F", a.mb, a.chunk - 1)] if a.kind == "F" and a.chunk else [])
+        if a.kind == "B":
+            deps.append(S.Action("F", a.mb, a.chunk))
+            if a.chunk < sch.chunks - 1:
+                deps.append(S.Action("B", a.mb, a.chunk + 1))
+        for d in deps:
+            same = sch.stage_of(d.chunk) == sch.stage_of(a.chunk)
+            assert when[d] <= t if same else when[d] < t, (a, d)
+
+
+CASES = [(2, 1, 4), (4, 1, 8), (4, 1, 4), (3, 1, 7), (2, 2, 4), (4, 2, 8), (2, 3, 6)]
+
+
+@pytest.mark.parametrize("name", S.SCHEDULES)
+@pytest.mark.parametrize("p,v,m", CASES)
+def test_schedules_are_valid(name, p, v, m):
+    _check_valid(S.build(name, p, v, m))
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 4), (3, 7), (8, 16)])
+def test_gpipe_and_eager_1f1b_bubble_is_textbook(p, m):
+    for name in ("gpipe", "eager_1f1b"):
+        tl = S.price(S.build(name, p, 1, m), _unit)
+        assert tl.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+        assert tl.makespan_s == pytest.approx(3.0 * (m + p - 1))
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 2, 4), (4, 2, 8), (2, 3, 6), (4, 4, 8)])
+def test_interleaved_bubble_is_textbook(p, v, m):
+    for name in ("gpipe", "1f1b"):           # circular (MaxText) and interleaved 1F1B
+        tl = S.price(S.build(name, p, v, m), _unit)
+        assert tl.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1))
+        assert tl.bubble_fraction == pytest.approx(S.ideal_bubble(name, p, v, m))
+
+
+def test_plain_1f1b_in_lockstep_pays_for_its_memory():
+    # Two stages: the textbook bubble. More: the ramp costs extra ticks (module docstring).
+    assert S.price(S.build("1f1b", 2, 1, 8), _unit).bubble_fraction == pytest.approx(1 / 9)
+    for p, m in [(4, 8), (4, 16), (3, 9)]:
+        assert S.price(S.build("1f1b", p, 1, m), _unit).bubble_fraction > (p - 1) / (m + p - 1)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 2), (3, 7)])
+def test_in_flight_microbatches(p, m):
+    assert S.in_flight(S.build("gpipe", p, 1, m)) == (m,) * p
+    assert S.in_flight(S.build("1f1b", p, 1, m)) == tuple(min(m, p - s) for s in range(p))
+    assert max(S.in_flight(S.build("eager_1f1b", p, 1, m))) <= min(m, 2 * p - 1)
+    assert S.in_flight(S.build("gpipe", p, 2, 2 * p)) == (4 * p,) * p
+
+
+def test_price_scales_with_cores_and_transfers():
+    sch = S.build("gpipe", 4, 1, 4)
+    alone = S.price(sch, _unit)
+    shared = S.price(sch, _unit, cores=1.0)        # one core for four stages: no overlap at all
+    assert shared.makespan_s == pytest.approx(4 * 4 * 3.0)     # all the work, serially
+    assert shared.makespan_s > alone.makespan_s
+    moved = S.price(sch, _unit, transfer=lambda t, f, b: 0.5)
+    hops = sum(1 for t in sch.ticks if any(a.kind == "F" and a.chunk < 3 or a.kind == "B"
+                                           and a.chunk > 0 for acts in t for a in acts))
+    assert moved.transfer_s == pytest.approx(0.5 * hops)
+    assert moved.makespan_s == pytest.approx(alone.makespan_s + 0.5 * hops)
+
+
+@pytest.mark.parametrize("name", S.SCHEDULES)
+def test_slots_never_overlap(name):
+    sch = S.build(name, 4, 2, 8)
+    for intervals in (S.stash_intervals(sch), S.inbox_intervals(sch, "F"),
+                      S.inbox_intervals(sch, "B")):
+        slots = S.allocate(intervals)
+        for i, (s, k, a, b) in enumerate(intervals):
+            for s2, k2, a2, b2 in intervals[i + 1:]:
+                if s == s2 and slots.slot[(s, k)] == slots.slot[(s2, k2)]:
+                    assert b < a2 or b2 < a
+    assert S.allocate(S.stash_intervals(sch)).count == max(S.in_flight(sch))
+
+
+@pytest.mark.parametrize("args,fix", [
+    (("zigzag", 2, 1, 4), "use one of"),
+    (("gpipe", 2, 2, 3), "use microbatches=4"),
+    (("1f1b", 0, 1, 4), "stages=0"),
+    (("1f1b", 2, 1, 2.5), "microbatches=2.5"),
+])
+def test_bad_schedule_options(args, fix):
+    with pytest.raises(AutoparError, match=fix):
+        S.build(*args)
+
+
+def test_gantt_draws_every_action():
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    sch = S.build("1f1b", 4, 2, 8)
+    ax = S.gantt(S.price(sch, _unit))
+    assert len(ax.patches) == 2 * sch.microbatches * sch.chunks
+    assert "bubble" in ax.get_title()
