@@ -175,7 +175,7 @@ def agree(what: str, text: str, fix: str) -> None:
 def plan_layouts(plan) -> str:
     """The part of a plan every process must share to run one program: mesh, layouts, pins."""
     return json.dumps([plan.graph_fingerprint, plan.mesh, plan.input_shardings,
-                       plan.output_shardings, plan.pins])
+                       plan.output_shardings, [dataclasses.astuple(p) for p in plan.pins]])
 
 
 def check_same_graph(graph) -> None:
