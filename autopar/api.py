@@ -23,7 +23,7 @@ from autopar.plan import Plan
 from autopar.planner import make_plan
 
 PLAN_OPTIONS = ("mesh", "hardware", "memory_budget", "strategy", "donate_argnums",
-                "time_limit_s", "deterministic")
+                "time_limit_s", "deterministic", "kernels")
 
 
 def _trace(fn: Callable, args, types, donate_argnums) -> tuple[ir.Graph, float]:
@@ -41,7 +41,7 @@ def _hardware(hardware, mesh) -> cost_models.Hardware:
 
 def plan_graph(graph: ir.Graph, mesh, *, hardware=None, memory_budget=None, strategy="auto",
                time_limit_s: float = 30.0, trace_s: float = 0.0,
-               deterministic: bool | None = None) -> Plan:
+               deterministic: bool | None = None, kernels: str = "never") -> Plan:
     """Plan an already traced graph (see ``plan``)."""
     sizes = axis_sizes(mesh)
     hw = _hardware(hardware, mesh)
@@ -58,7 +58,8 @@ def plan_graph(graph: ir.Graph, mesh, *, hardware=None, memory_budget=None, stra
         ir.verify(graph)
     opts = PlannerOptions(strategy=name, memory_budget=budget, time_limit_s=time_limit_s,
                           fixed_inputs=fixed, op_filter=op_filter, starts=tuple(starts),
-                          deterministic=_deterministic(deterministic))
+                          deterministic=_deterministic(deterministic),
+                          kernels=validate.kernels(kernels, hw, mesh))
     return make_plan(graph, sizes, cm, opts, trace_s=trace_s)
 
 
@@ -75,7 +76,7 @@ def _handwritten_starts() -> list:
 
 def plan(fn: Callable, *args, mesh=None, hardware=None, memory_budget: float | None = None,
          strategy="auto", donate_argnums=(), time_limit_s: float = 30.0,
-         deterministic: bool | None = None, **options) -> Plan:
+         deterministic: bool | None = None, kernels: str = "never", **options) -> Plan:
     """Plan ``fn(*args)`` for ``mesh`` without running it.
 
     Args:
@@ -93,6 +94,12 @@ def plan(fn: Callable, *args, mesh=None, hardware=None, memory_budget: float | N
       deterministic: never stop on the wall clock, only on the solver's deterministic clock:
         the same plan on every run under any load, however long the call takes. Default False,
         or True when the environment sets ``AUTOPAR_DETERMINISTIC=1``.
+      kernels: fused Pallas kernels (``autopar.kernels``) in place of XLA's ops: "never" (the
+        default: the kernels' cost entries are not yet checked against GPU timings, and their
+        sites add solver time), "auto" (the ILP chooses each where its cost model says so; on
+        GPU profiles only, see ``validate.kernels``) or "always" (wherever the plan's layouts
+        allow one; on CPU devices they run in Pallas' interpreter, slowly). ``Plan.kernels``
+        lists what was chosen.
 
     Returns:
       An ``autopar.Plan``.
@@ -105,12 +112,13 @@ def plan(fn: Callable, *args, mesh=None, hardware=None, memory_budget: float | N
     validate.callable_fn(fn, "autopar.plan")
     _require_mesh(mesh, "plan")
     _check_options(dict(hardware=hardware, memory_budget=memory_budget, strategy=strategy,
-                        time_limit_s=time_limit_s, deterministic=deterministic), mesh)
+                        time_limit_s=time_limit_s, deterministic=deterministic,
+                        kernels=kernels), mesh)
     types = validate.leaf_types(args, run=False)
     graph, trace_s = _trace(fn, args, types, validate.donate_argnums(donate_argnums))
     return plan_graph(graph, mesh, hardware=hardware, memory_budget=memory_budget,
                       strategy=strategy, time_limit_s=time_limit_s, trace_s=trace_s,
-                      deterministic=deterministic)
+                      deterministic=deterministic, kernels=kernels)
 
 
 def _deterministic(value) -> bool:
@@ -136,14 +144,15 @@ class AutoParallel:
     def __init__(self, fn: Callable, *, mesh, hardware=None, memory_budget=None,
                  strategy="auto", donate_argnums=(), time_limit_s: float = 30.0,
                  plan: Plan | None = None, deterministic: bool | None = None,
-                 host_local_argnums=()):
+                 host_local_argnums=(), kernels: str = "never"):
         validate.callable_fn(fn, "autopar.autoparallel")
         functools.update_wrapper(self, fn)
         self.fn = fn
         _require_mesh(mesh, "autoparallel")
         self.mesh = concrete_mesh(mesh)
         self.options = dict(hardware=hardware, memory_budget=memory_budget, strategy=strategy,
-                            time_limit_s=time_limit_s, deterministic=deterministic)
+                            time_limit_s=time_limit_s, deterministic=deterministic,
+                            kernels=kernels)
         _check_options(self.options, self.mesh)
         self.donate_argnums = validate.donate_argnums(donate_argnums)
         self._given_plan = _given_plan(plan, self.options, self.mesh)
@@ -267,6 +276,7 @@ def _check_options(options: dict, mesh) -> None:
     validate.memory_budget(options["memory_budget"])
     validate.time_limit(options["time_limit_s"])
     _deterministic(options["deterministic"])
+    validate.kernels(options["kernels"])
     _, strat = validate.strategy(options["strategy"])
     if strat is not None and hasattr(strat, "axes"):
         strat.axes(sizes)
@@ -280,6 +290,7 @@ def _given_plan(plan, options: dict, mesh) -> Plan | None:
                         f"autopar.Plan; load a saved one with plan=autopar.Plan.from_json(text)")
     ignored = [k for k in ("hardware", "memory_budget") if options[k] is not None]
     ignored += ["strategy"] if options["strategy"] not in (None, "auto") else []
+    ignored += ["kernels"] if options["kernels"] != "never" else []
     if ignored:
         raise AutoparError(f"plan= applies a saved plan without solving, so "
                            f"{', '.join(k + '=' for k in ignored)} would be ignored; drop "
@@ -299,7 +310,8 @@ def _place(x, sharding):
 def autoparallel(fn: Callable | None = None, *, mesh=None, hardware=None,
                  memory_budget: float | None = None, strategy="auto", donate_argnums=(),
                  time_limit_s: float = 30.0, plan: Plan | None = None,
-                 deterministic: bool | None = None, host_local_argnums=(), **options):
+                 deterministic: bool | None = None, host_local_argnums=(), kernels: str = "never",
+                 **options):
     """Decorate a training step so it runs sharded over ``mesh`` by a plan autopar chooses.
 
     ``autoparallel(fn, mesh=...)`` and ``@autoparallel(mesh=...)`` both work. The first call with
@@ -315,6 +327,6 @@ def autoparallel(fn: Callable | None = None, *, mesh=None, hardware=None,
         return AutoParallel(f, mesh=mesh, hardware=hardware, memory_budget=memory_budget,
                             strategy=strategy, donate_argnums=donate_argnums,
                             time_limit_s=time_limit_s, plan=plan, deterministic=deterministic,
-                            host_local_argnums=host_local_argnums)
+                            host_local_argnums=host_local_argnums, kernels=kernels)
 
     return wrap(fn) if fn is not None else wrap

@@ -23,6 +23,30 @@ def collective_rows(plan):
     return sorted(((k, a, n, t) for (k, a), (n, t) in agg.items()), key=lambda r: -r[3])
 
 
+def kernel_rows(plan):
+    """(kernel, split, per-shard specs, predicted kernel ms, XLA ms, speedup, source) per kernel."""
+    rows = []
+    for k in plan.kernels:
+        split = ", ".join(f"{n}={'+'.join(a)}" for n, a in k.split if a) or "whole"
+        specs = "; ".join(f"{a} {s} {tuple(shape)}" for a, s, shape in k.specs)
+        speed = f"{k.xla_s / k.kernel_s:.1f}x" if k.kernel_s else "-"
+        rows.append((k.kernel, split, specs, k.kernel_s * 1e3, k.xla_s * 1e3, speed,
+                     k.sources[0] if k.sources else ""))
+    return rows
+
+
+def _kernel_lines(plan) -> list[str]:
+    if not plan.kernels:
+        return []
+    lines = ["", f"{'kernel':<10} {'split':<28} {'kernel':>10} {'XLA ops':>10} {'gain':>6}  "
+                 f"source / per-shard specs"]
+    for name, split, specs, k_ms, x_ms, speed, src in kernel_rows(plan):
+        lines.append(f"{name:<10} {split[:28]:<28} {k_ms:>7.3f} ms {x_ms:>7.3f} ms {speed:>6}  "
+                     f"{src}")
+        lines.append(f"{'':<10} {specs}")
+    return lines
+
+
 def summary(plan, max_rows: int = 40) -> str:
     lines = [f"autopar plan  strategy={plan.strategy}  mesh={dict(plan.mesh)}  "
              f"hardware={plan.hardware}",
@@ -39,6 +63,7 @@ def summary(plan, max_rows: int = 40) -> str:
     lines += ["", f"{'collective':<16} {'axes':<14} {'count':>6} {'time':>12}"]
     for kind, axes, n, t in collective_rows(plan):
         lines.append(f"{kind:<16} {axes:<14} {n:>6} {t * 1e3:>9.3f} ms")
+    lines += _kernel_lines(plan)
     return "\n".join(lines)
 
 
@@ -50,11 +75,17 @@ def html(plan) -> str:
     coll = "".join(f"<tr><td>{esc(k)}</td><td>{esc(a)}</td><td>{esc(n)}</td>"
                    f"<td>{esc(f'{t * 1e3:.3f}')} ms</td></tr>"
                    for k, a, n, t in collective_rows(plan))
+    kern = "".join(f"<tr><td>{esc(n)}</td><td>{esc(sp)}</td><td><code>{esc(specs)}</code></td>"
+                   f"<td>{esc(f'{k:.3f}')} ms</td><td>{esc(f'{x:.3f}')} ms</td><td>{esc(g)}</td>"
+                   f"<td>{esc(src)}</td></tr>"
+                   for n, sp, specs, k, x, g, src in kernel_rows(plan))
+    kern = (f"<table><tr><th>kernel</th><th>split</th><th>per-shard specs</th><th>kernel</th>"
+            f"<th>XLA ops</th><th>gain</th><th>source</th></tr>{kern}</table>" if kern else "")
     return (f"<div><b>autopar plan</b> strategy={esc(plan.strategy)} mesh={esc(dict(plan.mesh))} "
             f"hardware={esc(plan.hardware)}<br>{esc(plan.cost)}<br>"
             f"<table><tr><th>input</th><th>shape</th><th>spec</th></tr>{rows}</table>"
             f"<table><tr><th>collective</th><th>axes</th><th>count</th><th>time</th></tr>{coll}"
-            f"</table></div>")
+            f"</table>{kern}</div>")
 
 
 def _esc(x) -> str:

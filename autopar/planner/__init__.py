@@ -13,7 +13,7 @@ import numpy as np
 from autopar.errors import PlanError, ShardingError
 from autopar.options import PlannerOptions
 from autopar.plan import Collective, CostBreakdown, Plan, SolverStats
-from autopar.planner import ilp, pins, problem
+from autopar.planner import ilp, kernel_choice, pins, problem
 from autopar.planner.budget import SEARCH_BEFORE, START_BEFORE, Clock, warn_many_axes
 from autopar.planner.reshard import reshard_steps, step_bytes
 from autopar.sharding import Sharding, fmt
@@ -151,6 +151,7 @@ def make_plan(graph: Graph, mesh: Mapping[str, int], cost_model,
     clock = Clock(t0 - trace_s, options.time_limit_s, options.deterministic)
     warn_many_axes(mesh, clock)
     prob = problem.build(graph, mesh, cost_model, clock=clock)
+    kernel_choice.prepare(prob, cost_model, options.kernels, clock)
     allowed = _allowed_in_time(prob, options, clock)
     if options.op_filter is not None:
         _filtered(prob, options.op_filter, allowed)
@@ -167,8 +168,9 @@ def make_plan(graph: Graph, mesh: Mapping[str, int], cost_model,
                     clock=clock, hint_name=hint_name)
     stats = SolverStats(sol.status, sol.gap, sol.solve_s, build_s, trace_s, len(prob.groups),
                         sol.num_vars, sol.num_constraints)
-    return assemble(prob, sol.choice, cost_model, cost_model.hw.name, options.strategy,
+    plan = assemble(prob, sol.choice, cost_model, cost_model.hw.name, options.strategy,
                     options.memory_budget, stats)
+    return kernel_choice.finish(plan, prob, sol.choice, cost_model)
 
 
 def _layout(prob: problem.Problem, choice, v: int) -> Sharding:

@@ -78,6 +78,8 @@ class Problem:
     mem_points: list[list[int]]                   # per check point: live intermediate value ids
     const_values: list[int]                       # values always live (inputs, consts)
     reshard: ReshardCache
+    kernel_sites: list = dataclasses.field(default_factory=list)   # planner.kernel_sites.Site
+    kernel_mode: str = "never"                    # PlannerOptions.kernels
 
     def reshard_s(self, v: int, src: Sharding, dst: Sharding) -> float:
         return self.reshard(self.graph.values[v], src, dst)
