@@ -35,15 +35,27 @@ def kernel_rows(plan):
     return rows
 
 
-def _kernel_lines(plan) -> list[str]:
+def _kernel_lines(plan, max_rows: int) -> list[str]:
+    """Kernels with the same kernel, split and source line on one row (``xN``), their times
+    summed; the specs of the first."""
     if not plan.kernels:
         return []
-    lines = ["", f"{'kernel':<10} {'split':<28} {'kernel':>10} {'XLA ops':>10} {'gain':>6}  "
+    groups: dict[tuple, list] = {}
+    for name, split, specs, k_ms, x_ms, _, src in kernel_rows(plan):
+        g = groups.setdefault((name, split, src), [0, 0.0, 0.0, specs])
+        g[0] += 1
+        g[1] += k_ms
+        g[2] += x_ms
+    lines = ["", f"{'kernel':<14} {'split':<28} {'kernel':>10} {'XLA ops':>10} {'gain':>6}  "
                  f"source / per-shard specs"]
-    for name, split, specs, k_ms, x_ms, speed, src in kernel_rows(plan):
-        lines.append(f"{name:<10} {split[:28]:<28} {k_ms:>7.3f} ms {x_ms:>7.3f} ms {speed:>6}  "
+    for (name, split, src), (n, k_ms, x_ms, specs) in list(groups.items())[:max_rows]:
+        label = f"{name} x{n}" if n > 1 else name
+        gain = f"{x_ms / k_ms:.1f}x" if k_ms else "-"
+        lines.append(f"{label:<14} {split[:28]:<28} {k_ms:>7.3f} ms {x_ms:>7.3f} ms {gain:>6}  "
                      f"{src}")
-        lines.append(f"{'':<10} {specs}")
+        lines.append(f"{'':<14} {specs}")
+    if len(groups) > max_rows:
+        lines.append(f"... {len(groups) - max_rows} more kernel rows")
     return lines
 
 
@@ -63,7 +75,7 @@ def summary(plan, max_rows: int = 40) -> str:
     lines += ["", f"{'collective':<16} {'axes':<14} {'count':>6} {'time':>12}"]
     for kind, axes, n, t in collective_rows(plan):
         lines.append(f"{kind:<16} {axes:<14} {n:>6} {t * 1e3:>9.3f} ms")
-    lines += _kernel_lines(plan)
+    lines += _kernel_lines(plan, max_rows)
     return "\n".join(lines)
 
 
