@@ -23,7 +23,7 @@ from autopar.plan import Plan
 from autopar.planner import make_plan
 
 PLAN_OPTIONS = ("mesh", "hardware", "memory_budget", "strategy", "donate_argnums",
-                "time_limit_s", "deterministic", "pipeline")
+                "time_limit_s", "deterministic", "pipeline", "kernels")
 
 
 def _trace(fn: Callable, args, types, donate_argnums) -> tuple[ir.Graph, float]:
@@ -41,7 +41,7 @@ def _hardware(hardware, mesh) -> cost_models.Hardware:
 
 def plan_graph(graph: ir.Graph, mesh, *, hardware=None, memory_budget=None, strategy="auto",
                time_limit_s: float = 30.0, trace_s: float = 0.0,
-               deterministic: bool | None = None) -> Plan:
+               deterministic: bool | None = None, kernels: str = "never") -> Plan:
     """Plan an already traced graph (see ``plan``)."""
     sizes = axis_sizes(mesh)
     hw = _hardware(hardware, mesh)
@@ -60,7 +60,8 @@ def plan_graph(graph: ir.Graph, mesh, *, hardware=None, memory_budget=None, stra
         ir.verify(graph)
     opts = PlannerOptions(strategy=name, memory_budget=budget, time_limit_s=time_limit_s,
                           fixed_inputs=fixed, op_filter=op_filter, starts=tuple(starts),
-                          deterministic=_deterministic(deterministic))
+                          deterministic=_deterministic(deterministic),
+                          kernels=validate.kernels(kernels, hw, mesh))
     notes = tuple(getattr(strat, "notes", ()))
     if notes:
         warnings.warn(f"autopar: strategy {name!r} cannot place every parameter as it intends "
@@ -83,7 +84,8 @@ def _handwritten_starts() -> list:
 
 def plan(fn: Callable, *args, mesh=None, hardware=None, memory_budget: float | None = None,
          strategy="auto", donate_argnums=(), time_limit_s: float = 30.0,
-         deterministic: bool | None = None, pipeline=None, **options) -> Plan:
+         deterministic: bool | None = None, pipeline=None, kernels: str = "never",
+         **options) -> Plan:
     """Plan ``fn(*args)`` for ``mesh`` without running it.
 
     Args:
@@ -106,6 +108,12 @@ def plan(fn: Callable, *args, mesh=None, hardware=None, memory_budget: float | N
         stages over a mesh axis (``autopar.pipeline``; the step must declare its layers, e.g.
         ``autopar.pipeline.model.gpt_train_step``). Run the plan with
         ``autopar.pipeline.planning.executable(plan, fn, mesh)``.
+      kernels: fused Pallas kernels (``autopar.kernels``) in place of XLA's ops: "never" (the
+        default: the kernels' cost entries are not yet checked against GPU timings, and their
+        sites add solver time), "auto" (the ILP chooses each where its cost model says so; on
+        GPU profiles only, see ``validate.kernels``) or "always" (wherever the plan's layouts
+        allow one; on CPU devices they run in Pallas' interpreter, slowly). ``Plan.kernels``
+        lists what was chosen.
 
     Returns:
       An ``autopar.Plan``.
@@ -118,7 +126,8 @@ def plan(fn: Callable, *args, mesh=None, hardware=None, memory_budget: float | N
     validate.callable_fn(fn, "autopar.plan")
     _require_mesh(mesh, "plan")
     _check_options(dict(hardware=hardware, memory_budget=memory_budget, strategy=strategy,
-                        time_limit_s=time_limit_s, deterministic=deterministic), mesh)
+                        time_limit_s=time_limit_s, deterministic=deterministic,
+                        kernels=kernels), mesh)
     if pipeline is not None:   # inter-op: see autopar.pipeline
         from autopar.pipeline import planning
 
@@ -129,7 +138,7 @@ def plan(fn: Callable, *args, mesh=None, hardware=None, memory_budget: float | N
     graph, trace_s = _trace(fn, args, types, validate.donate_argnums(donate_argnums))
     return plan_graph(graph, mesh, hardware=hardware, memory_budget=memory_budget,
                       strategy=strategy, time_limit_s=time_limit_s, trace_s=trace_s,
-                      deterministic=deterministic)
+                      deterministic=deterministic, kernels=kernels)
 
 
 def _deterministic(value) -> bool:
@@ -156,14 +165,15 @@ class AutoParallel:
     def __init__(self, fn: Callable, *, mesh, hardware=None, memory_budget=None,
                  strategy="auto", donate_argnums=(), time_limit_s: float = 30.0,
                  plan: Plan | None = None, deterministic: bool | None = None,
-                 host_local_argnums=()):
+                 host_local_argnums=(), kernels: str = "never"):
         validate.callable_fn(fn, "autopar.autoparallel")
         functools.update_wrapper(self, fn)
         self.fn = fn
         _require_mesh(mesh, "autoparallel")
         self.mesh = concrete_mesh(mesh)
         self.options = dict(hardware=hardware, memory_budget=memory_budget, strategy=strategy,
-                            time_limit_s=time_limit_s, deterministic=deterministic)
+                            time_limit_s=time_limit_s, deterministic=deterministic,
+                            kernels=kernels)
         _check_options(self.options, self.mesh)
         self.donate_argnums = validate.donate_argnums(donate_argnums)
         self._given_plan = _given_plan(plan, self.options, self.mesh)
@@ -287,6 +297,7 @@ def _check_options(options: dict, mesh) -> None:
     validate.memory_budget(options["memory_budget"])
     validate.time_limit(options["time_limit_s"])
     _deterministic(options["deterministic"])
+    validate.kernels(options["kernels"])
     _, strat = validate.strategy(options["strategy"])
     if strat is not None and hasattr(strat, "axes"):
         strat.axes(sizes)
@@ -303,6 +314,7 @@ def _given_plan(plan, options: dict, mesh) -> Plan | None:
                         "it with autopar.pipeline.planning.executable(plan, step, mesh)")
     ignored = [k for k in ("hardware", "memory_budget") if options[k] is not None]
     ignored += ["strategy"] if options["strategy"] not in (None, "auto") else []
+    ignored += ["kernels"] if options["kernels"] != "never" else []
     if ignored:
         raise AutoparError(f"plan= applies a saved plan without solving, so "
                            f"{', '.join(k + '=' for k in ignored)} would be ignored; drop "
@@ -322,7 +334,8 @@ def _place(x, sharding):
 def autoparallel(fn: Callable | None = None, *, mesh=None, hardware=None,
                  memory_budget: float | None = None, strategy="auto", donate_argnums=(),
                  time_limit_s: float = 30.0, plan: Plan | None = None,
-                 deterministic: bool | None = None, host_local_argnums=(), **options):
+                 deterministic: bool | None = None, host_local_argnums=(), kernels: str = "never",
+                 **options):
     """Decorate a training step so it runs sharded over ``mesh`` by a plan autopar chooses.
 
     ``autoparallel(fn, mesh=...)`` and ``@autoparallel(mesh=...)`` both work. The first call with
@@ -338,6 +351,6 @@ def autoparallel(fn: Callable | None = None, *, mesh=None, hardware=None,
         return AutoParallel(f, mesh=mesh, hardware=hardware, memory_budget=memory_budget,
                             strategy=strategy, donate_argnums=donate_argnums,
                             time_limit_s=time_limit_s, plan=plan, deterministic=deterministic,
-                            host_local_argnums=host_local_argnums)
+                            host_local_argnums=host_local_argnums, kernels=kernels)
 
     return wrap(fn) if fn is not None else wrap

@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding
 
 from autopar.plan import Pin
 from autopar.sharding import to_spec
+from autopar.substitute import DEAD, KernelTable, Pending
 
 _INLINE = ("jit", "pjit", "closed_call", "core_call")
 # primitive -> params holding the sub-jaxprs to retrace (a tuple param holds several regions).
@@ -53,10 +54,12 @@ _INLINED_CALLS = ("remat2", "checkpoint", "custom_jvp_call", "custom_vjp_call",
 
 
 class PinTable:
-    """Pins by (path, slot, index), plus the paths that hold pins strictly below them."""
+    """Pins by (path, slot, index), plus the paths that hold pins strictly below them; with a
+    plan's kernels (``autopar.substitute``), the run of the trace in progress as ``kernels``."""
 
     def __init__(self, pins: Iterable[Pin], mesh):
         self.mesh = mesh
+        self.kernels = None
         self.chains: dict[tuple, tuple[NamedSharding, ...]] = {}
         self.inner: set[tuple[int, ...]] = set()
         for p in pins:
@@ -66,6 +69,8 @@ class PinTable:
                 self.inner.add(p.path[:n])
 
     def constrain(self, x, path: tuple[int, ...], slot: str, index: int):
+        if x is DEAD or isinstance(x, Pending):
+            return x
         for sharding in self.chains.get((path, slot, index), ()):
             x = jax.lax.with_sharding_constraint(x, sharding)
         return x
@@ -104,11 +109,15 @@ def eval_pinned(jaxpr, consts: Sequence, args: Sequence, table: PinTable, path=(
     for i, eqn in enumerate(jaxpr.eqns):
         here = path + (i,)
         with _user_context(eqn):
+            if table.kernels is not None and table.kernels.visit(here, eqn, env, _read):
+                continue   # replaced by a kernel, or dead
             invals = [table.constrain(_read(env, v), here, "in", k)
                       for k, v in enumerate(eqn.invars)]
             outs = _eval_eqn(eqn, invals, table, here)
             for k, (v, x) in enumerate(zip(eqn.outvars, outs)):
                 env[v] = table.constrain(x, here, "out", k)
+            if table.kernels is not None:
+                table.kernels.after(here, [env[v] for v in eqn.outvars])
     return [_read(env, v) for v in jaxpr.outvars]
 
 
@@ -165,6 +174,9 @@ def _retrace(sub, table: PinTable, path: tuple[int, ...]):
 def build(graph, plan, mesh, donate_argnums=()):
     """The jitted, sharded executable of ``graph``'s function under ``plan`` on ``mesh``."""
     table = PinTable(plan.pins, mesh)
+    kernels = KernelTable(graph, plan, mesh) if plan.kernels else None
+    if kernels is not None:
+        table.inner |= kernels.prefixes   # enter the jit calls that hold replaced equations
     closed = graph.jaxpr
     in_shardings = jax.tree_util.tree_unflatten(
         graph.in_tree, [NamedSharding(mesh, to_spec(s)) for s in plan.input_shardings])
@@ -173,7 +185,12 @@ def build(graph, plan, mesh, donate_argnums=()):
 
     def step(*args):
         flat = jax.tree_util.tree_leaves(args)
+        table.kernels = kernels.start(table) if kernels is not None else None   # per trace
+        if table.kernels is not None:
+            table.kernels.inputs(flat, closed.consts)
         outs = eval_pinned(closed.jaxpr, closed.consts, flat, table)
+        if table.kernels is not None:
+            outs = table.kernels.results_of(outs)
         return jax.tree_util.tree_unflatten(graph.out_tree, outs)
 
     # in_tree is the tree of the argument tuple: jit wants one entry per positional argument.

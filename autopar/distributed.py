@@ -173,9 +173,11 @@ def agree(what: str, text: str, fix: str) -> None:
 
 
 def plan_layouts(plan) -> str:
-    """The part of a plan every process must share to run one program: mesh, layouts, pins."""
+    """The part of a plan every process must share to run one program: mesh, layouts, pins,
+    kernels."""
     return json.dumps([plan.graph_fingerprint, plan.mesh, plan.input_shardings,
-                       plan.output_shardings, [dataclasses.astuple(p) for p in plan.pins]])
+                       plan.output_shardings, [dataclasses.astuple(p) for p in plan.pins],
+                       [dataclasses.astuple(k) for k in plan.kernels]])
 
 
 def check_same_graph(graph) -> None:

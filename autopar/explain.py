@@ -28,6 +28,42 @@ def _over(stats) -> str:
     return f" over the best {n} candidate strategies of each group" if n else ""
 
 
+def kernel_rows(plan):
+    """(kernel, split, per-shard specs, predicted kernel ms, XLA ms, speedup, source) per kernel."""
+    rows = []
+    for k in plan.kernels:
+        split = ", ".join(f"{n}={'+'.join(a)}" for n, a in k.split if a) or "whole"
+        specs = "; ".join(f"{a} {s} {tuple(shape)}" for a, s, shape in k.specs)
+        speed = f"{k.xla_s / k.kernel_s:.1f}x" if k.kernel_s else "-"
+        rows.append((k.kernel, split, specs, k.kernel_s * 1e3, k.xla_s * 1e3, speed,
+                     k.sources[0] if k.sources else ""))
+    return rows
+
+
+def _kernel_lines(plan, max_rows: int) -> list[str]:
+    """Kernels with the same kernel, split and source line on one row (``xN``), their times
+    summed; the specs of the first."""
+    if not plan.kernels:
+        return []
+    groups: dict[tuple, list] = {}
+    for name, split, specs, k_ms, x_ms, _, src in kernel_rows(plan):
+        g = groups.setdefault((name, split, src), [0, 0.0, 0.0, specs])
+        g[0] += 1
+        g[1] += k_ms
+        g[2] += x_ms
+    lines = ["", f"{'kernel':<14} {'split':<28} {'kernel':>10} {'XLA ops':>10} {'gain':>6}  "
+                 f"source / per-shard specs"]
+    for (name, split, src), (n, k_ms, x_ms, specs) in list(groups.items())[:max_rows]:
+        label = f"{name} x{n}" if n > 1 else name
+        gain = f"{x_ms / k_ms:.1f}x" if k_ms else "-"
+        lines.append(f"{label:<14} {split[:28]:<28} {k_ms:>7.3f} ms {x_ms:>7.3f} ms {gain:>6}  "
+                     f"{src}")
+        lines.append(f"{'':<14} {specs}")
+    if len(groups) > max_rows:
+        lines.append(f"... {len(groups) - max_rows} more kernel rows")
+    return lines
+
+
 def summary(plan, max_rows: int = 40) -> str:
     lines = [f"autopar plan  strategy={plan.strategy}  mesh={dict(plan.mesh)}  "
              f"hardware={plan.hardware}",
@@ -47,6 +83,7 @@ def summary(plan, max_rows: int = 40) -> str:
     lines += ["", f"{'collective':<16} {'axes':<14} {'count':>6} {'time':>12}"]
     for kind, axes, n, t in collective_rows(plan):
         lines.append(f"{kind:<16} {axes:<14} {n:>6} {t * 1e3:>9.3f} ms")
+    lines += _kernel_lines(plan, max_rows)
     return "\n".join(lines)
 
 
@@ -58,11 +95,17 @@ def html(plan) -> str:
     coll = "".join(f"<tr><td>{esc(k)}</td><td>{esc(a)}</td><td>{esc(n)}</td>"
                    f"<td>{esc(f'{t * 1e3:.3f}')} ms</td></tr>"
                    for k, a, n, t in collective_rows(plan))
+    kern = "".join(f"<tr><td>{esc(n)}</td><td>{esc(sp)}</td><td><code>{esc(specs)}</code></td>"
+                   f"<td>{esc(f'{k:.3f}')} ms</td><td>{esc(f'{x:.3f}')} ms</td><td>{esc(g)}</td>"
+                   f"<td>{esc(src)}</td></tr>"
+                   for n, sp, specs, k, x, g, src in kernel_rows(plan))
+    kern = (f"<table><tr><th>kernel</th><th>split</th><th>per-shard specs</th><th>kernel</th>"
+            f"<th>XLA ops</th><th>gain</th><th>source</th></tr>{kern}</table>" if kern else "")
     return (f"<div><b>autopar plan</b> strategy={esc(plan.strategy)} mesh={esc(dict(plan.mesh))} "
             f"hardware={esc(plan.hardware)}<br>{esc(plan.cost)}<br>"
             f"<table><tr><th>input</th><th>shape</th><th>spec</th></tr>{rows}</table>"
             f"<table><tr><th>collective</th><th>axes</th><th>count</th><th>time</th></tr>{coll}"
-            f"</table></div>")
+            f"</table>{kern}</div>")
 
 
 def _esc(x) -> str:

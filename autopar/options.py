@@ -41,6 +41,9 @@ class PlannerOptions:
       hint: group id -> strategy index to start the solver from.
       starts: hand-written strategies whose descent solutions seed the solver (the cheapest one
         that fits the budget is the start).
+      kernels: "auto" (the ILP weighs each fused kernel against XLA's ops), "always" (a kernel
+        wherever the layouts allow one) or "never"; ``autopar.plan`` resolves its own "auto"
+        to "auto" or "never" by the hardware (``autopar.validate.kernels``).
     """
 
     strategy: str = "auto"
@@ -51,6 +54,7 @@ class PlannerOptions:
     hint: Mapping[int, int] | None = None
     starts: tuple[Any, ...] = ()
     deterministic: bool = dataclasses.field(default_factory=deterministic_default)
+    kernels: str = "never"
 
     def replace(self, **changes: Any) -> PlannerOptions:
         return dataclasses.replace(self, **changes)

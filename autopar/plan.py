@@ -20,8 +20,10 @@ from autopar.sharding import Sharding, to_spec
 # 3: pins address every layout (slot, chain); collectives carry count, source and name; the cost
 #    has bytes by collective kind and HBM bytes.
 # 4: a plan may carry a pipeline (``autopar.pipeline.record.PipelinePlan``, null when none).
-FORMAT_VERSION = 4
+# 5: kernels: the fused kernels the plan runs in place of XLA's ops.
+FORMAT_VERSION = 5
 PIN_SLOTS = ("out", "in", "arg", "res")
+KERNELS = ("attention", "norm", "xent", "adamw")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +54,24 @@ class Collective:
     source: str = ""           # the user's "file.py:LINE" of the op it belongs to
     name: str = ""             # that op's name stack ("jvp(GPT)/layer_0/mlp/fc1")
     hbm_bytes: float = 0.0     # per execution: what it and its layout copies read and write
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelUse:
+    """One fused kernel the plan runs in place of XLA's ops (``autopar.planner.kernel_choice``):
+    codegen calls its forward half for ``op_ids`` and its backward half for ``bwd_op_ids``, each
+    in ``shard_map`` with the per-shard specs ``split`` gives. ``kernel_s`` (kernel and its
+    collectives) and ``xla_s`` (the replaced ops under the plan's layouts) are predicted
+    seconds per step."""
+
+    kernel: str                                         # one of KERNELS
+    op_ids: tuple[int, ...]
+    bwd_op_ids: tuple[int, ...]
+    sources: tuple[str, ...]
+    split: tuple[tuple[str, tuple[str, ...]], ...]      # kernel dim -> mesh axes
+    specs: tuple[tuple[str, str, tuple[int, ...]], ...]  # argument, PartitionSpec, shard shape
+    kernel_s: float
+    xla_s: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +114,8 @@ class Plan:
 
     ``input_shardings``/``output_shardings`` are flat, in the order of the flattened arguments
     and results; ``input_specs``/``output_specs`` give them as pytrees of ``PartitionSpec``.
-    ``pins`` are every layout codegen enforces inside the step (``Pin``).
+    ``pins`` are every layout codegen enforces inside the step (``Pin``); ``kernels`` the fused
+    kernels it runs in place of XLA's ops (``KernelUse``).
     """
 
     mesh: tuple[tuple[str, int], ...]
@@ -111,6 +132,7 @@ class Plan:
     collectives: tuple[Collective, ...]
     cost: CostBreakdown
     solver: SolverStats
+    kernels: tuple[KernelUse, ...] = ()
     in_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
     out_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
     notes: tuple[str, ...] = ()   # what a hand-written strategy could not place, and why
@@ -214,7 +236,9 @@ def _plan_from_dict(d) -> Plan:
                           for k, x in enumerate(_list(d["collectives"], "collectives"))),
         cost=_cost(d["cost"]), solver=_solver_stats(d["solver"]),
         notes=_strs(d.get("notes", []), "notes"),
-        pipeline=_pipeline(d["pipeline"], sizes))
+        pipeline=_pipeline(d["pipeline"], sizes),
+        kernels=tuple(_kernel_use(x, sizes, k)
+                      for k, x in enumerate(_list(d["kernels"], "kernels"))))
 
 
 def _pipeline(x, sizes):
@@ -296,6 +320,35 @@ def _collective(x, sizes, k: int) -> Collective:
                       _num(d["count"], f"{where}.count"), _str(d["source"], f"{where}.source"),
                       _str(d["name"], f"{where}.name"),
                       _num(d.get("hbm_bytes", 0.0), f"{where}.hbm_bytes"))
+
+
+def _kernel_use(x, sizes, k: int) -> KernelUse:
+    where = f"kernels[{k}]"
+    d = _fields(x, where, [f.name for f in dataclasses.fields(KernelUse)])
+    kernel = _str(d["kernel"], f"{where}.kernel")
+    if kernel not in KERNELS:
+        raise PlanError(f"{where}.kernel is {kernel!r}; a kernel is one of {KERNELS}")
+    split = tuple((_str(n, f"{where}.split"), _strs(axes, f"{where}.split"))
+                  for n, axes in _pairs_of(d["split"], f"{where}.split"))
+    for _, axes in split:
+        for a in axes:
+            if a not in sizes:
+                raise PlanError(f"{where}.split names mesh axis {a!r}, but the mesh has axes "
+                                f"{sizes}")
+    specs = tuple(_spec_entry(e, f"{where}.specs[{j}]")
+                  for j, e in enumerate(_list(d["specs"], f"{where}.specs")))
+    ids = {n: tuple(_int(i, f"{where}.{n}") for i in _list(d[n], f"{where}.{n}"))
+           for n in ("op_ids", "bwd_op_ids")}
+    if not ids["op_ids"]:
+        raise PlanError(f"{where}.op_ids is empty; a kernel replaces at least one op")
+    return KernelUse(kernel, ids["op_ids"], ids["bwd_op_ids"],
+                     _strs(d["sources"], f"{where}.sources"), split, specs,
+                     _num(d["kernel_s"], f"{where}.kernel_s"), _num(d["xla_s"], f"{where}.xla_s"))
+
+
+def _spec_entry(x, where: str) -> tuple[str, str, tuple[int, ...]]:
+    arg, spec, shape = _list(x, where, 3)
+    return _str(arg, where), _str(spec, where), _shape(shape, where)
 
 
 def _cost(x) -> CostBreakdown:

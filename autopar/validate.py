@@ -73,6 +73,26 @@ def flag(name: str, value: Any) -> bool:
     return value
 
 
+KERNEL_MODES = ("auto", "always", "never")
+
+
+def kernels(value: Any, hw=None, mesh=None) -> str:
+    """``kernels=``: "auto", "always" or "never". Given the hardware profile and the mesh,
+    "auto" resolves to "auto" (the ILP weighs each kernel against XLA's ops) on a GPU profile,
+    and to "never" for a CPU profile or a mesh of CPU devices: there Pallas kernels run only in
+    its interpreter, far slower than XLA's code."""
+    if not isinstance(value, str) or value not in KERNEL_MODES:
+        raise AutoparError(f"kernels={value!r} must be one of {KERNEL_MODES}: 'auto' lets the "
+                           f"planner choose fused kernels where its cost model says so (on GPU "
+                           f"profiles), 'always' uses one wherever the layouts allow, 'never' "
+                           f"none")
+    if value != "auto" or hw is None:
+        return value
+    devices = getattr(mesh, "devices", None)
+    on_cpu = devices is not None and getattr(devices.flat[0], "platform", "") == "cpu"
+    return "never" if on_cpu or hw.name.lower().startswith("cpu") else "auto"
+
+
 def donate_argnums(value: Any) -> tuple[int, ...]:
     """A sorted tuple of distinct non-negative positions."""
     items = (value,) if isinstance(value, numbers.Integral) else value

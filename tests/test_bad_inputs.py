@@ -29,6 +29,7 @@ import cost_models
 import ir
 from autopar import strategies
 from autopar.errors import AutoparError, PlanError, ShardingError
+from autopar.plan import FORMAT_VERSION
 from cost_models import CostModelError, Hardware, Link
 
 F32 = jnp.float32
@@ -399,9 +400,10 @@ PLAN_CASES = [
     ("plan-no-version", lambda: _load(_drop("format_version")), PlanError,
      r"no format_version field"),
     ("plan-old-version", lambda: _load(_set(["format_version"], 1)), PlanError,
-     r"has format_version 1; this autopar reads version 4.*plan again with this version"),
-    ("plan-version-string", lambda: _load(_set(["format_version"], "3")), PlanError,
-     r"format_version '3' is not 4"),
+     rf"has format_version 1; this autopar reads version {FORMAT_VERSION}.*plan again with "
+     rf"this version"),
+    ("plan-version-string", lambda: _load(_set(["format_version"], str(FORMAT_VERSION))),
+     PlanError, rf"format_version '{FORMAT_VERSION}' is not {FORMAT_VERSION}"),
     ("plan-unknown-field", lambda: _load(_set(["extra"], 1)), PlanError,
      r"unknown fields \['extra'\]"),
     ("plan-missing-field", lambda: _load(_drop("pins")), PlanError, r"missing fields \['pins'\]"),

@@ -24,3 +24,19 @@ def test_gpu_kernel_benchmark_runs_in_interpret_mode(tmp_path):
     assert all(r["status"] == "ok" and float(r["median_ms"]) > 0 for r in rows), rows
     text = (tmp_path / "gpu_kernels_interpret.md").read_text()
     assert "jax " in text and "Device: cpu" in text and "| attention |" in text
+
+
+def test_gpu_step_benchmark_runs_in_interpret_mode(tmp_path):
+    """``benchmarks/gpu_step.py --quick --interpret``: the GPT step without, with all, and with
+    the chosen kernels, each timed and set against the plan's prediction."""
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "gpu_step.py"), "--quick", "--interpret", "--out",
+         str(tmp_path)], cwd=BENCH.parent, env=dict(os.environ), capture_output=True, text=True,
+        timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(tmp_path / "gpu_step_interpret.csv") as fh:
+        rows = {r["kernels"]: r for r in csv.DictReader(fh)}
+    assert set(rows) == {"never", "always", "auto"}
+    assert all(r["status"] == "ok" and float(r["median_ms"]) > 0 for r in rows.values()), rows
+    assert rows["never"]["kernels used"] == "none"
+    assert all(k in rows["always"]["kernels used"] for k in ("attention", "norm", "xent", "adamw"))

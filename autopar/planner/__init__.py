@@ -16,7 +16,7 @@ import numpy as np
 from autopar.errors import PlanError, ShardingError
 from autopar.options import PlannerOptions
 from autopar.plan import Collective, CostBreakdown, Plan, SolverStats
-from autopar.planner import ilp, memory, pins, problem
+from autopar.planner import ilp, kernel_choice, memory, pins, problem
 from autopar.planner.budget import LOG, SEARCH_BEFORE, START_BEFORE, Clock, warn_many_axes
 from autopar.planner.reshard import reshard_steps, step_bytes, step_hbm_bytes
 from autopar.sharding import Sharding, fmt
@@ -169,6 +169,7 @@ def make_plan(graph: Graph, mesh: Mapping[str, int], cost_model,
     clock = Clock(t0 - trace_s, options.time_limit_s, options.deterministic)
     warn_many_axes(mesh, clock)
     prob = problem.build(graph, mesh, cost_model, clock=clock)
+    kernel_choice.prepare(prob, cost_model, options.kernels, clock)
     allowed = _allowed_in_time(prob, options, clock)
     if options.op_filter is not None:
         _filtered(prob, options.op_filter, allowed)
@@ -188,6 +189,7 @@ def make_plan(graph: Graph, mesh: Mapping[str, int], cost_model,
                         sol.num_vars, sol.num_constraints, sol.candidates)
     plan = assemble(prob, sol.choice, cost_model, cost_model.hw.name, options.strategy,
                     options.memory_budget, stats)
+    plan = kernel_choice.finish(plan, prob, sol.choice, cost_model)
     _warn_over_budget(plan, options.memory_budget)
     return plan
 

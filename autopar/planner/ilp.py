@@ -31,6 +31,7 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from autopar.errors import PlanError
+from autopar.planner import kernel_choice
 from autopar.planner.budget import BUDGET_FACTOR, SEARCH_BEFORE, Clock
 from autopar.planner.problem import Problem, flow_pairs, restrict, value_bytes
 
@@ -249,6 +250,7 @@ class _Model:
             moved = {e.need[pick[self.root[e.dst]]] for e in es}
             for (oo, rr), var in u.items():
                 self.m.AddHint(var, oo == o and rr in moved)
+        kernel_choice.hint(self, pick, self.p.kernel_mode)
 
 
 def _ns(seconds: float) -> int:
@@ -413,6 +415,8 @@ def _build(p: Problem, cost_model, memory_budget, allowed, clock: Clock | None) 
     mdl.add_edges(clock)
     if allowed:
         mdl.restrict(allowed)
+    if p.kernel_sites:
+        kernel_choice.add_to_model(mdl, p.kernel_sites, p.kernel_mode)
     if memory_budget is not None:
         limit = int(min(memory_budget, MAX_BUDGET) / KIB)
         for k, expr in enumerate(mdl.memory_exprs()):

@@ -88,6 +88,8 @@ class Problem:
     const_values: list[int]               # held the whole step: args, consts, non-aliased results
     reshard: ReshardCache
     fusion: Fusion                                # the kernels XLA makes of the graph
+    kernel_sites: list = dataclasses.field(default_factory=list)   # planner.kernel_sites.Site
+    kernel_mode: str = "never"                    # PlannerOptions.kernels
 
     def reshard_s(self, v: int, src: Sharding, dst: Sharding) -> float:
         return self.reshard(self.graph.values[v], src, dst)
