@@ -11,6 +11,7 @@ Writes ``benchmarks/results/verify_matrix.md`` and ``verify_matrix.csv``.
 
     python benchmarks/verify_matrix.py            # 4 models x 4 meshes x 4 plans (~20 minutes)
     python benchmarks/verify_matrix.py --quick    # one row
+    python benchmarks/verify_matrix.py --models "GPT unrolled,MoE" --meshes 1x8,2x4
 """
 from __future__ import annotations
 
@@ -63,12 +64,18 @@ def _ratio(check) -> float:
 
 
 def main(argv=None):
-    args = _common.parser(__doc__).parse_args(argv)
+    p = _common.parser(__doc__)
+    p.add_argument("--models", default=None, help="comma-separated subset of the model labels")
+    p.add_argument("--meshes", default=None, help="comma-separated subset of " + ",".join(MESHES))
+    args = p.parse_args(argv)
     out = _common.out_dir(args)
     meshes = ["2x4"] if args.quick else list(MESHES)
+    meshes = args.meshes.split(",") if args.meshes else meshes
     strategies = ["auto"] if args.quick else ["dp", "zero3", "megatron", "auto"]
     rows = []
     for label, make in models(args.quick).items():
+        if args.models and label not in args.models.split(","):
+            continue
         model = make()
         for m in meshes:
             for s in strategies:

@@ -241,7 +241,8 @@ def _savings(prob: problem.Problem, builder, index: Index,
         grp = prob.groups[g] if g is not None and g >= 0 else None
         if grp is None or i not in grp.members:
             continue
-        scratch = problem.Group(-1, -1, grp.strategies, np.zeros(grp.n), np.zeros(grp.n))
+        scratch = problem.Group(-1, -1, grp.strategies, np.zeros(grp.n), np.zeros(grp.n),
+                                 np.zeros(grp.n))
         builder.add_costs(scratch, index.ops[index.order[i]], grp.members[i], grp.mults[i])
         comp, comm = out.get(g, (np.zeros(grp.n), np.zeros(grp.n)))
         out[g] = (comp + scratch.compute_s, comm + scratch.comm_s)
