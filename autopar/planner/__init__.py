@@ -185,6 +185,7 @@ def make_plan(graph: Graph, mesh: Mapping[str, int], cost_model,
     build_s = time.perf_counter() - t0
     sol = ilp.solve(prob, cost_model, options.memory_budget, options.time_limit_s, allowed, hint,
                     clock=clock, hint_name=hint_name, seeds=seeds)
+    sol = _within_budget(prob, sol, cost_model, options, allowed, clock)
     stats = SolverStats(sol.status, sol.gap, sol.solve_s, build_s, trace_s, prob.num_decisions,
                         sol.num_vars, sol.num_constraints, sol.candidates)
     plan = assemble(prob, sol.choice, cost_model, cost_model.hw.name, options.strategy,
@@ -192,6 +193,25 @@ def make_plan(graph: Graph, mesh: Mapping[str, int], cost_model,
     plan = kernel_choice.finish(plan, prob, sol.choice, cost_model)
     _warn_over_budget(plan, options.memory_budget)
     return plan
+
+
+def _within_budget(prob, sol, cost_model, options, allowed, clock):
+    """The solver's memory constraint does not see resharded copies (``planner.memory``). When
+    the chosen plan's full estimate exceeds the budget, solve once more with the budget lowered
+    by the overshoot and keep that plan if it fits; otherwise keep the first (and warn)."""
+    budget = options.memory_budget
+    if budget is None:
+        return sol
+    over = memory.estimate(prob, sol.choice).peak - budget
+    if over <= 0 or clock.spent(SEARCH_BEFORE):
+        return sol
+    try:
+        hint = sol.choice if isinstance(sol.choice, Mapping) else dict(enumerate(sol.choice))
+        again = ilp.solve(prob, cost_model, budget - over, options.time_limit_s, allowed, hint,
+                          clock=clock, hint_name="FIRST SOLUTION")
+    except PlanError:
+        return sol
+    return again if memory.estimate(prob, again.choice).peak <= budget else sol
 
 
 def _warn_over_budget(plan: Plan, budget: float | None) -> None:
