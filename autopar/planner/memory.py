@@ -32,7 +32,7 @@ import dataclasses
 
 import numpy as np
 
-from autopar.planner.problem import Problem, value_bytes
+from autopar.planner.problem import Problem, body_peaks, temporaries, value_bytes
 from autopar.sharding import shard_factor
 
 
@@ -51,12 +51,12 @@ def estimate(prob: Problem, choice) -> MemoryEstimate:
     """The per-device memory of ``prob`` under ``choice`` (group id -> strategy index)."""
     g = prob.graph
     nbytes = _sizer(prob, choice)
-    held = list(g.inputs) + list(g.consts) + _results(prob)
-    resident = sum(nbytes(v) for v in dict.fromkeys(held))
+    resident = sum(nbytes(v) for v in prob.const_values)
+    temps, inner = _schedule(prob)
     live = np.zeros(len(g.ops) + 1)
-    for v, a, b in _temporaries(prob):
+    for v, a, b in temps:
         live[a: b + 1] += nbytes(v)
-    for t, ids in _body_peaks(prob).items():
+    for t, (ids, _) in inner.items():
         live[t] += sum(nbytes(v) for v in ids)
     for a, b, size in _reshard_copies(prob, choice):
         live[a: b + 1] += size
@@ -87,31 +87,13 @@ def _positions(prob: Problem) -> dict[int, int]:
     return memo
 
 
-def _temporaries(prob: Problem) -> list[tuple[int, int, int]]:
-    """(value, first, last position) of each top-level temporary a kernel writes."""
-    g, fusion = prob.graph, prob.fusion
-    resident = set(g.inputs) | set(g.outputs)
-    pos, last = {}, {}
-    for t, op in enumerate(g.ops):
-        for v in op.outs:
-            if v in fusion.materialized and v not in resident and v not in fusion.constants:
-                pos[v] = t
-        for v in op.ins:
-            last[v] = t
-    return [(v, a, last.get(v, a)) for v, a in pos.items()]
-
-
-def _results(prob: Problem) -> list[int]:
-    g = prob.graph
-    aliased = {g.outputs[j] for j, k in prob.output_pairs.items() if g.donated[k]}
-    return [v for v in g.outputs if v not in aliased]
-
-
-def _body_peaks(prob: Problem) -> dict[int, list[int]]:
-    from autopar.planner.problem import _body_peak
-
-    return {t: _body_peak(prob.graph, op, prob.fusion)[0]
-            for t, op in enumerate(prob.graph.ops) if op.regions}
+def _schedule(prob: Problem):
+    """The plan-independent part: top-level temporaries and loop-body peaks (memoised)."""
+    memo = prob.__dict__.get("_schedule")
+    if memo is None:
+        memo = prob.__dict__["_schedule"] = (temporaries(prob.graph, prob.fusion),
+                                             body_peaks(prob.graph, prob.fusion))
+    return memo
 
 
 def _reshard_copies(prob: Problem, choice) -> list[tuple[int, int, float]]:

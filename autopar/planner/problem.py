@@ -596,25 +596,41 @@ def _memory_points(graph: Graph, n_points: int, fusion) -> list[list[int]]:
     values a kernel writes to memory are temporaries (``ir.fusion``: what XLA fuses away never
     exists). A loop's body runs inside its op: the values live at the body's own peak join the
     live set at the loop's position (carries and stacked results are the loop op's values)."""
-    ops = graph.ops
-    resident = set(graph.inputs) | set(graph.outputs)
-    pos, last_use = {}, {}
-    for t, op in enumerate(ops):
-        for v in op.outs:
-            if v in fusion.materialized and v not in resident and v not in fusion.constants:
-                pos[v] = t
-        for v in op.ins:
-            last_use[v] = t
-    intervals = [(v, pos[v], last_use.get(v, pos[v])) for v in pos]
-    live_bytes = np.zeros(len(ops) + 1)
+    intervals = temporaries(graph, fusion)
+    live_bytes = np.zeros(len(graph.ops) + 1)
     for v, a, b in intervals:
         live_bytes[a: b + 1] += graph.values[v].nbytes
-    inner = {t: _body_peak(graph, op, fusion) for t, op in enumerate(ops) if op.regions}
+    inner = body_peaks(graph, fusion)
     for t, (_, nbytes) in inner.items():
         live_bytes[t] += nbytes
     points = np.argsort(-live_bytes, kind="stable")[:n_points]
     return [[v for v, a, b in intervals if a <= t <= b] + inner.get(t, ([], 0))[0]
             for t in sorted(points)]
+
+
+def _intervals(ops: Sequence[Op], keep) -> list[tuple[int, int, int]]:
+    """(value, producer position, last reader position) of each result of ``ops`` ``keep``s."""
+    pos, last = {}, {}
+    for t, op in enumerate(ops):
+        for v in op.outs:
+            if keep(v):
+                pos[v] = t
+        for v in op.ins:
+            last[v] = t
+    return [(v, a, last.get(v, a)) for v, a in pos.items()]
+
+
+def temporaries(graph: Graph, fusion: Fusion) -> list[tuple[int, int, int]]:
+    """(value, first, last top-level position) of each temporary a kernel writes: not an
+    argument or result, not a folded constant."""
+    resident = set(graph.inputs) | set(graph.outputs)
+    return _intervals(graph.ops, lambda v: v in fusion.materialized and v not in resident
+                      and v not in fusion.constants)
+
+
+def body_peaks(graph: Graph, fusion: Fusion) -> dict[int, tuple[list[int], float]]:
+    """Top-level position of each loop or branch op -> its bodies' peak (``_body_peak``)."""
+    return {t: _body_peak(graph, op, fusion) for t, op in enumerate(graph.ops) if op.regions}
 
 
 def _resident(graph: Graph, pairs: Mapping[int, int]) -> list[int]:
@@ -632,22 +648,17 @@ def _body_peak(graph: Graph, op: Op, fusion) -> tuple[list[int], float]:
     best: tuple[list[int], float] = ([], 0.0)
     for region in op.regions:
         ops = region.ops
-        pos, last = {}, {}
-        for t, o in enumerate(ops):
-            for v in o.outs:
-                if v in fusion.materialized and v not in region.outputs:
-                    pos[v] = t
-            for v in o.ins:
-                last[v] = t
+        intervals = _intervals(ops, lambda v: v in fusion.materialized
+                               and v not in region.outputs)  # noqa: B023 (used at once)
         live = np.zeros(len(ops) + 1)
-        for v, a in pos.items():
-            live[a: last.get(v, a) + 1] += graph.values[v].nbytes
+        for v, a, b in intervals:
+            live[a: b + 1] += graph.values[v].nbytes
         for t, o in enumerate(ops):
             if o.regions:
                 live[t] += _body_peak(graph, o, fusion)[1]
         if len(ops) and live.max() > best[1]:
             t = int(live.argmax())
-            best = ([v for v, a in pos.items() if a <= t <= last.get(v, a)], float(live[t]))
+            best = ([v for v, a, b in intervals if a <= t <= b], float(live[t]))
     return best
 
 
