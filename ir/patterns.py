@@ -43,7 +43,7 @@ from typing import Any
 
 from ir.consteval import Evaluator
 from ir.graph import Graph, Op
-from ir.layers import _NOT_MODULES, _TRANSFORM  # the name-stack grammar layers already parses
+from ir.layers import module_path  # the name-stack grammar layers already parses
 
 PATTERNS = ("attention_fwd", "attention_bwd", "norm_fwd", "norm_bwd", "xent_fwd", "xent_bwd",
             "adamw")
@@ -101,16 +101,6 @@ def counts(matches: Iterable[Match]) -> Counter:
 
 
 # ---- graph index ------------------------------------------------------------------------------
-def module_path(name: str) -> str:
-    """``"transpose(jvp(GPT))/layer_0/attn"`` -> ``"GPT/layer_0/attn"`` (transforms, remat
-    segments and repeated segments dropped), the key backward ops share with forward ones."""
-    path: list[str] = []
-    for seg in name.split("/"):
-        while (m := _TRANSFORM.match(seg)) is not None:
-            seg = m.group(1)
-        if seg not in _NOT_MODULES and (not path or path[-1] != seg):
-            path.append(seg)
-    return "/".join(path)
 
 
 class Index:

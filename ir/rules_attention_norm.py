@@ -59,8 +59,8 @@ def find_attention(index: Index, exp: Op) -> Match | None:
     inputs = role_inputs(index, ops, named)
     if inputs is None:
         return None
-    attrs = {"causal": _mask_kind(index, mask, axis) == "causal",
-             "mask": _mask_kind(index, mask, axis), "scale": scale[0], "softmax_axis": axis,
+    kind = _mask_kind(index, mask, axis)
+    attrs = {"causal": kind == "causal", "mask": kind, "scale": scale[0], "softmax_axis": axis,
              "q_is_lhs": k_side == 1, "score_dims": scores.param("dimension_numbers"),
              "value_dims": vd.param("dimension_numbers"), "p_is_lhs": p_side == 0}
     return make_match(index, "attention_fwd", ops, inputs, [("out", out)], attrs)

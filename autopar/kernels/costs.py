@@ -149,7 +149,7 @@ def xent_fwd_cost(rows: int, width: int, vocab: int, itemsize: int = 2, vocab_sh
     """Forward kernel on one shard (``vocab`` = this shard's columns): the logits matmul, the
     online log-sum-exp; every row block streams the whole local head. Vocabulary-parallel: a
     max all-reduce and one sum all-reduce of two floats per row."""
-    bn = min(blocks.block_rows, 1 << max(0, (rows - 1).bit_length()))
+    bn = block(rows, blocks.block_rows)
     logits = rows * vocab
     head_reads = -(-rows // bn) * width * vocab * itemsize
     comm = (("all-reduce", 4.0 * rows), ("all-reduce", 8.0 * rows)) if vocab_shards > 1 else ()

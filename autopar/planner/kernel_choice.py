@@ -31,8 +31,6 @@ from autopar.plan import Collective, KernelUse, Plan
 from autopar.planner import problem
 from autopar.planner.kernel_sites import Option, Site
 
-PS = 1e9      # the ILP's integer nanoseconds (ilp.PS)
-
 
 @dataclasses.dataclass(frozen=True)
 class Chosen:

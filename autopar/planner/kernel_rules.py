@@ -26,7 +26,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 
 from autopar.kernels import costs as kc
-from autopar.sharding import Sharding, to_spec
+from autopar.sharding import Sharding, shard_factor, to_spec, used_axes
 from ir.graph import TensorType
 from ir.patterns import Index, Match
 
@@ -202,13 +202,13 @@ def _norm_layouts(index: Index, fwd: Match, bwd: Match | None, split) -> dict[in
 def _norm_cost(index: Index, fwd: Match, bwd: Match | None, split, mesh):
     x = _t(index, fwd.input("x"))
     rows = _rows(split, len(x.shape) - 1)
-    n = math.prod(x.shape[:-1]) // math.prod(_n(mesh, a) for a in rows)
+    n = math.prod(x.shape[:-1]) // shard_factor(rows, mesh)
     kind, res = fwd.attr("kind"), bool(fwd.attr("residual"))
     cost = kc.norm_fwd_cost(n, x.shape[-1], x.itemsize, kind, res)
     comms: tuple[Comm, ...] = ()
     if bwd is not None:
         cost = cost + kc.norm_bwd_cost(n, x.shape[-1], x.itemsize, kind, res)
-        axes = tuple(a for r in rows for a in r)
+        axes = used_axes(rows)
         scale = _t(index, fwd.input("scale"))
         params = 1 + ("bias" in fwd.roles())
         comms = (("all-reduce", float(params * scale.nbytes), axes),) if axes else ()
@@ -266,7 +266,7 @@ def _xent_layouts(index: Index, fwd: Match, bwd: Match | None, split) -> dict[in
 def _xent_sizes(index: Index, fwd: Match, split, mesh):
     h, w = _t(index, fwd.input("h")), _t(index, fwd.input("w"))
     rows = _rows(split, len(h.shape) - 1)
-    n = math.prod(h.shape[:-1]) // math.prod(_n(mesh, a) for a in rows)
+    n = math.prod(h.shape[:-1]) // shard_factor(rows, mesh)
     shards = _n(mesh, split["vocab"])
     return rows, n, w.shape[0], w.shape[1] // shards, shards, h.itemsize, w.itemsize
 
@@ -277,7 +277,7 @@ def _xent_cost(index: Index, fwd: Match, bwd: Match | None, split, mesh):
     if bwd is not None:
         cost = cost + kc.xent_bwd_cost(n, d, v, it, shards)
     comms = [(kind, nbytes, split["vocab"]) for kind, nbytes in cost.collectives]
-    axes = tuple(a for r in rows for a in r)
+    axes = used_axes(rows)
     if bwd is not None and axes:      # the head's gradient, summed over the row shards
         comms.append(("all-reduce", float(d * v * w_it), axes))
     return dataclasses.replace(cost, collectives=()), tuple(comms)
@@ -316,7 +316,7 @@ def _adamw_layouts(index: Index, fwd: Match, bwd: Match | None, split) -> dict[i
 
 def _adamw_cost(index: Index, fwd: Match, bwd: Match | None, split, mesh):
     p, g, mu = (_t(index, fwd.input(r)) for r in ("param", "grad", "mu"))
-    shards = math.prod(_n(mesh, a) for a in split.values())
+    shards = shard_factor(tuple(split.values()), mesh)
     return kc.adamw_cost(p.size // shards, p.itemsize, g.itemsize, mu.itemsize), ()
 
 

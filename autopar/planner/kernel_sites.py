@@ -22,7 +22,6 @@ comparison is each replaced op's cost under every strategy of its group, as
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from collections.abc import Mapping, Sequence
 
@@ -30,7 +29,7 @@ import numpy as np
 
 from autopar.planner import problem
 from autopar.planner.kernel_rules import RULES, Comm, KernelRule, Split, kernel_of
-from autopar.sharding import Sharding
+from autopar.sharding import Sharding, enumerate_shardings
 from ir.patterns import Index, Match, find_patterns
 
 # How a plan uses kernels (``PlannerOptions.kernels``): "auto" lets the ILP weigh each kernel
@@ -196,16 +195,11 @@ def _out_of_order(index: Index, fwd: Match, bwd: Match | None, rule: KernelRule,
 def splits(slots: Sequence[tuple[str, int]], mesh: Mapping[str, int],
            max_axes: int = 2) -> list[Split]:
     """Every assignment of the mesh's axes (size > 1) to at most one slot each, at most
-    ``max_axes`` per slot (mesh order inside a slot), each slot's size divisible."""
-    axes = [a for a, n in mesh.items() if n > 1]
-    out = []
-    for pick in itertools.product(range(-1, len(slots)), repeat=len(axes)):
-        by_slot = [tuple(a for a, s in zip(axes, pick) if s == k) for k in range(len(slots))]
-        if any(len(b) > max_axes or size % math.prod(mesh[a] for a in b)
-               for b, (_, size) in zip(by_slot, slots)):
-            continue
-        out.append(tuple((name, b) for (name, _), b in zip(slots, by_slot)))
-    return out
+    ``max_axes`` per slot (mesh order inside a slot), each slot's size divisible: the
+    shardings of a shape whose dims are the slots."""
+    names = [name for name, _ in slots]
+    return [tuple(zip(names, s))
+            for s in enumerate_shardings([size for _, size in slots], mesh, max_axes)]
 
 
 def _options(prob: problem.Problem, index: Index, fwd: Match, bwd: Match | None,
