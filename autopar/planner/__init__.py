@@ -129,14 +129,11 @@ def _cheapest_alone(prob: problem.Problem, allowed, hint=None) -> dict[int, int]
     """``hint``'s choices, else each decision group's cheapest allowed strategy, resharding
     ignored: a valid plan that needs none of descent's edge matrices (which cost about as much as
     building the problem)."""
-    from autopar.planner.descent import _expand, _root
+    from autopar.planner.descent import _expand
 
-    cost: dict[int, np.ndarray] = {}
-    for g in prob.groups:
-        r = _root(prob, g.id)
-        cost[r] = cost.get(r, 0) + g.compute_s + g.comm_s
+    cost = dict(prob.root_costs())        # new arrays below: the memo is not modified
     for g, ok in allowed.items():
-        r = _root(prob, g)
+        r = prob.root(g)
         cost[r] = cost[r] + np.array([0.0 if i in ok else np.inf for i in range(len(cost[r]))])
     hint = hint or {}
     return _expand(prob, {r: hint.get(r, int(np.argmin(c))) for r, c in cost.items()})

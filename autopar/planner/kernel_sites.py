@@ -99,7 +99,7 @@ def find_sites(prob: problem.Problem, cost_model) -> tuple[list[Site], list[Reje
     matches = find_patterns(prob.graph)
     index = Index(prob.graph)
     backward = {m.forward: m for m in matches if m.forward is not None}
-    builder = problem._Builder(prob.graph, prob.mesh, cost_model, 1)
+    builder = problem._Builder(prob.graph, prob.mesh, cost_model, 1, fusion=prob.fusion)
     sites, rejected = [], []
     for i, fwd in enumerate(matches):
         if fwd.forward is not None:

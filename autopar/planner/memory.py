@@ -88,7 +88,8 @@ def _positions(prob: Problem) -> dict[int, int]:
 
 
 def _schedule(prob: Problem):
-    """The plan-independent part: top-level temporaries and loop-body peaks (memoised)."""
+    """The plan-independent part: top-level temporaries and loop-body peaks (``problem.build``
+    stores them; a restricted copy of the problem recomputes them once)."""
     memo = prob.__dict__.get("_schedule")
     if memo is None:
         memo = prob.__dict__["_schedule"] = (temporaries(prob.graph, prob.fusion),

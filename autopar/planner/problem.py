@@ -39,10 +39,10 @@ from autopar.sharding import Sharding, replicated, shard_factor
 from cost_models.compute import MATMUL_PRIMS
 from ir import Graph, Op
 from ir.fusion import Fusion, fuse
+from ir.layers import _walk as walk_ops
 from ir.layers import node_graph
 from ir.layers import roles as layer_roles
 
-_CONTRACTIONS = ("dot_general", "conv_general_dilated")
 
 @dataclasses.dataclass(frozen=True)
 class Edge:
@@ -216,7 +216,7 @@ class _Planned:
 
 class _Builder:
     def __init__(self, graph: Graph, mesh: Mapping[str, int], cost_model, max_strategies: int,
-                 clock=None):
+                 clock=None, fusion: Fusion | None = None):
         self.clock = clock    # planner.budget.Clock: past its search limit, ops run replicated
         self.late_ops = 0
         self.g = graph
@@ -230,7 +230,7 @@ class _Builder:
         self.gv: dict[int, int] = {}
         self.gop: dict[int, int] = {}
         self.reshard = ReshardCache(cost_model, mesh)
-        self.fusion = fuse(graph)
+        self.fusion = fuse(graph) if fusion is None else fusion
         self.memo: dict = {}        # op structure (+ operand layouts) -> rule / _Planned
         first = len(graph.inputs) + len(graph.consts)
         labels = node_graph(graph)[0]
@@ -313,7 +313,7 @@ class _Builder:
     def compute_dtype(self, op: Op) -> str:
         """A contraction runs at its inputs' rate (bf16 x bf16 accumulating in f32 is a bf16
         matmul); other ops at their result's."""
-        v = op.ins[0] if op.prim in _CONTRACTIONS and op.ins else (op.outs[0] if op.outs else None)
+        v = op.ins[0] if op.prim in MATMUL_PRIMS and op.ins else (op.outs[0] if op.outs else None)
         return self.g.values[v].dtype if v is not None else "float32"
 
     def add_costs(self, grp: Group, op: Op, per_i: list[Strategy], mult: float) -> None:
@@ -490,7 +490,7 @@ def op_hbm_bytes(graph: Graph, fusion, mesh: Mapping[str, int], op: Op, st: Stra
     in the layouts ``st`` needs, materialized results in its layouts, layout copies twice. A loop
     or branch op (run replicated) counts its bodies' kernels whole."""
     if op.regions:
-        inner = [o.id for r in op.regions for o in _walk(r.ops)]
+        inner = [o.id for o in walk_ops(r.ops for r in op.regions)]
         return fusion.hbm_bytes(graph, inner + [op.id])
 
     def per_device(v: int, layout: Sharding | None) -> float:
@@ -503,13 +503,6 @@ def op_hbm_bytes(graph: Graph, fusion, mesh: Mapping[str, int], op: Op, st: Stra
     for v in fusion.writes.get(op.id, ()):
         total += per_device(v, st.outs[op.outs.index(v)])
     return total
-
-
-def _walk(ops):
-    for op in ops:
-        yield op
-        for r in op.regions:
-            yield from _walk(r.ops)
 
 
 def _alias_op(op: Op, src: int, dst: int) -> Op:
@@ -588,19 +581,19 @@ def _ties(graph: Graph, b: _Builder) -> dict[int, int]:
     return ties
 
 
-def _memory_points(graph: Graph, n_points: int, fusion) -> list[list[int]]:
+def _memory_points(graph: Graph, n_points: int, schedule) -> list[list[int]]:
     """Live temporaries at the ``n_points`` schedule positions with most live bytes.
 
     XLA allocates a step's arguments and results for the whole execution (``_resident``) and
     its temporaries from one pool, whose size is the peak of the temporaries live at once. Only
     values a kernel writes to memory are temporaries (``ir.fusion``: what XLA fuses away never
     exists). A loop's body runs inside its op: the values live at the body's own peak join the
-    live set at the loop's position (carries and stacked results are the loop op's values)."""
-    intervals = temporaries(graph, fusion)
+    live set at the loop's position (carries and stacked results are the loop op's values).
+    ``schedule``: ``(temporaries(...), body_peaks(...))``."""
+    intervals, inner = schedule
     live_bytes = np.zeros(len(graph.ops) + 1)
     for v, a, b in intervals:
         live_bytes[a: b + 1] += graph.values[v].nbytes
-    inner = body_peaks(graph, fusion)
     for t, (_, nbytes) in inner.items():
         live_bytes[t] += nbytes
     points = np.argsort(-live_bytes, kind="stable")[:n_points]
@@ -679,9 +672,12 @@ def build(graph: Graph, mesh: Mapping[str, int], cost_model, max_strategies: int
         b.add_edge(b.gv[v_out], input_group[k], v_out, need, 1.0, f"output{j}->input{k}")
     _feed_costs(graph, b, input_group, pairs)
     ties = _ties(graph, b)
-    return Problem(graph, dict(mesh), b.groups, b.edges, b.gv, b.gop, input_group, ties, pairs,
-                   _memory_points(graph, memory_points, b.fusion), _resident(graph, pairs),
+    schedule = (temporaries(graph, b.fusion), body_peaks(graph, b.fusion))
+    prob = Problem(graph, dict(mesh), b.groups, b.edges, b.gv, b.gop, input_group, ties, pairs,
+                   _memory_points(graph, memory_points, schedule), _resident(graph, pairs),
                    b.reshard, b.fusion)
+    prob.__dict__["_schedule"] = schedule          # planner.memory reads it again
+    return prob
 
 
 def flow_pairs(problem: Problem) -> int:
