@@ -26,7 +26,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-import jax
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -34,20 +33,19 @@ from jax.sharding import PartitionSpec as P
 from autopar.kernels import cross_entropy as xent_mod
 from autopar.kernels import flash_attention as attn_mod
 from autopar.kernels import norms as norm_mod
-from autopar.kernels.sharded import Axes, _check_axes, _check_divisible, _names
-
-
-def _smap(body, mesh: Mesh, in_specs, out_specs):
-    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                         check_vma=False)
+from autopar.kernels.sharded import (
+    Axes,
+    _check_axes,
+    _check_divisible,
+    _names,
+    gather_kv,
+    lead_axes,
+    smap,
+)
 
 
 def _size(mesh: Mesh, axes: Axes) -> int:
     return math.prod(mesh.shape[a] for a in _names(axes))
-
-
-def _lead(rows: Sequence[Axes], ndim: int) -> tuple[Axes, ...]:
-    return tuple(rows) + (None,) * (ndim - len(rows))
 
 
 def _row_axes(rows: Sequence[Axes]) -> tuple[str, ...]:
@@ -61,15 +59,6 @@ def _attn_check(mesh, q, k, batch, heads, seq):
         _check_divisible(mesh, name, x.shape, (batch, seq, heads, None))
 
 
-def _gather_kv(k_, v_, seq: Axes, rows_here: int):
-    """Keys/values of the whole sequence and this shard's first query position."""
-    if seq is None:
-        return k_, v_, 0
-    k_ = lax.all_gather(k_, seq, axis=1, tiled=True)
-    v_ = lax.all_gather(v_, seq, axis=1, tiled=True)
-    return k_, v_, lax.axis_index(seq) * rows_here
-
-
 def attention_fwd_sharded(q, k, v, *, mesh: Mesh, batch: Axes = None, heads: Axes = None,
                           seq: Axes = None, causal: bool = True, scale: float | None = None,
                           blocks: attn_mod.AttentionBlocks = attn_mod.DEFAULT_BLOCKS,
@@ -80,11 +69,11 @@ def attention_fwd_sharded(q, k, v, *, mesh: Mesh, batch: Axes = None, heads: Axe
     spec = P(batch, seq, heads, None)
 
     def body(q_, k_, v_):
-        k_, v_, offset = _gather_kv(k_, v_, seq, q_.shape[1])
+        k_, v_, offset = gather_kv(k_, v_, seq, q_.shape[1])
         return attn_mod.attention_fwd(q_, k_, v_, causal=causal, scale=scale, q_offset=offset,
                                       blocks=blocks, backend=backend)
 
-    return _smap(body, mesh, (spec,) * 3, (spec, P(batch, heads, seq)))(q, k, v)
+    return smap(body, mesh, (spec,) * 3, (spec, P(batch, heads, seq)))(q, k, v)
 
 
 def attention_bwd_sharded(q, k, v, out, lse, dout, *, mesh: Mesh, batch: Axes = None,
@@ -97,7 +86,7 @@ def attention_bwd_sharded(q, k, v, out, lse, dout, *, mesh: Mesh, batch: Axes = 
     spec = P(batch, seq, heads, None)
 
     def body(q_, k_, v_, o_, l_, do_):
-        kf, vf, offset = _gather_kv(k_, v_, seq, q_.shape[1])
+        kf, vf, offset = gather_kv(k_, v_, seq, q_.shape[1])
         dq, dk, dv = attn_mod.attention_bwd(q_, kf, vf, o_, l_, do_, causal=causal, scale=scale,
                                             q_offset=offset, blocks=blocks, backend=backend)
         if seq is not None:   # every query shard adds to every key: sum, keep this shard's keys
@@ -106,7 +95,7 @@ def attention_bwd_sharded(q, k, v, out, lse, dout, *, mesh: Mesh, batch: Axes = 
         return dq, dk, dv
 
     in_specs = (spec,) * 4 + (P(batch, heads, seq), spec)
-    return _smap(body, mesh, in_specs, (spec,) * 3)(q, k, v, out, lse, dout)
+    return smap(body, mesh, in_specs, (spec,) * 3)(q, k, v, out, lse, dout)
 
 
 # ---- norms ------------------------------------------------------------------------------------
@@ -114,7 +103,7 @@ def norm_fwd_sharded(kind: str, x, scale, bias=None, residual=None, *, mesh: Mes
                      rows: Sequence[Axes] = (), eps: float = 1e-6, backend: str | None = None):
     """``norm_fwd`` on ``mesh``: ``(y, h, mean, rstd)``, the leading dims of ``x`` split by
     ``rows`` (the normalised width whole)."""
-    lead = _lead(rows, x.ndim - 1)
+    lead = lead_axes(rows, x.ndim - 1)
     _check_axes(mesh, dict(enumerate(lead)))
     _check_divisible(mesh, "x", x.shape, lead + (None,))
     act, stat, vec = P(*lead, None), P(*lead), P(None)
@@ -123,7 +112,7 @@ def norm_fwd_sharded(kind: str, x, scale, bias=None, residual=None, *, mesh: Mes
         return norm_mod.norm_fwd(kind, x_, s_, b_, r_, eps=eps, backend=backend)
 
     in_specs = (act, vec, None if bias is None else vec, None if residual is None else act)
-    return _smap(body, mesh, in_specs, (act, act, stat, stat))(x, scale, bias, residual)
+    return smap(body, mesh, in_specs, (act, act, stat, stat))(x, scale, bias, residual)
 
 
 def norm_bwd_sharded(kind: str, h, scale, mean, rstd, dy, dh=None, *, mesh: Mesh,
@@ -131,7 +120,7 @@ def norm_bwd_sharded(kind: str, h, scale, mean, rstd, dy, dh=None, *, mesh: Mesh
                      backend: str | None = None):
     """``norm_bwd`` on ``mesh``: ``(dx, dscale, dbias)``; the parameter gradients are summed
     over the row axes (``dbias`` is ``None`` without a bias)."""
-    lead = _lead(rows, h.ndim - 1)
+    lead = lead_axes(rows, h.ndim - 1)
     _check_axes(mesh, dict(enumerate(lead)))
     act, stat, vec = P(*lead, None), P(*lead), P(None)
     axes = _row_axes(rows)
@@ -146,7 +135,7 @@ def norm_bwd_sharded(kind: str, h, scale, mean, rstd, dy, dh=None, *, mesh: Mesh
 
     in_specs = (act, vec, stat, stat, act, None if dh is None else act)
     out_specs = (act, vec, vec if bias else None)
-    return _smap(body, mesh, in_specs, out_specs)(h, scale, mean, rstd, dy, dh)
+    return smap(body, mesh, in_specs, out_specs)(h, scale, mean, rstd, dy, dh)
 
 
 # ---- LM-head cross-entropy --------------------------------------------------------------------
@@ -155,7 +144,7 @@ def xent_fwd_sharded(h, w, targets, *, mesh: Mesh, rows: Sequence[Axes] = (), vo
                      backend: str | None = None):
     """``xent_fwd`` on ``mesh``: ``(loss, lse)`` per token, the vocabulary-parallel form when
     ``vocab`` splits the head's columns."""
-    lead = _lead(rows, targets.ndim)
+    lead = lead_axes(rows, targets.ndim)
     _check_axes(mesh, {**dict(enumerate(lead)), "vocab": vocab})
     _check_divisible(mesh, "h", h.shape, lead + (None,))
     _check_divisible(mesh, "w", w.shape, (None, vocab))
@@ -164,14 +153,14 @@ def xent_fwd_sharded(h, w, targets, *, mesh: Mesh, rows: Sequence[Axes] = (), vo
         return xent_mod.xent_fwd(h_, w_, t_, vocab_axis=vocab, blocks=blocks, backend=backend)
 
     tok = P(*lead)
-    return _smap(body, mesh, (P(*lead, None), P(None, vocab), tok), (tok, tok))(h, w, targets)
+    return smap(body, mesh, (P(*lead, None), P(None, vocab), tok), (tok, tok))(h, w, targets)
 
 
 def xent_bwd_sharded(h, w, targets, lse, dloss, *, mesh: Mesh, rows: Sequence[Axes] = (),
                      vocab: Axes = None, blocks: xent_mod.XentBlocks = xent_mod.DEFAULT_BLOCKS,
                      backend: str | None = None):
     """``xent_bwd`` on ``mesh``: ``(dh, dw)`` laid out like ``h`` and ``w``."""
-    lead = _lead(rows, targets.ndim)
+    lead = lead_axes(rows, targets.ndim)
     _check_axes(mesh, {**dict(enumerate(lead)), "vocab": vocab})
     shards, axes = _size(mesh, vocab), _row_axes(rows)
 
@@ -185,5 +174,5 @@ def xent_bwd_sharded(h, w, targets, lse, dloss, *, mesh: Mesh, rows: Sequence[Ax
 
     tok = P(*lead)
     in_specs = (P(*lead, None), P(None, vocab), tok, tok, tok)
-    return _smap(body, mesh, in_specs, (P(*lead, None), P(None, vocab)))(h, w, targets, lse,
+    return smap(body, mesh, in_specs, (P(*lead, None), P(None, vocab)))(h, w, targets, lse,
                                                                           dloss)

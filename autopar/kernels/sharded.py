@@ -52,23 +52,18 @@ def attention_sharded(q, k, v, *, mesh: Mesh, batch: Axes = None, heads: Axes = 
     spec = P(batch, seq, heads, None)
 
     def body(q_, k_, v_):
-        offset = 0
-        if seq is not None:
-            k_ = lax.all_gather(k_, seq, axis=1, tiled=True)
-            v_ = lax.all_gather(v_, seq, axis=1, tiled=True)
-            offset = lax.axis_index(seq) * q_.shape[1]
+        k_, v_, offset = gather_kv(k_, v_, seq, q_.shape[1])
         return attn_mod.attention(q_, k_, v_, causal=causal, scale=scale, q_offset=offset,
                                   blocks=blocks, backend=backend)
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
-                         check_vma=False)(q, k, v)
+    return smap(body, mesh, (spec, spec, spec), spec)(q, k, v)
 
 
 def norm_sharded(kind: str, x, scale, bias=None, residual=None, *, mesh: Mesh,
                  rows: Sequence[Axes] = (), eps: float = 1e-6, backend: str | None = None):
     """``layer_norm`` (``kind="layer"``) or ``rms_norm`` (``"rms"``) with the leading dims of
     ``x (..., D)`` split by ``rows`` (one entry per leading dim, missing ones whole)."""
-    lead = tuple(rows) + (None,) * (x.ndim - 1 - len(rows))
+    lead = lead_axes(rows, x.ndim - 1)
     _check_axes(mesh, dict(enumerate(lead)))
     _check_divisible(mesh, "x", x.shape, lead + (None,))
     act, vec = P(*lead, None), P(None)
@@ -79,9 +74,8 @@ def norm_sharded(kind: str, x, scale, bias=None, residual=None, *, mesh: Mesh,
         return rms_norm(x_, s_, r_, eps=eps, backend=backend)
 
     out = act if residual is None else (act, act)
-    return jax.shard_map(body, mesh=mesh, in_specs=(act, vec, None if bias is None else vec,
-                                                    None if residual is None else act),
-                         out_specs=out, check_vma=False)(x, scale, bias, residual)
+    in_specs = (act, vec, None if bias is None else vec, None if residual is None else act)
+    return smap(body, mesh, in_specs, out)(x, scale, bias, residual)
 
 
 def lm_head_cross_entropy_sharded(h, w, targets, *, mesh: Mesh, rows: Sequence[Axes] = (),
@@ -90,7 +84,7 @@ def lm_head_cross_entropy_sharded(h, w, targets, *, mesh: Mesh, rows: Sequence[A
                                   backend: str | None = None):
     """Per-token LM-head cross-entropy with the token dims split by ``rows`` and the head's
     vocabulary columns by ``vocab`` (the vocabulary-parallel form)."""
-    lead = tuple(rows) + (None,) * (targets.ndim - len(rows))
+    lead = lead_axes(rows, targets.ndim)
     _check_axes(mesh, {**dict(enumerate(lead)), "vocab": vocab})
     _check_divisible(mesh, "h", h.shape, lead + (None,))
     _check_divisible(mesh, "w", w.shape, (None, vocab))
@@ -99,8 +93,8 @@ def lm_head_cross_entropy_sharded(h, w, targets, *, mesh: Mesh, rows: Sequence[A
         return xent_mod.lm_head_cross_entropy(h_, w_, t_, vocab_axis=vocab, blocks=blocks,
                                               backend=backend)
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(P(*lead, None), P(None, vocab), P(*lead)),
-                         out_specs=P(*lead), check_vma=False)(h, w, targets)
+    in_specs = (P(*lead, None), P(None, vocab), P(*lead))
+    return smap(body, mesh, in_specs, P(*lead))(h, w, targets)
 
 
 def adamw_sharded(p, g, mu, nu, *, mesh: Mesh, spec: P, lr, bc1, bc2,
@@ -115,8 +109,28 @@ def adamw_sharded(p, g, mu, nu, *, mesh: Mesh, spec: P, lr, bc1, bc2,
         return adamw_mod.adamw_update(p_, g_, mu_, nu_, lr=lr_, bc1=bc1_, bc2=bc2_, hyper=hyper,
                                       backend=backend)
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 4 + (P(),) * 3,
-                         out_specs=(spec,) * 3, check_vma=False)(p, g, mu, nu, lr, bc1, bc2)
+    return smap(body, mesh, (spec,) * 4 + (P(),) * 3, (spec,) * 3)(p, g, mu, nu, lr, bc1, bc2)
+
+
+# ---- shared by these wrappers and ``halves`` --------------------------------------------------
+def smap(body, mesh: Mesh, in_specs, out_specs):
+    """``shard_map`` as every kernel wrapper runs it (Pallas calls carry no varying-axis info)."""
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)
+
+
+def lead_axes(rows: Sequence[Axes], ndim: int) -> tuple[Axes, ...]:
+    """One entry per leading dim: the given row splits, the rest whole."""
+    return tuple(rows) + (None,) * (ndim - len(rows))
+
+
+def gather_kv(k_, v_, seq: Axes, rows_here: int):
+    """Keys/values of the whole sequence and this shard's first query position."""
+    if seq is None:
+        return k_, v_, 0
+    k_ = lax.all_gather(k_, seq, axis=1, tiled=True)
+    v_ = lax.all_gather(v_, seq, axis=1, tiled=True)
+    return k_, v_, lax.axis_index(seq) * rows_here
 
 
 # ---- validation -------------------------------------------------------------------------------
