@@ -253,9 +253,8 @@ class AutoParallel:
         if args:
             types = validate.leaf_types(args, run=False)
             key = validate.signature(args, types)
-            with on_mesh(self.mesh):
-                plan, jitted, _, _ = self._compiled(args, types, key)
-                exe = self._executables.get(key) or jitted.lower(*args).compile()
+            exe = self._executables.get(key) or self.lower(*args).compile()
+            plan = self._cache[key][0]
         elif self._last_key is not None:
             plan, exe = self._cache[self._last_key][0], self._executables[self._last_key]
         else:

@@ -92,3 +92,12 @@ def test_moe_auto_plan_matches_its_executable():
     step = autopar.autoparallel(train_step, mesh=_mesh8(), hardware="cpu", time_limit_s=2)
     step(state, batch)
     _holds(step.verify())
+
+
+def test_verify_compiles_a_step_that_has_not_run():
+    train_step, _, _ = gpt.abstract(CFG, 16)
+    step = autopar.autoparallel(train_step, mesh=_mesh8(), hardware="cpu", strategy="zero3",
+                                time_limit_s=2)
+    report = step.verify(*_args())     # abstract arguments: lowered and compiled, never run
+    assert step.plan is not None and step.plan.strategy == "zero3"
+    _holds(report)
