@@ -341,7 +341,12 @@ def headline_lines(summary) -> list[str]:
 
 
 def method_lines(plans, args, tl_1d: float, tl_2d: float) -> list[str]:
+    from autopar.options import deterministic_default
+
     elapsed = sum(r["plan_s"] for r in plans)
+    clock = ("CP-SAT's deterministic clock only (`AUTOPAR_DETERMINISTIC=1`: the wall clock cuts "
+             "nothing, so the plans do not depend on the machine's load)"
+             if deterministic_default() else "the wall clock (plans depend on the machine's load)")
     return [
         "## Method", "",
         f"- Global batch {PER_DEVICE_BATCH} per device (sequences for GPT/MoE, images for the "
@@ -358,9 +363,8 @@ def method_lines(plans, args, tl_1d: float, tl_2d: float) -> list[str]:
         "plans auto (unseeded) from its own descent start with no hand-written plan or start. "
         "Plans that do not fit the 80 GiB budget are errors (see the plans CSV) and drop out.",
         f"- Solver time limit {tl_1d:g} s on 1-D meshes and {tl_2d:g} s on 2-D meshes, the same "
-        "for every hand-written plan, seeded and unseeded auto (deterministic time; 2-D plans "
-        "often stop at the limit, status `DESCENT (time limit)` or `FEASIBLE`). Longer limits "
-        "would not fit the sweep on a shared 2-core machine.",
+        f"for every hand-written plan, seeded and unseeded auto, measured on {clock}. 2-D plans "
+        "often stop at the limit (status `DESCENT (time limit)` or `FEASIBLE`).",
         "- Caveats: a hand-written family's number includes the planner's activation layouts "
         "found under the same short limit, so it can be worse than a hand-placed "
         "implementation; ratios near 1.00 are within the solver's noise. Absolute throughputs "
@@ -399,26 +403,39 @@ def main(argv=None):
         todo = [t for t in todo if args.only in t[0]]
         kept = [r for r in load_plans(out / "handwritten_vs_auto_plans.csv")
                 if args.only not in r["model"]]
-    new_plans = []
-    for name, n, hw in todo:
+    # 8-device configurations first; the reports are rewritten after each configuration, so a
+    # run stopped early leaves reports of what it planned, naming what it did not reach.
+    todo.sort(key=lambda t: t[1] != 8)
+    new_plans, summary = [], []
+    for k, (name, n, hw) in enumerate(todo):
         new_plans += plan_all(by_name[name], n, hw, args.quick, tl_1d, tl_2d)
+        summary = write_reports(out, args, kept + new_plans, len(new_plans), todo[k + 1:],
+                                (tl_1d, tl_2d))
+    return summary if todo else write_reports(out, args, kept, 0, [], (tl_1d, tl_2d))
+
+
+def write_reports(out, args, plans, n_new: int, missing, limits) -> list[dict]:
+    """The plans CSV, the summary CSV, the plot and the markdown report of ``plans``."""
+    tl_1d, tl_2d = limits
     order = {t: i for i, t in enumerate(sweep(args.quick))}
-    plans = sorted(kept + new_plans,
+    plans = sorted(plans,
                    key=lambda r: order.get((r["model"], r["devices"], r["hardware"]), 1 << 30))
     summary, fams = summarize(plans)
-
     _common.write_csv(out / "handwritten_vs_auto_plans.csv", PLAN_COLS,
                       [[p[c] for c in PLAN_COLS] for p in plans])
     head, table = summary_table(summary, fams)
     _common.write_csv(out / "handwritten_vs_auto.csv", head, table)
     plot(summary, fams, out / "handwritten_vs_auto.png")
     md = (["# autopar vs hand-written strategies (predicted throughput)", ""]
+          + (["**Partial: this run stopped before planning** " + "; ".join(
+              f"{m} on {n} {hw}" for m, n, hw in missing) + ". Every figure below covers only "
+              "the configurations in the table.", ""] if missing else [])
           + bug_lines(summary, plans) + headline_lines(summary)
           + ["", _common.md_table(head, table), "",
              "![throughput relative to the best hand-written strategy](handwritten_vs_auto.png)",
              ""] + method_lines(plans, args, tl_1d, tl_2d))
     (out / "handwritten_vs_auto.md").write_text("\n".join(md))
-    print(f"wrote {out / 'handwritten_vs_auto.md'} ({len(plans)} plans, {len(new_plans)} new)")
+    print(f"wrote {out / 'handwritten_vs_auto.md'} ({len(plans)} plans, {n_new} new)", flush=True)
     return summary
 
 
