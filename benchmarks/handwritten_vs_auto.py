@@ -179,7 +179,7 @@ def plot(summary, fams, path):
                              squeeze=False)
     series = list(AUTOS) + fams
     cmap = plt.get_cmap("tab10")
-    lowest = 1.0
+    lowest, highest = 1.0, 1.0
     for ax, hw in zip(axes[:, 0], hws):
         rows = [s for s in summary if s["key"][2] == hw]
         width = 0.8 / len(series)
@@ -194,7 +194,7 @@ def plot(summary, fams, path):
                 xs.append(i + (j - (len(series) - 1) / 2) * width)
                 ys.append(best["samples_s"] / ref["samples_s"])
             if ys:
-                lowest = min(lowest, min(ys))
+                lowest, highest = min(lowest, min(ys)), max(highest, max(ys))
                 label = "auto (seeded)" if name == "auto" else name
                 ax.bar(xs, ys, width, label=label, color=cmap(j % 10),
                        edgecolor="k" if name in AUTOS else None)
@@ -209,7 +209,7 @@ def plot(summary, fams, path):
         ax.set_title(f"predicted throughput relative to the best hand-written strategy ({hw})")
         ax.legend(fontsize=7, ncol=len(series), loc="lower center", bbox_to_anchor=(0.5, 1.08))
     for ax in axes[:, 0]:
-        ax.set_ylim(max(0.0, lowest - 0.05), 1.08)
+        ax.set_ylim(max(0.0, lowest - 0.05), highest + 0.08)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -378,7 +378,8 @@ def method_lines(plans, args, tl_1d: float, tl_2d: float) -> list[str]:
         "rows come from the plans CSV an earlier run wrote." if args.only is not None else "",
         "", f"Sum of planning wall times {elapsed:.0f} s. Environment: "
         f"{_common.environment()}.", "",
-        "Reproduce: `python benchmarks/handwritten_vs_auto.py` (`--quick`: a tiny GPT on the "
+        "Reproduce: `" + ("AUTOPAR_DETERMINISTIC=1 " if deterministic_default() else "")
+        + "python benchmarks/handwritten_vs_auto.py` (`--quick`: a tiny GPT on the "
         "1-D mesh of 8 devices, H100 only; `--only NAME` re-plans the models whose name "
         "contains NAME and merges them into the existing plans CSV; `--report-only` rebuilds "
         "the report from that CSV).", ""]
