@@ -137,7 +137,7 @@ def _bytes(b: float | None) -> str:
 def compare(fn: Callable, *args, mesh, hardware=None,
             strategies: Sequence = DEFAULT_STRATEGIES, measure: bool = True,
             memory_budget: float | None = None, runs: int = 5, time_limit_s: float = 10.0,
-            progress: bool = True) -> Comparison:
+            progress: bool = True, seed_auto: bool = True) -> Comparison:
     """Plan (and, when the devices are here, run) ``fn(*args)`` under each strategy.
 
     Args:
@@ -150,6 +150,9 @@ def compare(fn: Callable, *args, mesh, hardware=None,
       runs: timed runs per strategy (after one warm-up); the median is reported.
       time_limit_s: the planner's time limit per strategy.
       progress: print one line per strategy to stderr.
+      seed_auto: start ``"auto"`` from the best hand-written plan of this call, so it is never
+        predicted slower than it; False plans it from its own descent start, with no
+        hand-written plan or start, to see what the planner finds alone.
 
     Returns:
       A ``Comparison``; a strategy that failed is a row whose ``error`` says why.
@@ -171,7 +174,7 @@ def compare(fn: Callable, *args, mesh, hardware=None,
     # timing waits until every plan is made, so no run shares the CPU with the planner.
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         rows, compiling = _plan_all(graph, mesh, hw, strategies, names, memory_budget,
-                                    time_limit_s, trace_s, progress,
+                                    time_limit_s, trace_s, progress, seed_auto,
                                     None if run_mesh is None else
                                     lambda plan: pool.submit(_compile, fn, args, run_mesh, plan))
         for i, job in compiling.items():
@@ -182,14 +185,14 @@ def compare(fn: Callable, *args, mesh, hardware=None,
 
 
 def _plan_all(graph, mesh, hw, strategies, names, memory_budget, time_limit_s, trace_s, progress,
-              submit) -> tuple[dict[int, Row], dict[int, concurrent.futures.Future]]:
+              seed_auto, submit) -> tuple[dict[int, Row], dict[int, concurrent.futures.Future]]:
     """Plan each strategy, "auto" last so it can start from the best hand-written plan."""
     rows: dict[int, Row] = {}
     compiling = {}
     for i in sorted(range(len(names)), key=lambda i: names[i] == "auto"):
-        hint_from = _best_plan(rows.values()) if names[i] == "auto" else None
+        hint_from = _best_plan(rows.values()) if names[i] == "auto" and seed_auto else None
         rows[i] = _plan_row(graph, mesh, hw, strategies[i], names[i], memory_budget,
-                            time_limit_s, trace_s, hint_from)
+                            time_limit_s, trace_s, hint_from, seed_auto)
         if rows[i].ok and submit is not None:
             compiling[i] = submit(rows[i].plan)
         if progress:
@@ -198,10 +201,10 @@ def _plan_all(graph, mesh, hw, strategies, names, memory_budget, time_limit_s, t
 
 
 def _plan_row(graph, mesh, hw, strategy, name, memory_budget, time_limit_s, trace_s,
-              hint_from: Plan | None) -> Row:
+              hint_from: Plan | None, seed_auto: bool = True) -> Row:
     t0 = time.perf_counter()
     try:
-        if name == "auto" and hint_from is not None:
+        if name == "auto" and (hint_from is not None or not seed_auto):
             plan = _plan_auto_from(graph, mesh, hw, memory_budget, time_limit_s, trace_s,
                                    hint_from)
         else:
@@ -218,12 +221,14 @@ def _best_plan(rows) -> Plan | None:
     return min(done, key=lambda r: r.predicted_step_s).plan if done else None
 
 
-def _plan_auto_from(graph, mesh, hw, memory_budget, time_limit_s, trace_s, start: Plan) -> Plan:
-    """``plan_graph(strategy="auto")`` with the ILP started from ``start``'s choices."""
+def _plan_auto_from(graph, mesh, hw, memory_budget, time_limit_s, trace_s,
+                    start: Plan | None) -> Plan:
+    """``plan_graph(strategy="auto")`` with the ILP started from ``start``'s choices; with
+    ``start`` None, from its own descent (no hand-written plan or start at all)."""
     sizes = axis_sizes(mesh)
     cm = cost_models.CostModel(hw, sizes, device_nodes=distributed.device_nodes(mesh))
     budget = hw.memory_bytes if memory_budget is None else float(memory_budget)
-    hint = hint_from_plan(problem.build(graph, sizes, cm), start)
+    hint = None if start is None else hint_from_plan(problem.build(graph, sizes, cm), start)
     opts = PlannerOptions(memory_budget=budget, time_limit_s=time_limit_s, hint=hint)
     return make_plan(graph, sizes, cm, opts, trace_s=trace_s)
 

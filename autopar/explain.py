@@ -84,7 +84,32 @@ def summary(plan, max_rows: int = 40) -> str:
     for kind, axes, n, t in collective_rows(plan):
         lines.append(f"{kind:<16} {axes:<14} {n:>6} {t * 1e3:>9.3f} ms")
     lines += _kernel_lines(plan, max_rows)
+    lines += _fallback_lines(plan, max_rows)
     return "\n".join(lines)
+
+
+def fallback_rows(plan):
+    """(primitive, source, reason, count, op ids) per kind of op run replicated for want of a
+    way to shard it (``Plan.replicated_fallbacks``), most frequent first."""
+    groups: dict[tuple[str, str, str], list[int]] = defaultdict(list)
+    for op_id, prim, src, reason in plan.replicated_fallbacks:
+        groups[(prim, src, reason)].append(op_id)
+    return sorted(((p, s, r, len(ids), tuple(ids)) for (p, s, r), ids in groups.items()),
+                  key=lambda row: -row[3])
+
+
+def _fallback_lines(plan, max_rows: int) -> list[str]:
+    rows = fallback_rows(plan)
+    if not rows:
+        return []
+    n = sum(r[3] for r in rows)
+    lines = ["", f"{n} ops run replicated for want of a sharding (every input gathered, every "
+                 f"output whole):", f"{'primitive':<24} {'count':>5}  {'reason':<30} source"]
+    for prim, src, reason, count, _ in rows[:max_rows]:
+        lines.append(f"{prim:<24} {count:>5}  {reason:<30} {src or '(no source)'}")
+    if len(rows) > max_rows:
+        lines.append(f"... {len(rows) - max_rows} more rows")
+    return lines
 
 
 def html(plan) -> str:

@@ -22,6 +22,7 @@ from autopar.sharding import Sharding, to_spec
 # 4: a plan may carry a pipeline (``autopar.pipeline.record.PipelinePlan``, null when none).
 # 5: kernels: the fused kernels the plan runs in place of XLA's ops.
 FORMAT_VERSION = 5
+_FALLBACK = "replicated: "    # = planner.rules.FALLBACK (not imported: the planner imports us)
 PIN_SLOTS = ("out", "in", "arg", "res")
 KERNELS = ("attention", "norm", "xent", "adamw")
 
@@ -160,6 +161,15 @@ class Plan:
             raise PlanError(f"{len(hits)} inputs match {path_fragment!r}; give a fragment of "
                             f"exactly one input path, e.g. {list(self.input_paths[:5])}")
         return to_spec(self.input_shardings[hits[0]])
+
+    @property
+    def replicated_fallbacks(self) -> tuple[tuple[int, str, str, str], ...]:
+        """(op id, primitive, source line, reason) of every op the planner ran replicated for
+        want of a way to shard it: no sharding rule for its primitive, a ``while``/``cond`` whose
+        body is not planned, or the time limit reached before its strategies were enumerated.
+        Read from ``choices``: their strategy names start with ``"replicated: "``."""
+        return tuple((op_id, prim, src, name[len(_FALLBACK):])
+                     for op_id, prim, src, name in self.choices if name.startswith(_FALLBACK))
 
     def collective_counts(self) -> dict[str, int]:
         out: dict[str, int] = {}

@@ -78,7 +78,9 @@ def git_commit() -> str:
     try:
         head = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=root, check=True,
                               capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+        # results files a run rewrites do not make the code it ran dirty
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--",
+                                ".", ":(exclude)benchmarks/results"],
                                cwd=root, check=True, capture_output=True, text=True).stdout
     except (OSError, subprocess.CalledProcessError):
         return "unknown"

@@ -433,10 +433,10 @@ class _Builder:
         if key is not None and ("rule", key) in self.memo:
             return self.memo[("rule", key)]
         if op.regions:  # while / cond: opaque, replicated
-            found = rules.fallback_rule(op, self.ctx)
+            found = rules.fallback_rule(op, self.ctx, rules.OPAQUE)
         elif self.late():
             self.late_ops += 1   # the time limit has passed: no more strategies to enumerate
-            return rules.fallback_rule(op, self.ctx)
+            return rules.fallback_rule(op, self.ctx, rules.LATE)
         else:
             found = rules.rule_for(op, self.ctx)
         if key is not None:

@@ -92,18 +92,30 @@ def strategy_rule(*prims: str) -> Callable[[Rule], Rule]:
 
 
 def rule_for(op: Op, ctx: RuleContext) -> Choices | Follow:
-    rule = RULES.get(op.prim, fallback_rule)
+    rule = RULES.get(op.prim)
+    if rule is None:
+        return fallback_rule(op, ctx, NO_RULE)
     return rule(op, ctx)
 
 
 # ---------------------------------------------------------------------------------------------
 # Decisions without structure
 # ---------------------------------------------------------------------------------------------
-def fallback_rule(op: Op, ctx: RuleContext) -> Choices:
-    """Anything unknown runs replicated: every input gathered, every output whole."""
+# The replicate-only strategy's name says why an op got nothing better; ``Plan.
+# replicated_fallbacks`` lists the ops whose strategy name starts with ``FALLBACK``.
+FALLBACK = "replicated: "
+NO_RULE = FALLBACK + "no sharding rule"
+OPAQUE = FALLBACK + "loop/branch body not planned"
+LATE = FALLBACK + "time limit"
+
+
+def fallback_rule(op: Op, ctx: RuleContext, name: str = "replicated") -> Choices:
+    """Run ``op`` replicated: every input gathered, every output whole. ``name`` is the strategy's
+    name: plain ``"replicated"`` where a rule chose it (random bits, a scalar result), one of
+    the ``FALLBACK`` names where no rule could be applied."""
     ins = tuple(None if v in ctx.literals else replicated(len(ctx.t(v).shape)) for v in op.ins)
     outs = tuple(replicated(len(ctx.t(v).shape)) for v in op.outs)
-    return Choices((Strategy("replicated", ins, outs),))
+    return Choices((Strategy(name, ins, outs),))
 
 
 def source_choices(op: Op, ctx: RuleContext) -> Choices:
@@ -184,11 +196,14 @@ def _gathered(op: Op, ctx: RuleContext, s_in: Sharding, keep: Sharding, outs: tu
               name: str, extra_ins: tuple[Sharding | None, ...] = ()) -> Strategy:
     """A follower that needs ``keep`` of its input: axes of ``s_in`` missing from ``keep`` are
     gathered."""
-    lost = tuple(a for d_in, d_keep in zip(s_in, keep) for a in d_in if a not in d_keep)
-    comms = ()
-    if lost:
-        comms = (Comm("all-gather", ctx.per_device_bytes(op.ins[0], keep), lost),)
+    comms = _gather_comms(ctx, op.ins[0], s_in, keep)
     return Strategy(name, (s_in,) + extra_ins, outs, shard_factor(keep, ctx.mesh), comms)
+
+
+def _gather_comms(ctx: RuleContext, v: int, s_in: Sharding, keep: Sharding) -> tuple[Comm, ...]:
+    """The all-gather that takes value ``v`` from ``s_in`` to ``keep`` (a subset of it)."""
+    lost = tuple(a for d_in, d_keep in zip(s_in, keep) for a in d_in if a not in d_keep)
+    return (Comm("all-gather", ctx.per_device_bytes(v, keep), lost),) if lost else ()
 
 
 def _unsharded_dims(s: Sharding, dims: Sequence[int]) -> Sharding:
@@ -370,6 +385,52 @@ def reduce_rule(op: Op, ctx: RuleContext) -> Follow:
                         shard_factor(s, ctx.mesh), comms)
 
     return Follow(0, derive)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pooling: reduce_window (max/avg pooling) and the max-pool gradient
+# ---------------------------------------------------------------------------------------------
+def _windowed_dims(op: Op, rank: int) -> set[int]:
+    """Dims a window op slides along: a window, stride, padding or dilation other than the
+    identity. Each output element of such a dim reads a neighbourhood of input elements, so the
+    dim stays whole; the others (batch, channels) map element to element and may stay split."""
+    ones, zeros = (1,) * rank, ((0, 0),) * rank
+    per_dim = zip(op.param("window_dimensions", ones), op.param("window_strides", ones),
+                  op.param("base_dilation", ones), op.param("window_dilation", ones))
+    padding = op.param("padding", zeros)
+    return {d for d, sizes in enumerate(per_dim)
+            if sizes != (1, 1, 1, 1) or tuple(padding[d]) != (0, 0)}
+
+
+def _pooling_rule(lead: int) -> Rule:
+    """Follow operand ``lead``; every operand and result of its rank (the pooled and unpooled
+    tensors) takes its layout with the windowed dims gathered; scalar init values stay whole."""
+
+    def rule(op: Op, ctx: RuleContext) -> Follow:
+        rank = len(ctx.t(op.ins[lead]).shape)
+        windowed = _windowed_dims(op, rank)
+
+        def derive(s: Sharding) -> Strategy:
+            keep = _unsharded_dims(s, windowed)
+            ins = tuple(s if k == lead else None if v in ctx.literals
+                        else keep if len(ctx.t(v).shape) == rank
+                        else replicated(len(ctx.t(v).shape)) for k, v in enumerate(op.ins))
+            outs = tuple(keep if len(ctx.t(v).shape) == rank else replicated(len(ctx.t(v).shape))
+                         for v in op.outs)
+            return Strategy(fmt(keep), ins, outs, shard_factor(keep, ctx.mesh),
+                            _gather_comms(ctx, op.ins[lead], s, keep))
+
+        return Follow(lead, derive)
+
+    return rule
+
+
+# reduce_window's operands are (arrays..., init values...); select_and_gather_add's are
+# (tangent, operand), both unpooled; select_and_scatter_add's are (pooled cotangent, operand):
+# it follows the unpooled operand, whose shape its result has.
+strategy_rule("reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window",
+              "select_and_gather_add")(_pooling_rule(0))
+strategy_rule("select_and_scatter_add")(_pooling_rule(1))
 
 
 # ---------------------------------------------------------------------------------------------
