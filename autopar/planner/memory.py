@@ -23,8 +23,9 @@ that is what ``estimate`` predicts:
 Measured by ``autopar.verify`` over the matrix of ``benchmarks/verify_matrix.py`` (results in
 ``benchmarks/results/verify_matrix.md``). Known gaps: XLA's own schedule is not modelled (ours is
 the traced order), nor collectives' buffers beyond the resharded copies, nor where XLA:CPU
-materializes values our fusion rules fuse; plans whose layout transitions XLA implements with
-extra copies (unrolled auto and megatron plans on some meshes) are off by up to ~20% either way.
+materializes values our fusion rules fuse. On that matrix, unrolled auto and megatron plans are
+off by up to ~22% either way and scanned data-parallel plans over-predicted by ~17% (their
+loops' results are kept out of the results' buffers, which XLA partly reuses for them).
 
 The ILP's memory constraint (``ilp.memory_exprs``) is the linear part of this model: it checks
 the live values at the heaviest points of the schedule but cannot see resharded copies, whose
