@@ -16,6 +16,13 @@ Rules (``fuse``), applied within each top-level op list and separately within ea
   * *fusing consumers* are fusible ops and reductions (``ABSORBING``); contractions,
     convolutions, scatters, sorts, loops and collectives take their operands from memory and
     write their results;
+  * reductions run on XLA:CPU as library (YNNPACK) fusions that take elementwise producers but
+    not broadcasts: a broadcast feeding a reduction's kernel is written to memory, whether it is
+    explicit (``broadcast_in_dim``, a kernel of its own) or implicit (an elementwise operand with
+    a size-1 dim where the result's is larger). XLA's CSE gives all readers of one operand
+    broadcast to one shape a single buffer, alive from the first reader to the last, often from
+    the forward pass into the backward (``Fusion.broadcasts``; implicit ones count in memory
+    only, not yet in ``hbm_bytes``);
   * constant values (ops on literals only) are folded away by XLA: they cost nothing;
   * a contraction whose operand's dims are not in the order XLA's dot emitter takes (batch dims
     first, then free then contracting dims for the left operand, contracting then free for the
@@ -58,6 +65,8 @@ EXPENSIVE = frozenset({"exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic
 REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
                         "reduce_or", "reduce_xor", "argmax", "argmin"})
 ABSORBING = FUSIBLE | REDUCTIONS
+ELEMENTWISE = FUSIBLE - {"broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims",
+                         "iota", "slice", "pad", "concatenate", "rev", "dynamic_slice", "gather"}
 # Ops XLA folds when every input is constant (the tracer's ``ir.flops.fold`` folds the same).
 _FOLDS = FUSIBLE - {"gather", "dynamic_slice"}
 
@@ -74,6 +83,11 @@ class Fusion:
       constants: value ids XLA folds to constants (never read or written).
       copies: op id -> operand value ids copied into another layout before the op runs (one
         more kernel each, reading and writing the operand).
+      broadcasts: (value, op ids) per broadcast buffer XLA:CPU writes
+        (``_Kernels.broadcast_buffers``): the ops that read one operand broadcast to their
+        result's shape; ``value`` is the result of the first of them that runs in a reduction's
+        kernel (preferably as its own op, not a duplicate), so it has the buffer's shape and the
+        layout that kernel reads it in.
     """
 
     kernel_of: Mapping[int, int]
@@ -82,6 +96,7 @@ class Fusion:
     roots: frozenset[int]
     constants: frozenset[int]
     copies: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    broadcasts: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     @property
     def materialized(self) -> frozenset[int]:
@@ -111,8 +126,9 @@ def _constants(graph: Graph) -> set[int]:
 class _Kernels:
     """Union of ops into kernels within one op list (a region or the top level)."""
 
-    def __init__(self, ops: Sequence[Op], const: set[int], outputs: set[int]):
-        self.ops, self.const, self.outputs = list(ops), const, outputs
+    def __init__(self, ops: Sequence[Op], const: set[int], outputs: set[int], values):
+        self.ops, self.const, self.outputs, self.values = list(ops), const, outputs, values
+        self.by_id = {op.id: op for op in self.ops}
         self.pos = {op.id: t for t, op in enumerate(self.ops)}
         self.consumers: dict[int, list[Op]] = defaultdict(list)
         for op in self.ops:
@@ -143,10 +159,49 @@ class _Kernels:
             if not users or any(u.prim not in ABSORBING for u in users):
                 continue
             targets = set().union(*(self.user_kernels(v) for v in op.outs))
+            if self.kept_for_reduction(op, targets):
+                continue
             if len(targets) == 1:
                 self.kernel[op.id] = next(iter(targets))
             elif op.prim not in EXPENSIVE:
                 self.copies[op.id] = targets
+
+    def kept_for_reduction(self, op: Op, targets: set[int]) -> bool:
+        """An expanding broadcast that feeds a reduction's kernel: XLA:CPU runs reductions as
+        library (YNNPACK) fusions that take elementwise producers but read a broadcast from
+        memory, so the broadcast is a kernel of its own whose result is written."""
+        if op.prim != "broadcast_in_dim" or self.values[op.outs[0]].nbytes <= sum(
+                self.values[v].nbytes for v in op.ins):
+            return False
+        return any(self.by_id[t].prim in REDUCTIONS for t in targets if t in self.by_id)
+
+    def broadcast_buffers(self) -> list[tuple[int, tuple[int, ...]]]:
+        """Operands an elementwise op broadcasts implicitly (a dim of size 1 where its result's
+        is larger), grouped by (operand, result shape) as XLA's CSE merges the explicit
+        broadcasts it makes of them; a group with an op in a reduction's kernel is written to
+        memory once and lives from its first reader to its last (``kept_for_reduction``)."""
+        groups: dict[tuple, list[Op]] = {}
+        for op in self.ops:
+            if op.prim not in ELEMENTWISE or not op.outs:
+                continue
+            shape = self.values[op.outs[0]].shape
+            for v in dict.fromkeys(op.ins):
+                have = self.values[v].shape
+                if v not in self.const and len(have) == len(shape) and any(
+                        a == 1 < b for a, b in zip(have, shape)):
+                    groups.setdefault((v, shape), []).append(op)
+        out = []
+        for ops in groups.values():
+            reducing = sorted((o for o in ops if self.in_reduction(o)),
+                              key=lambda o: o.id in self.copies)   # a kernel's own op first
+            if reducing:
+                out.append((reducing[0].outs[0], tuple(o.id for o in ops)))
+        return out
+
+    def in_reduction(self, op: Op) -> bool:
+        """Some kernel ``op`` runs in (a duplicated op runs in several) is a reduction's."""
+        return any(self.by_id[t].prim in REDUCTIONS
+                   for t in self.copies.get(op.id) or {self.find(op.id)} if t in self.by_id)
 
     def members(self) -> dict[int, list[Op]]:
         """kernel id -> its ops in order, duplicated producers included in each copy."""
@@ -201,11 +256,12 @@ def _layout_copies(op: Op, k: _Kernels, graph_values) -> tuple[int, ...]:
 
 
 def _fuse_list(ops: Sequence[Op], const: set[int], outputs: set[int], result: dict) -> None:
-    k = _Kernels(ops, const, outputs)
+    k = _Kernels(ops, const, outputs, result["values"])
     k.fuse()
     for kernel_id, members in k.members().items():
         _kernel_io(members, kernel_id, k, result["reads"], result["writes"])
         result["roots"].add(members[-1].id)
+    result["broadcasts"].extend(k.broadcast_buffers())
     for op in ops:
         if op.prim == "dot_general":
             copied = _layout_copies(op, k, result["values"])
@@ -221,7 +277,8 @@ def fuse(graph: Graph) -> Fusion:
     """The kernels XLA makes of ``graph`` (see the module docstring)."""
     const = _constants(graph)
     result: dict = {"kernel_of": {}, "reads": {}, "writes": {}, "roots": set(), "copies": {},
-                    "values": graph.values}
+                    "values": graph.values, "broadcasts": []}
     _fuse_list(graph.ops, const, set(graph.outputs), result)
     return Fusion(result["kernel_of"], result["reads"], result["writes"],
-                  frozenset(result["roots"]), frozenset(const), result["copies"])
+                  frozenset(result["roots"]), frozenset(const), result["copies"],
+                  tuple(result["broadcasts"]))

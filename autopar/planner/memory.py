@@ -10,16 +10,22 @@ that is what ``estimate`` predicts:
     chosen layouts;
   * temporaries, walked over the top-level schedule: every value a kernel writes to memory
     (``ir.fusion``; fused intermediates never exist) from its producer to its last reader, in
-    its chosen layout; every resharded copy a transition makes (a value moved to the layout a
-    reader needs, shared by all readers that need the same layout, as XLA shares identical
-    reshards) from its first to its last reader; and, at a loop's position, the values live at
-    the peak of its body.
+    its chosen layout; every broadcast buffer XLA:CPU writes for a reduction
+    (``Fusion.broadcasts``); every resharded copy a transition makes (a value moved to the
+    layout a reader needs, shared by all readers that need the same layout, as XLA shares
+    identical reshards) from its first to its last reader; and, at a loop's position, the
+    values live at the peak of its body;
+  * results' buffers reused: XLA's buffer assignment puts a temporary into a result's buffer
+    when it fits and dies before the result is written (``_pooled``), so only the rest count
+    towards the pool. A loop's results stay in the pool (XLA colocates them with the loop's
+    carries; packing them over-fits the measured scanned models).
 
-Known gaps, measured by ``autopar.verify`` (README, "verify"): XLA's buffer assignment may put a
-temporary that dies before a result is written into that result's space, so data-parallel
-plans, whose temporaries die early, are over-predicted (up to ~20%); XLA's scheduler and its
-collectives' own buffers are not modelled, so plans with many transitions are under-predicted
-(up to ~45% on the unrolled test GPT under megatron).
+Measured by ``autopar.verify`` over the matrix of ``benchmarks/verify_matrix.py`` (results in
+``benchmarks/results/verify_matrix.md``). Known gaps: XLA's own schedule is not modelled (ours is
+the traced order), nor collectives' buffers beyond the resharded copies, nor where XLA:CPU
+materializes values our fusion rules fuse. On that matrix, unrolled auto and megatron plans are
+off by up to ~22% either way and scanned data-parallel plans over-predicted by ~17% (their
+loops' results are kept out of the results' buffers, which XLA partly reuses for them).
 
 The ILP's memory constraint (``ilp.memory_exprs``) is the linear part of this model: it checks
 the live values at the heaviest points of the schedule but cannot see resharded copies, whose
@@ -28,6 +34,7 @@ the budget after solving and says so when only the copies break it.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 
 import numpy as np
@@ -53,15 +60,54 @@ def estimate(prob: Problem, choice) -> MemoryEstimate:
     nbytes = _sizer(prob, choice)
     resident = sum(nbytes(v) for v in prob.const_values)
     temps, inner = _schedule(prob)
+    looped = [(a, b, nbytes(v)) for v, a, b in temps if g.ops[a].regions]
+    spans = [(a, b, nbytes(v)) for v, a, b in temps if not g.ops[a].regions]
     live = np.zeros(len(g.ops) + 1)
-    for v, a, b in temps:
-        live[a: b + 1] += nbytes(v)
+    for a, b, size in looped + _pooled(spans + _reshard_copies(prob, choice),
+                                       _output_slots(prob, nbytes)):
+        live[a: b + 1] += size
     for t, (ids, _) in inner.items():
         live[t] += sum(nbytes(v) for v in ids)
-    for a, b, size in _reshard_copies(prob, choice):
-        live[a: b + 1] += size
     t = int(live.argmax()) if len(live) else 0
     return MemoryEstimate(float(resident), float(live[t]) if len(live) else 0.0, t)
+
+
+def _output_slots(prob: Problem, nbytes) -> list[tuple[float, int]]:
+    """(per-device bytes, schedule position that writes it) of each result with a buffer of
+    its own (not an argument, constant or a donated argument's buffer), largest first."""
+    g = prob.graph
+    memo = prob.__dict__.get("_written_at")
+    if memo is None:
+        resident = set(prob.const_values) - set(g.inputs) - set(g.consts)
+        memo = {v: t for t, op in enumerate(g.ops) for v in op.outs
+                if v in resident and v in g.outputs}
+        prob.__dict__["_written_at"] = memo
+    return sorted(((nbytes(v), t) for v, t in memo.items()), key=lambda s: -s[0])
+
+
+def _pooled(spans, slots) -> list[tuple[int, int, float]]:
+    """The temporaries (first, last position, bytes) XLA serves from its pool of temporaries.
+
+    XLA's buffer assignment visits buffers largest first and puts a temporary into the buffer
+    of a result when the buffer is at least as large, the result is written only after the
+    temporary's last reader, and no other temporary placed there is live at the same time; only
+    the rest share the pool. ``slots``: ``_output_slots``."""
+    taken: list[list[tuple[int, int]]] = [[] for _ in slots]
+    pooled = []
+    for a, b, size in sorted(spans, key=lambda s: (-s[2], s[0])):
+        k = next((k for k, (cap, written) in enumerate(slots) if cap >= size
+                  and b < written and _free(taken[k], a, b)), None)
+        if k is None:
+            pooled.append((a, b, size))
+        else:
+            bisect.insort(taken[k], (a, b))
+    return pooled
+
+
+def _free(occupied: list[tuple[int, int]], a: int, b: int) -> bool:
+    """No interval of the sorted, disjoint ``occupied`` meets ``[a, b]``."""
+    i = bisect.bisect_left(occupied, (a, a))
+    return (i == len(occupied) or occupied[i][0] > b) and (i == 0 or occupied[i - 1][1] < a)
 
 
 def _sizer(prob: Problem, choice):

@@ -601,16 +601,23 @@ def _memory_points(graph: Graph, n_points: int, schedule) -> list[list[int]]:
             for t in sorted(points)]
 
 
-def _intervals(ops: Sequence[Op], keep) -> list[tuple[int, int, int]]:
-    """(value, producer position, last reader position) of each result of ``ops`` ``keep``s."""
-    pos, last = {}, {}
+def _intervals(ops: Sequence[Op], keep, fusion: Fusion) -> list[tuple[int, int, int]]:
+    """(value, producer position, last reader position) of each result of ``ops`` ``keep``s,
+    then of each broadcast buffer the ops read (``Fusion.broadcasts``, sized as its value)."""
+    pos, last, at = {}, {}, {}
     for t, op in enumerate(ops):
+        at[op.id] = t
         for v in op.outs:
             if keep(v):
                 pos[v] = t
         for v in op.ins:
             last[v] = t
-    return [(v, a, last.get(v, a)) for v, a in pos.items()]
+    spans = [(v, a, last.get(v, a)) for v, a in pos.items()]
+    for v, readers in fusion.broadcasts:
+        if readers[0] in at:
+            where = [at[i] for i in readers]
+            spans.append((v, min(where), max(where)))
+    return spans
 
 
 def temporaries(graph: Graph, fusion: Fusion) -> list[tuple[int, int, int]]:
@@ -618,7 +625,7 @@ def temporaries(graph: Graph, fusion: Fusion) -> list[tuple[int, int, int]]:
     argument or result, not a folded constant."""
     resident = set(graph.inputs) | set(graph.outputs)
     return _intervals(graph.ops, lambda v: v in fusion.materialized and v not in resident
-                      and v not in fusion.constants)
+                      and v not in fusion.constants, fusion)
 
 
 def body_peaks(graph: Graph, fusion: Fusion) -> dict[int, tuple[list[int], float]]:
@@ -642,7 +649,7 @@ def _body_peak(graph: Graph, op: Op, fusion) -> tuple[list[int], float]:
     for region in op.regions:
         ops = region.ops
         intervals = _intervals(ops, lambda v: v in fusion.materialized
-                               and v not in region.outputs)  # noqa: B023 (used at once)
+                               and v not in region.outputs, fusion)  # noqa: B023 (used at once)
         live = np.zeros(len(ops) + 1)
         for v, a, b in intervals:
             live[a: b + 1] += graph.values[v].nbytes
