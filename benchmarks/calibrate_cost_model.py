@@ -38,6 +38,8 @@ from cost_models.collectives import KINDS  # noqa: E402
 from cost_models.measure import (  # noqa: E402
     Measurement,
     measure_collective,
+    measure_collective_chain,
+    measure_kernel_chain,
     measure_matmul,
     measure_memory,
 )
@@ -50,6 +52,10 @@ EVAL_MATMULS = ((192, 192, 192), (384, 384, 384), (768, 768, 768), (640, 320, 96
                 (1536, 768, 384), (96, 1024, 512))
 EVAL_MEMORY = (3 << 17, 3 << 19, 3 << 20)
 EVAL_COLLECTIVE_BYTES = (3 << 11, 3 << 13, 3 << 15, 3 << 17, 3 << 19, 3 << 21)
+# Chains of dependent tiny kernels / all-reduces in one program, of lengths the profile did not
+# fit (it fits 4, 16, 64 and 1, 4, 16): the launch costs a step pays per kernel and collective.
+EVAL_KERNEL_CHAINS = (8, 32, 96)
+EVAL_COLLECTIVE_CHAINS = (2, 8, 24)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +99,24 @@ def evaluate_collectives(cm: cost_models.CostModel, quick: bool) -> list[Row]:
                 s = measure_collective(mesh, axes, kind, nbytes)
                 predicted = cm.hw.dispatch_s + cm.collective_time_s(kind, s.nbytes, axes)
                 rows.append(Row(kind, s.dtype, s.label, ",".join(axes), s.time_s, predicted))
+    return rows
+
+
+def evaluate_chains(cm: cost_models.CostModel, quick: bool) -> list[Row]:
+    """One program of n kernels costs a dispatch plus n launches (the tiny ops' own work is
+    negligible); one of n dependent all-reduces a dispatch plus n tiny all-reduces."""
+    dev = jax.devices()
+    rows = []
+    for steps in EVAL_KERNEL_CHAINS[:2] if quick else EVAL_KERNEL_CHAINS:
+        s = measure_kernel_chain(dev, steps)
+        rows.append(Row("kernel-chain", s.dtype, f"{int(s.nbytes)} kernels", "-", s.time_s,
+                        cm.hw.dispatch_s + s.nbytes * cm.hw.kernel_launch_s))
+    axes = tuple(MESH)
+    for steps in EVAL_COLLECTIVE_CHAINS[:2] if quick else EVAL_COLLECTIVE_CHAINS:
+        s = measure_collective_chain(dev, steps)
+        one = cm.collective_time_s("all-reduce", 32.0, axes)
+        rows.append(Row("all-reduce-chain", s.dtype, f"{steps} all-reduces", ",".join(axes),
+                        s.time_s, cm.hw.dispatch_s + steps * one))
     return rows
 
 
@@ -147,7 +171,8 @@ def main(argv: Sequence[str] | None = None) -> float:
     hw = cost_models.profile(quick=args.quick)
     fit_s = time.perf_counter() - start
     cm = cost_models.CostModel(hw, MESH)
-    rows = evaluate_compute(cm, args.quick) + evaluate_collectives(cm, args.quick)
+    rows = (evaluate_compute(cm, args.quick) + evaluate_collectives(cm, args.quick)
+            + evaluate_chains(cm, args.quick))
     args.out.mkdir(parents=True, exist_ok=True)
     suffix = "_quick" if args.quick else ""
     write_csv(rows, args.out / f"cost_model_cpu{suffix}.csv")

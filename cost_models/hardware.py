@@ -8,9 +8,10 @@ A ``Hardware`` describes one kind of device and how devices are wired:
     several nodes pay the ``inter_node`` link.
   * ``*_efficiency``: the fraction of a peak reached in practice (fitted by ``profile()``).
   * ``dispatch_s``: launching one whole compiled program on every device (paid once per step);
-  * ``kernel_launch_s``: fixed cost of one kernel; ``collective_launch_s``: fixed cost of one
-    collective on top of its per-ring-step ``latency_s`` (host-side synchronisation dominates it
-    on CPU devices; near 0 on GPUs, where NCCL's per-step latency is the whole alpha term).
+  * ``kernel_launch_s``: fixed cost of one kernel inside a program; ``collective_launch_s``:
+    fixed cost of one collective inside a program on top of its per-ring-step ``latency_s``
+    (host-side synchronisation dominates it on CPU devices; near 0 on GPUs, where NCCL's
+    per-step latency is the whole alpha term).
   * ``citations``: for each figure, the document (or measurement) it comes from.
 
 Shipped profiles live in ``cost_models/profiles/<name>.json``; ``hardware(name)`` loads one.

@@ -164,3 +164,82 @@ def measure_collective(
     t = median_time_s(fn, (x,), repeats, warmup)
     actual = 4.0 * elems * (n if kind == "all-gather" else 1)
     return Measurement(kind, "float32", 0.0, actual, n, t, f"{int(actual)}B")
+
+
+# ---- overheads inside one program ---------------------------------------------------------------
+# A single-op program pays the op, its launch and the program's dispatch at once; the launch a step
+# pays per kernel (or per collective, per loop trip) is the slope of time against the count of
+# kernels in one program, every device running its chain at once.
+def count_hlo_kernels(compiled) -> int:
+    """Instructions that do work in a compiled program's entry and loop bodies (fusions, dots,
+    copies, collectives; not parameters, constants, tuples or bitcasts), each counted once."""
+    free = ("parameter(", "constant(", "tuple(", "get-tuple-element(", "bitcast(", "-done(")
+    kernels, fused = 0, False
+    for line in compiled.as_text().splitlines():
+        s = line.strip()
+        if s.endswith("{") and " = " not in s:
+            fused = any(w in s.split(" ")[0] for w in ("fused", "wrapped"))
+            continue
+        if fused or " = " not in s or any(f in s.split(" = ", 1)[1] for f in free):
+            continue
+        kernels += 1
+    return kernels
+
+
+def _chain(x: jax.Array, w: jax.Array, steps: int) -> jax.Array:
+    for _ in range(steps):  # a dot and an elementwise kernel per step, each reading the last
+        x = jnp.tanh(x @ w)
+    return x
+
+
+def measure_kernel_chain(
+    devices: Sequence[jax.Device], steps: int, size: int = 16, repeats: int = 7, warmup: int = 2
+) -> Measurement:
+    """Times ``steps`` dependent tiny matmul + tanh kernels in one program on every device at
+    once; ``nbytes`` holds the program's kernel count (``count_hlo_kernels``)."""
+    fn, args = _on_every_device(lambda x, w: _chain(x, w, steps), list(devices),
+                                ((size, size), jnp.float32), ((size, size), jnp.float32))
+    kernels = count_hlo_kernels(fn.lower(*args).compile())
+    t = median_time_s(fn, args, repeats, warmup)
+    return Measurement("kernel-chain", "float32", 0.0, float(kernels), 1, t, f"{steps} steps")
+
+
+def measure_collective_chain(
+    devices: Sequence[jax.Device], steps: int, repeats: int = 7, warmup: int = 2
+) -> Measurement:
+    """Times ``steps`` dependent tiny all-reduces over all ``devices`` in one program (each
+    reads the last, so XLA cannot combine them); ``nbytes`` holds the collective count."""
+    mesh, axes = line_mesh(devices)
+    spec = PartitionSpec(tuple(mesh.axis_names))
+
+    def body(x):
+        for _ in range(steps):
+            x = jax.lax.psum(x, axes) * 0.5
+        return x
+
+    x = jax.device_put(jnp.ones((mesh.size * 8,), jnp.float32), NamedSharding(mesh, spec))
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+    t = median_time_s(fn, (x,), repeats, warmup)
+    return Measurement("collective-chain", "float32", 0.0, float(steps), len(devices), t,
+                       f"{steps} all-reduces")
+
+
+def measure_loop(
+    devices: Sequence[jax.Device], trips: int, repeats: int = 7, warmup: int = 2
+) -> Measurement:
+    """Times a ``fori_loop`` of ``trips`` trips of one tiny kernel on every device at once;
+    ``nbytes`` holds the trip count."""
+    fn, args = _on_every_device(
+        lambda x: jax.lax.fori_loop(0, trips, lambda i, v: jnp.tanh(v) + 1.0, x),
+        list(devices), ((16,), jnp.float32))
+    t = median_time_s(fn, args, repeats, warmup)
+    return Measurement("loop", "float32", 0.0, float(trips), 1, t, f"{trips} trips")
+
+
+def slope_s(samples: Sequence[Measurement]) -> float:
+    """Least-squares seconds per unit of ``nbytes`` (kernels, collectives, trips) over
+    ``samples`` of one kind: the in-program cost of one more of them (>= 0)."""
+    x = np.array([s.nbytes for s in samples])
+    t = np.array([s.time_s for s in samples])
+    slope = np.polyfit(x, t, 1)[0] if len(set(x.tolist())) > 1 else 0.0
+    return max(float(slope), 0.0)

@@ -13,7 +13,12 @@ full sweep also groups of 4 and 2, all groups running at once) (``cost_models.me
     median kind's ``B_k / B_max`` and each kind's factor makes up the rest, so
     ``B_max * collective_efficiency * kind_efficiency = B_k``;
   * the inter-node link cannot be measured from one process: it is the reference's, else a copy
-    of the measured intra-node link.
+    of the measured intra-node link;
+  * ``kernel_launch_s`` and ``collective_launch_s`` are what one more kernel or all-reduce costs
+    *inside* a program (``in_program_launches``: the slope of time against the count in chains
+    of dependent tiny kernels and all-reduces), not the intercept of single-op programs: on CPU
+    devices a lone op pays thread wake-ups that a step's hundreds of kernels do not (the
+    intercept was ~200 us per kernel, the in-program slope a few us).
 """
 from __future__ import annotations
 
@@ -24,16 +29,19 @@ from collections.abc import Sequence
 
 import jax
 
-from cost_models.collectives import KINDS
+from cost_models.collectives import COLLECTIVE_TERMS, KINDS
 from cost_models.fit import CollectiveFit, ComputeFit, fit_collectives, fit_compute
 from cost_models.hardware import FALLBACK_DTYPE, Hardware, Link, hardware
 from cost_models.measure import (
     Measurement,
     line_mesh,
     measure_collective,
+    measure_collective_chain,
     measure_dispatch,
+    measure_kernel_chain,
     measure_matmul,
     measure_memory,
+    slope_s,
 )
 
 
@@ -48,6 +56,8 @@ class Sweep:
     group_sizes: tuple[int, ...]  # groups of g devices (0: all), all devices busy at once
     repeats: int
     warmup: int
+    chain_steps: tuple[int, ...] = (4, 16, 64)   # kernel chains: launch cost inside a program
+    collective_chain: tuple[int, ...] = (1, 4, 16)  # dependent all-reduces in one program
 
 
 # Powers of two (and 4x steps for collectives): calibrate_cost_model.py checks the fit on sizes
@@ -71,6 +81,8 @@ QUICK_SWEEP = Sweep(
     group_sizes=(0,),
     repeats=3,
     warmup=1,
+    chain_steps=(4, 32),
+    collective_chain=(1, 8),
 )
 
 
@@ -121,16 +133,31 @@ def profile(
     compute, comms = run_sweep(devs, sweep)
     dispatch = measure_dispatch(devs, sweep.repeats + 2, sweep.warmup)
     ref = hardware(reference) if reference is not None else None
-    # Every measured program paid one dispatch: the fitted floors keep only what an op or a
-    # collective costs inside a program.
+    # A single-op program pays the op, the program's dispatch and whatever a lone op costs on
+    # top (thread wake-ups on CPU devices): the launch a step pays per kernel and per collective
+    # is the slope of time against their count in one program (``in_program_launches``).
     cfit = fit_compute(compute)
-    cfit = dataclasses.replace(cfit, kernel_launch_s=max(cfit.kernel_launch_s - dispatch, 0.0))
     kfit = fit_collectives(comms) if comms else None
+    kernel_s, coll_s = in_program_launches(devs, sweep, kfit)
+    cfit = dataclasses.replace(cfit, kernel_launch_s=kernel_s)
     if kfit is not None:
-        kfit = dataclasses.replace(
-            kfit, collective_launch_s=max(kfit.collective_launch_s - dispatch, 0.0))
+        kfit = dataclasses.replace(kfit, collective_launch_s=coll_s)
     hw = hardware_from_fits(name or devs[0].platform, devs, cfit, kfit, ref)
     return dataclasses.replace(hw, dispatch_s=dispatch)
+
+
+def in_program_launches(devices: Sequence[jax.Device], sweep: Sweep,
+                        kfit: CollectiveFit | None) -> tuple[float, float]:
+    """(kernel launch, collective launch) seconds inside one program: the slopes of a chain of
+    dependent tiny kernels and of dependent tiny all-reduces over all ``devices``; the
+    all-reduce's ring latency steps (``kfit.latency_s``) are taken off its slope."""
+    reps = dict(repeats=sweep.repeats, warmup=sweep.warmup)
+    kernel_s = slope_s([measure_kernel_chain(devices, k, **reps) for k in sweep.chain_steps])
+    if kfit is None or len(devices) < 2:
+        return kernel_s, 0.0
+    per = slope_s([measure_collective_chain(devices, k, **reps) for k in sweep.collective_chain])
+    steps, _ = COLLECTIVE_TERMS["all-reduce"](len(devices))
+    return kernel_s, max(per - steps * kfit.latency_s, 0.0)
 
 
 def hardware_from_fits(

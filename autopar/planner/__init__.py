@@ -16,7 +16,7 @@ import numpy as np
 from autopar.errors import PlanError, ShardingError
 from autopar.options import PlannerOptions
 from autopar.plan import Collective, CostBreakdown, Plan, SolverStats
-from autopar.planner import ilp, kernel_choice, memory, pins, problem
+from autopar.planner import combine, ilp, kernel_choice, memory, pins, problem
 from autopar.planner.budget import LOG, SEARCH_BEFORE, START_BEFORE, Clock, warn_many_axes
 from autopar.planner.reshard import reshard_steps, step_bytes, step_hbm_bytes
 from autopar.sharding import Sharding, fmt
@@ -320,6 +320,18 @@ def _bytes_by_kind(colls) -> tuple[tuple[str, float], ...]:
     return tuple(sorted(out.items()))
 
 
+def _top_level_reduces(g, colls) -> list[tuple[int, tuple[str, ...]]]:
+    """(op id, axes) of the all-reduces run once per step outside loops: the op that issues one
+    (``op17 ...``) or reads its result (``edge op12:arg1 ...``)."""
+    top = {op.id for op in g.ops}
+    out = []
+    for c in colls:
+        m = re.match(r"(?:edge )?op(\d+)", c.where)
+        if c.kind == "all-reduce" and c.count == 1 and m and int(m.group(1)) in top:
+            out.append((int(m.group(1)), tuple(c.axes)))
+    return out
+
+
 def assemble(prob: problem.Problem, choice, cm, hardware_name: str, strategy: str,
              memory_budget: float | None, stats: SolverStats) -> Plan:
     g = prob.graph
@@ -330,6 +342,12 @@ def assemble(prob: problem.Problem, choice, cm, hardware_name: str, strategy: st
         by_kind[c.kind] = by_kind.get(c.kind, 0.0) + c.time_s
     dispatch = float(getattr(cm.hw, "dispatch_s", 0.0))
     compute, comm, transition = tally.compute_s, tally.comm_s, tally.transition_s
+    # XLA merges independent all-reduces over one group: their launches are paid once.
+    refund = combine.launch_refund_s(g, _top_level_reduces(g, colls), cm.hw.collective_launch_s)
+    comm, transition = comm - min(refund, comm), transition - min(max(refund - comm, 0.0),
+                                                                  transition)
+    if refund:
+        by_kind["all-reduce"] = max(by_kind.get("all-reduce", 0.0) - refund, 0.0)
     cost = CostBreakdown(compute + comm + transition + dispatch, compute, comm, transition,
                          memory.estimate(prob, choice).peak, memory_budget,
                          tuple(sorted(by_kind.items(), key=lambda kv: -kv[1])), dispatch,
