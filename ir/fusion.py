@@ -36,6 +36,7 @@ backend-specific fusions are not modelled).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
@@ -83,8 +84,9 @@ class Fusion:
     constants: frozenset[int]
     copies: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
-    @property
+    @functools.cached_property
     def materialized(self) -> frozenset[int]:
+        """Every value some kernel writes (computed once: the memory schedule asks per value)."""
         return frozenset(v for vs in self.writes.values() for v in vs)
 
     def kernels(self) -> int:
