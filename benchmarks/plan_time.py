@@ -108,7 +108,8 @@ def child_depth(spec: dict) -> dict:
     graph = ir.trace(fn, state, batch)
     trace_s, c1 = time.perf_counter() - t0, time.process_time()
     p = plan_graph(graph, spec["mesh"], hardware="h100", memory_budget=spec["budget"],
-                   time_limit_s=spec["time_limit_s"], trace_s=trace_s)
+                   time_limit_s=spec["time_limit_s"], trace_s=trace_s,
+                   deterministic=spec.get("deterministic"))
     wall, c2 = time.perf_counter() - t0, time.process_time()
     s = p.solver
     return dict(trace_s=s.trace_s, build_s=s.build_s, solve_s=s.solve_s, wall_s=wall,
@@ -159,7 +160,7 @@ def child_first_call(spec: dict) -> dict:
     name = spec["name"]
     step, state, batch = hf.concrete(name, hf.tiny(name), 8)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
-    sharded = autopar.autoparallel(step, mesh=mesh)
+    sharded = autopar.autoparallel(step, mesh=mesh, deterministic=spec.get("deterministic"))
     t0, c0 = time.perf_counter(), time.process_time()
     jax.block_until_ready(sharded(state, batch))
     first, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -187,11 +188,11 @@ def _in_child(kind: str, spec: dict, repeat: int = 1) -> dict:
             for k, v in runs[0].items()}
 
 
-def run_depth(label, family, layers, mesh, batch, budget, repeat) -> tuple:
+def run_depth(label, family, layers, mesh, batch, budget, repeat, deterministic=None) -> tuple:
     """(table row, the child's medians)."""
     time_limit_s = LIMIT_S[family]
     spec = dict(family=family, layers=layers, mesh=mesh, batch=batch, budget=budget,
-                time_limit_s=time_limit_s)
+                time_limit_s=time_limit_s, deterministic=deterministic)
     r = _in_child("depth", spec, repeat)
     return _depth_row(label, layers, mesh, r), r
 
@@ -210,8 +211,8 @@ def _depth_row(label, layers, mesh, r: dict) -> tuple:
             r["status"], r["gap"], r["groups"], r["vars"], r["step_ms"])
 
 
-def run_first_call(name: str, repeat: int) -> tuple:
-    r = _in_child("first", {"name": name}, repeat)
+def run_first_call(name: str, repeat: int, deterministic=None) -> tuple:
+    r = _in_child("first", {"name": name, "deterministic": deterministic}, repeat)
     if "error" in r:
         nan = float("nan")
         return (name, "data2xmodel4") + (nan,) * 6 + (f"error: {r['error']}", nan)
@@ -337,6 +338,9 @@ def main(argv=None):
     ap.add_argument("--only", default=",".join(PARTS),
                     help=f"comma-separated parts to run, of {', '.join(PARTS)} (default all)")
     ap.add_argument("--repeat", type=int, default=REPEAT, help="fresh processes per depth row")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="plan with deterministic=True: the wall clock cuts no stage, so a loaded "
+                         "machine changes the times but not the plans")
     args = ap.parse_args(argv)
     only = set(args.only.split(","))
     if not only <= set(PARTS):
@@ -345,8 +349,12 @@ def main(argv=None):
     repeat = 1 if args.quick else args.repeat
     t_all = time.perf_counter()
     rows, notes = [], []
+    if args.deterministic:
+        notes.append("- Planned with `deterministic=True` (`--deterministic`): no stage stops on "
+                     "the wall clock, so machine load lengthens the wall times but changes no "
+                     "plan; CPU times and statuses are those of an unloaded run.")
     for spec in depth_rows(args.quick, only):
-        r, medians = run_depth(*spec, repeat)
+        r, medians = run_depth(*spec, repeat, args.deterministic or None)
         print("  " + "  ".join(_common._cell(x) for x in r), flush=True)
         rows.append(r)
         if spec[1] == "175B" and "reference" in only:
@@ -356,7 +364,7 @@ def main(argv=None):
     first_rows = []
     names = ("gpt2", "t5", "bart", "whisper") if "first" in only and not args.quick else ()
     for name in names:
-        r = run_first_call(name, 1 if args.quick else FIRST_REPEAT)
+        r = run_first_call(name, 1 if args.quick else FIRST_REPEAT, args.deterministic or None)
         print("  " + "  ".join(_common._cell(x) for x in r), flush=True)
         first_rows.append(r)
     elapsed = time.perf_counter() - t_all
