@@ -21,6 +21,7 @@ Writes ``benchmarks/results/plan_time.md`` and ``plan_time.csv``.
 
     python benchmarks/plan_time.py            # full sweep (~10 minutes on 2 idle cores)
     python benchmarks/plan_time.py --quick    # one small row
+    python benchmarks/plan_time.py --only hf,first --repeat 1   # some rows, one process each
 """
 from __future__ import annotations
 
@@ -51,10 +52,19 @@ LIMIT_S = {"hf": 30.0, "scan": 30.0, "175B": 10.0, "tiny": 2.0}
 FULL_LIMIT_S = 60.0   # deterministic seconds for the whole-ILP reference solve
 
 
-def depth_rows(quick: bool):
+# What ``--only`` selects: depth families, the whole-ILP reference solve of GPT-175B
+# (``gap_lines``), jax's tracing floor (``floor_lines``) and the first-call table.
+PARTS = ("hf", "scan", "175B", "reference", "floor", "first")
+
+
+def depth_rows(quick: bool, only=PARTS):
     """(label, family, layers, mesh, batch, budget)."""
     if quick:
         return [("GPT tiny scan", "tiny", 2, {"data": 8}, 16, None)]
+    return [r for r in _all_depth_rows() if r[1] in only]
+
+
+def _all_depth_rows():
     rows = []
     for layers in (12, 48, 96):
         rows.append(("HF GPT-2 unrolled, GPT-3 width", "hf", layers, MESH64, DEPTH_BATCH,
@@ -98,7 +108,8 @@ def child_depth(spec: dict) -> dict:
     graph = ir.trace(fn, state, batch)
     trace_s, c1 = time.perf_counter() - t0, time.process_time()
     p = plan_graph(graph, spec["mesh"], hardware="h100", memory_budget=spec["budget"],
-                   time_limit_s=spec["time_limit_s"], trace_s=trace_s)
+                   time_limit_s=spec["time_limit_s"], trace_s=trace_s,
+                   deterministic=spec.get("deterministic"))
     wall, c2 = time.perf_counter() - t0, time.process_time()
     s = p.solver
     return dict(trace_s=s.trace_s, build_s=s.build_s, solve_s=s.solve_s, wall_s=wall,
@@ -149,7 +160,7 @@ def child_first_call(spec: dict) -> dict:
     name = spec["name"]
     step, state, batch = hf.concrete(name, hf.tiny(name), 8)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
-    sharded = autopar.autoparallel(step, mesh=mesh)
+    sharded = autopar.autoparallel(step, mesh=mesh, deterministic=spec.get("deterministic"))
     t0, c0 = time.perf_counter(), time.process_time()
     jax.block_until_ready(sharded(state, batch))
     first, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -177,11 +188,11 @@ def _in_child(kind: str, spec: dict, repeat: int = 1) -> dict:
             for k, v in runs[0].items()}
 
 
-def run_depth(label, family, layers, mesh, batch, budget, repeat) -> tuple:
+def run_depth(label, family, layers, mesh, batch, budget, repeat, deterministic=None) -> tuple:
     """(table row, the child's medians)."""
     time_limit_s = LIMIT_S[family]
     spec = dict(family=family, layers=layers, mesh=mesh, batch=batch, budget=budget,
-                time_limit_s=time_limit_s)
+                time_limit_s=time_limit_s, deterministic=deterministic)
     r = _in_child("depth", spec, repeat)
     return _depth_row(label, layers, mesh, r), r
 
@@ -200,8 +211,8 @@ def _depth_row(label, layers, mesh, r: dict) -> tuple:
             r["status"], r["gap"], r["groups"], r["vars"], r["step_ms"])
 
 
-def run_first_call(name: str, repeat: int) -> tuple:
-    r = _in_child("first", {"name": name}, repeat)
+def run_first_call(name: str, repeat: int, deterministic=None) -> tuple:
+    r = _in_child("first", {"name": name, "deterministic": deterministic}, repeat)
     if "error" in r:
         nan = float("nan")
         return (name, "data2xmodel4") + (nan,) * 6 + (f"error: {r['error']}", nan)
@@ -258,13 +269,14 @@ def _ratio_lines(rows) -> list[str]:
     return out
 
 
-def write(out, rows, first_rows, notes, elapsed: float) -> None:
+def write(out, rows, first_rows, notes, elapsed: float, repeat: int = REPEAT,
+          cmd: str = "python benchmarks/plan_time.py") -> None:
     env = _common.environment()    # before any file is written: the stamp is the code's state
     _common.write_csv(out / "plan_time.csv", HEADER, rows)
     lines = [
         "# autopar planning time",
         "",
-        f"Each row is the median of {REPEAT} fresh processes, each timing `ir.trace` then",
+        f"Each row is the median of {repeat} fresh process(es), each timing `ir.trace` then",
         "`autopar.api.plan_graph(graph, mesh,",
         "hardware=\"h100\", time_limit_s=L)` on abstract inputs (nothing is allocated; the 64",
         "devices need not exist). L, the wall-clock budget of the call with tracing, is 30 s for",
@@ -308,7 +320,8 @@ def write(out, rows, first_rows, notes, elapsed: float) -> None:
         "",
         f"Sweep wall time {elapsed:.0f} s. Environment: {env}.",
         "",
-        "Reproduce: `python benchmarks/plan_time.py` (`--quick` for one small row).",
+        f"Reproduce: `{cmd}` (`--quick` for one small row; `--only` picks parts of "
+        f"{', '.join(PARTS)} and `--repeat` the processes per depth row).",
         "",
     ]
     (out / "plan_time.md").write_text("\n".join(lines))
@@ -321,26 +334,42 @@ def main(argv=None):
               "full": child_full}[argv[1]]
         print(json.dumps(fn(json.loads(argv[2]))))
         return None
-    args = _common.parser(__doc__).parse_args(argv)
+    ap = _common.parser(__doc__)
+    ap.add_argument("--only", default=",".join(PARTS),
+                    help=f"comma-separated parts to run, of {', '.join(PARTS)} (default all)")
+    ap.add_argument("--repeat", type=int, default=REPEAT, help="fresh processes per depth row")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="plan with deterministic=True: the wall clock cuts no stage, so a loaded "
+                         "machine changes the times but not the plans")
+    args = ap.parse_args(argv)
+    only = set(args.only.split(","))
+    if not only <= set(PARTS):
+        ap.error(f"--only takes parts of {', '.join(PARTS)}, not {', '.join(only - set(PARTS))}")
     out = _common.out_dir(args)
-    repeat = 1 if args.quick else REPEAT
+    repeat = 1 if args.quick else args.repeat
     t_all = time.perf_counter()
     rows, notes = [], []
-    for spec in depth_rows(args.quick):
-        r, medians = run_depth(*spec, repeat)
+    if args.deterministic:
+        notes.append("- Planned with `deterministic=True` (`--deterministic`): no stage stops on "
+                     "the wall clock, so machine load lengthens the wall times but changes no "
+                     "plan; CPU times and statuses are those of an unloaded run.")
+    for spec in depth_rows(args.quick, only):
+        r, medians = run_depth(*spec, repeat, args.deterministic or None)
         print("  " + "  ".join(_common._cell(x) for x in r), flush=True)
         rows.append(r)
-        if spec[1] == "175B":
+        if spec[1] == "175B" and "reference" in only:
             notes += gap_lines(spec, medians)
-    if not args.quick:
+    if not args.quick and "floor" in only:
         notes += floor_lines(FIRST_REPEAT)
     first_rows = []
-    for name in (() if args.quick else ("gpt2", "t5", "bart", "whisper")):
-        r = run_first_call(name, 1 if args.quick else FIRST_REPEAT)
+    names = ("gpt2", "t5", "bart", "whisper") if "first" in only and not args.quick else ()
+    for name in names:
+        r = run_first_call(name, 1 if args.quick else FIRST_REPEAT, args.deterministic or None)
         print("  " + "  ".join(_common._cell(x) for x in r), flush=True)
         first_rows.append(r)
     elapsed = time.perf_counter() - t_all
-    write(out, rows, first_rows, notes, elapsed)
+    cmd = " ".join(["python benchmarks/plan_time.py", *(argv or [])])
+    write(out, rows, first_rows, notes, elapsed, repeat, cmd)
     print(f"wrote {out / 'plan_time.md'} ({len(rows)} rows, {elapsed:.0f} s)")
     return rows
 

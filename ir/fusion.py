@@ -43,6 +43,7 @@ backend-specific fusions are not modelled).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
@@ -98,8 +99,9 @@ class Fusion:
     copies: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     broadcasts: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
-    @property
+    @functools.cached_property
     def materialized(self) -> frozenset[int]:
+        """Every value some kernel writes (computed once: the memory schedule asks per value)."""
         return frozenset(v for vs in self.writes.values() for v in vs)
 
     def kernels(self) -> int:
