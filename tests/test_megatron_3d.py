@@ -52,8 +52,8 @@ def test_megatron_3d_step_equals_unsharded(setup):
     new, loss = run(state, batch)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
     ref_l, ref_g = jax.jit(jax.value_and_grad(model.loss))(state["params"], batch)
-    l, g = jax.jit(run.loss_and_grads)(state["params"], batch)
-    np.testing.assert_allclose(float(l), float(ref_l), rtol=1e-6)
+    got_l, g = jax.jit(run.loss_and_grads)(state["params"], batch)
+    np.testing.assert_allclose(float(got_l), float(ref_l), rtol=1e-6)
     _close(g, ref_g, rel=1e-5)
     _close(new["opt_state"][0].mu, ref_state["opt_state"][0].mu, rel=1e-5)
     # Adam's update is about lr x sign(g): checked to a fraction of lr (see test_pipeline_runtime).
@@ -63,14 +63,14 @@ def test_megatron_3d_step_equals_unsharded(setup):
 def test_compare_shows_bubble_and_stage_memory(setup):
     step, state, batch, _ = setup
     cmp = autopar.compare(step, state, batch, mesh=MESH, hardware="cpu",
-                          strategies=("megatron_3d", "megatron"), runs=1, progress=False)
+                          strategies=("megatron_3d",), runs=1, progress=False,
+                          time_limit_s=5.0)
     row = cmp["megatron_3d"]
     assert row.ok, row.error
     assert row.plan.pipeline is not None and row.measured_step_s is not None
     assert row.measured_peak_bytes is not None and row.predicted_peak_bytes is not None
     text = str(cmp)
     assert "1f1b M=4 V=1, bubble" in text and "stage peaks" in text
-    assert cmp["megatron"].ok and cmp["megatron"].plan.pipeline is None
 
 
 def test_megatron_3d_bad_inputs(setup):

@@ -76,3 +76,63 @@ def test_allowed_ranges_restrict_the_search():
 def test_hops_add_once():
     p = dp.build(4, 2, 3, _additive(1.0, layers=4), lambda k, i, j: 0.0, hop_s=(0.5,))
     assert dp.solve(p).objective_s == pytest.approx(2 + 2 + 0.5 + 2 * 2)
+
+
+# ---- the DP inside the pipeline planner -------------------------------------------------------
+def _gpt(layers):
+    import dataclasses
+
+    import jax
+
+    from autopar.models import gpt
+    from autopar.pipeline import model as PM
+
+    cfg = gpt.GPTConfig(vocab=64, seq=8, d_model=32, heads=4, d_ff=64, layers=layers, scan=True)
+    step, init = PM.gpt_train_step(dataclasses.replace(cfg))
+    return PM.staged_model_of(step), jax.eval_shape(lambda: init(jax.random.PRNGKey(0), 8))
+
+
+def test_boundaries_pay_the_link_they_cross():
+    import dataclasses
+
+    import cost_models
+    from autopar.pipeline import planning as PL
+
+    hw = dataclasses.replace(cost_models.hardware("h100"), devices_per_node=4)
+    hops = PL.boundary_hops_s({"stage": 4, "data": 2}, "stage", hw, 2**20)
+    # Stages 0-1 share node 0 and 2-3 node 1: only the middle boundary crosses nodes.
+    assert hops[1] > hops[0] == hops[2] > 0
+
+
+def test_layer_split_in_the_planner():
+    import cost_models
+    from autopar.pipeline import planning as PL
+    from autopar.pipeline import search
+
+    model, state = _gpt(8)
+    # The head costs two layers: the unrestricted DP gives the last stage fewer layers, and
+    # the schedule's own lockstep timeline agrees that it is faster; runnable ranges are equal.
+    costs = PL.Costs(layer_f=1.0, layer_b=2.0, embed_f=0, embed_b=0, head_f=2.0, head_b=4.0,
+                     layer_peak_bytes=0, act_bytes=1.0, solve_s=0)
+    hw, sizes = cost_models.hardware("cpu"), {"stage": 2, "data": 4}
+    run = PL.layer_split(model, state["params"], costs, sizes, "stage", hw, "gpipe", 8, 1e12)
+    free = PL.layer_split(model, state["params"], costs, sizes, "stage", hw, "gpipe", 8, 1e12,
+                          runnable=False)
+    assert run.ranges == PL.equal_ranges(8, 2) and free.ranges == ((0, 5), (5, 8))
+    equal = PL.price(model, state["params"], costs, sizes, "stage", hw, "gpipe", 1, 8)
+    moved = PL.price(model, state["params"], costs, sizes, "stage", hw, "gpipe", 1, 8,
+                     free.ranges)
+    assert moved.step_time_s < equal.step_time_s and moved.layer_ranges == ((0, 5), (5, 8))
+    assert moved.stage_memory_bytes[0] > moved.stage_memory_bytes[1]
+    choice = search.evaluate(model, state["params"], costs, sizes, hw, 1e12, "gpipe", 1, 8)
+    assert choice.plan == equal and choice.unequal == moved
+
+
+def test_search_meshes_cover_the_devices():
+    from autopar.pipeline import search
+
+    shapes = search.meshes(256, 48, 8, tensor=(4, 8))
+    assert shapes and all(s["stage"] * s["data"] * s["model"] == 256 for s in shapes)
+    assert {s["model"] for s in shapes} == {4, 8} and min(s["stage"] for s in shapes) == 2
+    assert max(s["stage"] for s in shapes) <= 48
+    assert search.microbatch_counts(64, {"stage": 4, "data": 4}, (1, 2, 4)) == [16, 8, 4]
