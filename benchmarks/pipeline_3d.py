@@ -89,7 +89,9 @@ def _row(name, n, hw, side, c: search.Choice | None, plan=None):
 def _why(auto: search.Choice, hand: search.Choice | None, ranked, budget: float) -> str:
     """Why auto's choice wins: bubble, memory or communication against its runners-up."""
     a = auto.plan
-    lines = [f"auto chose {_common.mesh_str(auto.sizes)}, {a.schedule} V={a.virtual_stages}, "
+    lines = ["(busiest stage: its compute and intra-stage collectives over the step; idle: "
+             "step minus that)",
+             f"auto chose {_common.mesh_str(auto.sizes)}, {a.schedule} V={a.virtual_stages}, "
              f"M={a.microbatches}: step {a.step_time_s:.3f} s, bubble {a.bubble_fraction:.1%}, "
              f"peak {max(a.stage_memory_bytes) / 2**30:.1f} GiB"]
     others = [c for c in ranked if c is not auto][:3] + ([hand] if hand is not None else [])
@@ -100,10 +102,10 @@ def _why(auto: search.Choice, hand: search.Choice | None, ranked, budget: float)
             reasons.append(f"bubble {o.bubble_fraction:.1%}")
         busy_a, busy_o = max(a.stage_time_s), max(o.stage_time_s)
         if busy_o > busy_a * 1.005:
-            reasons.append(f"busiest stage {busy_o:.3f} s vs {busy_a:.3f} s")
+            reasons.append(f"busiest stage {busy_o:.3f} s vs {busy_a:.3f} s")   # + its collectives
         comm_a, comm_o = a.step_time_s - busy_a, o.step_time_s - busy_o
         if comm_o > comm_a * 1.005:
-            reasons.append(f"p2p+sync+optimizer {comm_o:.3f} s vs {comm_a:.3f} s")
+            reasons.append(f"idle+p2p+sync+optimizer {comm_o:.3f} s vs {comm_a:.3f} s")
         label = "best megatron_3d" if c is hand else "runner-up"
         lines.append(f"  {label} {_common.mesh_str(c.sizes)} {o.schedule} V={o.virtual_stages} "
                      f"M={o.microbatches}: {o.step_time_s:.3f} s ({', '.join(reasons) or 'close'})")
