@@ -16,7 +16,9 @@ layers, whose residuals the scan keeps).
 
 ``pipeline="auto"`` enumerates schedules, virtual stages and microbatch counts with equal layer
 ranges (the runtime runs equal chunks of the stacked layers) and keeps the fastest that fits the
-memory budget; its ``why`` lists the runners-up.
+memory budget; its ``why`` lists the runners-up and what the layer-range DP (``dp``,
+``layer_split``) would predict for unequal ranges, which ``price(..., ranges=...)`` prices on the
+same timeline but the runtime does not run. Per-boundary links: ``boundary_hops_s``.
 """
 from __future__ import annotations
 
