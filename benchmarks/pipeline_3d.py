@@ -17,8 +17,9 @@ inter-operator choices:
   ranges from the layer-range DP restricted to what the runtime runs (equal chunks). This space
   contains the hand-written one, so auto is never predicted slower *by construction*; what the
   report adds is which configuration it chose and why.
-* **DP, unequal ranges**: the layer-range DP unrestricted, on auto's choice: what unequal ranges
-  would predict if the runtime ran them (it does not yet).
+* **DP unequal (not run)**: the layer-range DP unrestricted, over the same candidates plus the
+  stage counts that do not divide the layers: the best such split, shown when it beats auto,
+  is what unequal ranges would predict if the runtime ran them (it does not yet).
 
 Writes ``benchmarks/results/pipeline_3d.md`` and ``pipeline_3d.csv``.
 
@@ -121,22 +122,34 @@ def run_one(name: str, n: int, hw_name: str):
     hand_c = _choices(model, params, batch, n, hw, budget, HAND, costs)
     auto_c = _choices(model, params, batch, n, hw, budget, AUTO, costs)
     hand, auto = search.best(hand_c, budget), search.best(auto_c, budget)
-    too_big = sum(max(c.plan.stage_memory_bytes) > budget for c in auto_c)
-    ranked = sorted((c for c in auto_c if max(c.plan.stage_memory_bytes) <= budget),
+    runnable = [c for c in auto_c if c.plan is not None]
+    too_big = sum(max(c.plan.stage_memory_bytes) > budget for c in runnable)
+    ranked = sorted((c for c in runnable if max(c.plan.stage_memory_bytes) <= budget),
                     key=lambda c: c.plan.step_time_s)
     faster_over = sum(max(c.plan.stage_memory_bytes) > budget and auto is not None
-                      and c.plan.step_time_s < auto.plan.step_time_s for c in auto_c)
+                      and c.plan.step_time_s < auto.plan.step_time_s for c in runnable)
     rows = [_row(name, n, hw, "megatron_3d", hand), _row(name, n, hw, "auto", auto)]
+    dp_best = search.best(auto_c, budget, key=lambda c: c.unequal)
+    if dp_best is not None and (auto is None or dp_best.unequal.step_time_s
+                                < auto.plan.step_time_s):
+        rows.append(_row(name, n, hw, "DP unequal (not run)", dp_best, dp_best.unequal))
     free = auto.unequal if auto is not None else None
-    if free is not None and max(free.stage_memory_bytes) <= budget:
-        rows.append(_row(name, n, hw, "DP unequal (not run)", auto, free))
-    why = _why(auto, hand, ranked, budget) if auto is not None else "nothing fits"
+    if auto is not None:
+        why = _why(auto, hand, ranked, budget)
+    else:
+        equal_s = sorted({s["stage"] for s in search.meshes(n, model.num_layers,
+                                                            hw.devices_per_node, AUTO["tensor"])
+                          if model.num_layers % s["stage"] == 0})
+        why = (f"no runnable candidate fits {budget / 2**30:.0f} GiB: equal chunks need a stage "
+               f"count dividing {model.num_layers} layers and the devices ({equal_s}), and "
+               f"those leave too many parameters and their Adam state per stage")
     if auto is not None and auto.plan.virtual_stages == 1:
         why += ("\n  layer-range DP, unrestricted: " + (
             "the equal ranges are its best split too" if free is None else
             f"{[b - a for a, b in free.layer_ranges]} layers per stage would predict "
             f"{free.step_time_s:.3f} s (not run: the runtime runs equal chunks)"))
-    why += (f"\n  {too_big} of {len(auto_c)} auto candidates exceed {budget / 2**30:.0f} GiB "
+    why += (f"\n  {too_big} of {len(runnable)} runnable auto candidates exceed "
+            f"{budget / 2**30:.0f} GiB "
             f"({faster_over} of them predicted faster than the choice: memory decided those)")
     slower = int(auto is not None and hand is not None
                  and auto.plan.step_time_s > hand.plan.step_time_s * 1.001)

@@ -136,3 +136,17 @@ def test_search_meshes_cover_the_devices():
     assert {s["model"] for s in shapes} == {4, 8} and min(s["stage"] for s in shapes) == 2
     assert max(s["stage"] for s in shapes) <= 48
     assert search.microbatch_counts(64, {"stage": 4, "data": 4}, (1, 2, 4)) == [16, 8, 4]
+
+
+def test_layers_that_do_not_split_equally_are_planned_not_run():
+    import cost_models
+    from autopar.pipeline import planning as PL
+    from autopar.pipeline import search
+
+    model, state = _gpt(7)
+    costs = PL.Costs(layer_f=1.0, layer_b=2.0, embed_f=0, embed_b=0, head_f=0, head_b=0,
+                     layer_peak_bytes=0, act_bytes=1.0, solve_s=0)
+    hw, sizes = cost_models.hardware("cpu"), {"stage": 2, "data": 4}
+    c = search.evaluate(model, state["params"], costs, sizes, hw, 1e12, "gpipe", 1, 4)
+    assert c.plan is None and sorted(b - a for a, b in c.unequal.layer_ranges) == [3, 4]
+    assert search.best([c], 1e12) is None and search.best([c], 1e12, key=lambda x: x.unequal)

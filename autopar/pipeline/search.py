@@ -21,11 +21,12 @@ from autopar.pipeline.record import PipelinePlan
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    """One candidate: its mesh, the runnable plan (equal ranges) and, for ``virtual_stages=1``,
-    the DP's best unequal split on the same costs (``None`` when it equals the equal one)."""
+    """One candidate: its mesh, the runnable plan (equal ranges; ``None`` when the layers do not
+    split equally) and, for ``virtual_stages=1``, the DP's best unequal split on the same costs
+    (``None`` when it equals the equal one): priced, not run."""
 
     mesh: tuple[tuple[str, int], ...]
-    plan: PipelinePlan
+    plan: PipelinePlan | None
     unequal: PipelinePlan | None = None
 
     @property
@@ -63,25 +64,32 @@ def microbatch_counts(rows: int, sizes: dict, rows_per_shard: Iterable[int],
 
 def evaluate(model, params, costs: PL.Costs, sizes: dict, hw, budget: float, schedule: str,
              virtual: int, microbatches: int, axis: str = "stage") -> Choice | None:
-    """One candidate priced, or ``None`` when the runtime cannot run it."""
+    """One candidate priced: ``plan`` when the runtime runs it (equal chunks), else ``None``;
+    ``unequal`` the DP's best split when it differs (``virtual_stages=1`` only); ``None`` when
+    neither exists."""
     p = sizes[axis]
-    if model.num_layers % (p * virtual) or (virtual > 1 and (
-            microbatches % p or S.check(schedule, p, virtual, microbatches) == "eager_1f1b")):
+    if virtual > 1 and (model.num_layers % (p * virtual) or microbatches % p
+                        or S.check(schedule, p, virtual, microbatches) == "eager_1f1b"):
         return None
-    plan = PL.price(model, params, costs, sizes, axis, hw, schedule, virtual, microbatches)
+    plan = None
+    if model.num_layers % (p * virtual) == 0:
+        plan = PL.price(model, params, costs, sizes, axis, hw, schedule, virtual, microbatches)
     unequal = None
     if virtual == 1:
         free = PL.layer_split(model, params, costs, sizes, axis, hw, schedule, microbatches,
                               budget, runnable=False)
-        if free is not None and free.ranges != plan.layer_ranges:
+        if free is not None and (plan is None or free.ranges != plan.layer_ranges):
             unequal = PL.price(model, params, costs, sizes, axis, hw, schedule, 1, microbatches,
                                free.ranges)
+    if plan is None and unequal is None:
+        return None
     return Choice(tuple(sizes.items()), plan, unequal)
 
 
 def best(choices: Iterable[Choice | None], budget: float,
          key: Callable[[Choice], PipelinePlan] = lambda c: c.plan) -> Choice | None:
-    """The fastest choice whose plan (``key``) fits ``budget``."""
-    fits = [c for c in choices if c is not None and max(key(c).stage_memory_bytes) <= budget]
+    """The fastest choice whose plan (``key``) exists and fits ``budget``."""
+    fits = [c for c in choices if c is not None and key(c) is not None
+            and max(key(c).stage_memory_bytes) <= budget]
     return min(fits, key=lambda c: (key(c).step_time_s, max(key(c).stage_memory_bytes)),
                default=None)
