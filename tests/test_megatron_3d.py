@@ -46,16 +46,14 @@ def test_megatron_3d_pins_megatrons_recipe(setup):
 
 def test_megatron_3d_step_equals_unsharded(setup):
     step, state, batch, plan = setup
-    model = PM.staged_model_of(step)
     ref_state, ref_loss = jax.jit(step)(state, batch)
-    run = PL.executable(plan, step, _mesh())
-    new, loss = run(state, batch)
+    new, loss = PL.executable(plan, step, _mesh())(state, batch)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
-    ref_l, ref_g = jax.jit(jax.value_and_grad(model.loss))(state["params"], batch)
-    got_l, g = jax.jit(run.loss_and_grads)(state["params"], batch)
-    np.testing.assert_allclose(float(got_l), float(ref_l), rtol=1e-6)
-    _close(g, ref_g, rel=1e-5)
-    _close(new["opt_state"][0].mu, ref_state["opt_state"][0].mu, rel=1e-5)
+    # After one step from zero, Adam's first moment is exactly 0.1 x the gradient: the gradients,
+    # checked tightly without compiling the step twice.
+    adam, ref_adam = new["opt_state"][0], ref_state["opt_state"][0]
+    _close(adam.mu, ref_adam.mu, rel=1e-5)
+    _close(adam.nu, ref_adam.nu, rel=2e-5)
     # Adam's update is about lr x sign(g): checked to a fraction of lr (see test_pipeline_runtime).
     _close(new["params"], ref_state["params"], atol=0.3 * LR)
 
