@@ -120,6 +120,11 @@ class Comparison:
 def _cells(r: Row) -> list[str]:
     colls = " ".join(f"{_SHORT.get(k, k)} {n}" for k, n in sorted(r.collectives.items()))
     note = "" if r.ok else "error: " + r.error.splitlines()[0][:160]
+    pp = getattr(r.plan, "pipeline", None)
+    if pp is not None:
+        note = (f"{pp.schedule} M={pp.microbatches} V={pp.virtual_stages}, bubble "
+                f"{pp.bubble_fraction:.1%}, stage peaks "
+                + "/".join(_bytes(b) for b in pp.stage_memory_bytes) + (note and "; " + note))
     return [r.strategy, _ms(r.predicted_step_s), _bytes(r.predicted_peak_bytes),
             _ms(r.measured_step_s), _bytes(r.measured_peak_bytes), colls, note]
 
@@ -176,7 +181,8 @@ def compare(fn: Callable, *args, mesh, hardware=None,
         rows, compiling = _plan_all(graph, mesh, hw, strategies, names, memory_budget,
                                     time_limit_s, trace_s, progress, seed_auto,
                                     None if run_mesh is None else
-                                    lambda plan: pool.submit(_compile, fn, args, run_mesh, plan))
+                                    lambda plan: pool.submit(_compile, fn, args, run_mesh, plan),
+                                    (fn, args))
         for i, job in compiling.items():
             rows[i] = _measure_row(rows[i], job, args, runs)
             if progress:
@@ -185,14 +191,15 @@ def compare(fn: Callable, *args, mesh, hardware=None,
 
 
 def _plan_all(graph, mesh, hw, strategies, names, memory_budget, time_limit_s, trace_s, progress,
-              seed_auto, submit) -> tuple[dict[int, Row], dict[int, concurrent.futures.Future]]:
+              seed_auto, submit,
+              fn_args=None) -> tuple[dict[int, Row], dict[int, concurrent.futures.Future]]:
     """Plan each strategy, "auto" last so it can start from the best hand-written plan."""
     rows: dict[int, Row] = {}
     compiling = {}
     for i in sorted(range(len(names)), key=lambda i: names[i] == "auto"):
         hint_from = _best_plan(rows.values()) if names[i] == "auto" and seed_auto else None
         rows[i] = _plan_row(graph, mesh, hw, strategies[i], names[i], memory_budget,
-                            time_limit_s, trace_s, hint_from, seed_auto)
+                            time_limit_s, trace_s, hint_from, seed_auto, fn_args)
         if rows[i].ok and submit is not None:
             compiling[i] = submit(rows[i].plan)
         if progress:
@@ -201,10 +208,15 @@ def _plan_all(graph, mesh, hw, strategies, names, memory_budget, time_limit_s, t
 
 
 def _plan_row(graph, mesh, hw, strategy, name, memory_budget, time_limit_s, trace_s,
-              hint_from: Plan | None, seed_auto: bool = True) -> Row:
+              hint_from: Plan | None, seed_auto: bool = True, fn_args=None) -> Row:
     t0 = time.perf_counter()
     try:
-        if name == "auto" and (hint_from is not None or not seed_auto):
+        pipelined = _pipelined(strategy)
+        if pipelined is not None:       # megatron_3d: the pipeline codegen's own planner
+            fn, args = fn_args
+            plan = pipelined.plan(fn, *args, mesh=mesh, hardware=hw,
+                                  memory_budget=memory_budget, time_limit_s=time_limit_s)
+        elif name == "auto" and (hint_from is not None or not seed_auto):
             plan = _plan_auto_from(graph, mesh, hw, memory_budget, time_limit_s, trace_s,
                                    hint_from)
         else:
@@ -216,8 +228,17 @@ def _plan_row(graph, mesh, hw, strategy, name, memory_budget, time_limit_s, trac
                plan.collective_counts(), plan_s=time.perf_counter() - t0, plan=plan)
 
 
+def _pipelined(strategy):
+    """The pipelined strategy object (``autopar.strategies.PIPELINED``), else ``None``."""
+    from autopar import strategies
+
+    if isinstance(strategy, str):
+        return strategies.get(strategy) if strategy in strategies.PIPELINED else None
+    return strategy if callable(getattr(strategy, "pipeline", None)) else None
+
+
 def _best_plan(rows) -> Plan | None:
-    done = [r for r in rows if r.ok and r.plan is not None]
+    done = [r for r in rows if r.ok and r.plan is not None and r.plan.pipeline is None]
     return min(done, key=lambda r: r.predicted_step_s).plan if done else None
 
 
@@ -265,7 +286,13 @@ def _runnable_mesh(mesh, args):
 def _compile(fn, args, mesh, plan: Plan):
     """Lower and compile ``plan`` with the codegen ``autopar.autoparallel`` uses: (exe, seconds)."""
     t0 = time.perf_counter()
-    compiled = autoparallel(fn, mesh=mesh, plan=plan).lower(*args).compile()
+    if plan.pipeline is not None:
+        from autopar.pipeline.planning import executable
+
+        step = executable(plan, fn, mesh)
+        compiled = step.jitted(*args).lower(*args).compile()
+    else:
+        compiled = autoparallel(fn, mesh=mesh, plan=plan).lower(*args).compile()
     return compiled, time.perf_counter() - t0
 
 

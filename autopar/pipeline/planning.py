@@ -16,7 +16,9 @@ layers, whose residuals the scan keeps).
 
 ``pipeline="auto"`` enumerates schedules, virtual stages and microbatch counts with equal layer
 ranges (the runtime runs equal chunks of the stacked layers) and keeps the fastest that fits the
-memory budget; its ``why`` lists the runners-up.
+memory budget; its ``why`` lists the runners-up and what the layer-range DP (``dp``,
+``layer_split``) would predict for unequal ranges, which ``price(..., ranges=...)`` prices on the
+same timeline but the runtime does not run. Per-boundary links: ``boundary_hops_s``.
 """
 from __future__ import annotations
 
@@ -25,11 +27,13 @@ import functools
 import math
 
 import jax
+import numpy as np
 
 import cost_models
 import ir
 from autopar.errors import AutoparError
 from autopar.mesh import without_mesh
+from autopar.pipeline import dp
 from autopar.pipeline import schedules as S
 from autopar.pipeline.model import StagedModel
 from autopar.pipeline.record import PipelinePlan
@@ -116,25 +120,26 @@ def _spec(a, lead=None):
     return jax.ShapeDtypeStruct(shape, a.dtype)
 
 
-def _sub_plan(fn, args, submesh: dict, hardware, time_limit_s: float):
+def _sub_plan(fn, args, submesh: dict, hardware, time_limit_s: float, strategy="auto"):
     from autopar.api import plan_graph
 
     with without_mesh():
         graph = ir.trace(fn, *args)
     return plan_graph(graph, submesh, hardware=hardware, time_limit_s=time_limit_s,
-                      deterministic=True)
+                      deterministic=True, strategy=strategy)
 
 
 def stage_costs(model: StagedModel, params, batch, rows: int, sizes: dict, axis: str,
-                hardware, time_limit_s: float = 10.0) -> Costs:
-    """Per-microbatch costs of ``rows`` rows, planned by the ILP on the mesh without ``axis``."""
+                hardware, time_limit_s: float = 10.0, strategy="auto") -> Costs:
+    """Per-microbatch costs of ``rows`` rows, planned on the mesh without ``axis`` by the ILP
+    (``strategy="auto"``) or under a hand-written strategy."""
     layers, rest = model.split(params)
     layer = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), layers)
     mb = jax.tree_util.tree_map(lambda a: _spec(a, rows), batch)
     x = jax.eval_shape(model.embed, rest, mb)
     sub = {a: n for a, n in sizes.items() if a != axis} or {"data": 1}
     plan = functools.partial(_sub_plan, submesh=sub, hardware=hardware,
-                             time_limit_s=time_limit_s)
+                             time_limit_s=time_limit_s, strategy=strategy)
     lf = plan(model.layer, (layer, x))
     lb = plan(lambda p, h, dy: jax.vjp(model.layer, p, h)[1](dy), (layer, x, x))
     ef = plan(model.embed, (rest, mb))
@@ -153,35 +158,54 @@ def _bytes(tree) -> float:
 
 
 def price(model: StagedModel, params, costs: Costs, sizes: dict, axis: str, hw,
-          schedule: str, virtual: int, microbatches: int) -> PipelinePlan:
-    """The ``PipelinePlan`` of one choice, with its predicted time and memory."""
+          schedule: str, virtual: int, microbatches: int, ranges=None) -> PipelinePlan:
+    """The ``PipelinePlan`` of one choice, with its predicted time and memory; ``ranges``: the
+    layers of each chunk (default equal chunks, which is what the runtime runs)."""
     p = sizes[axis]
     sch = S.build(schedule, p, virtual, microbatches)
-    k, lc = sch.chunks, model.num_layers // sch.chunks
+    k = sch.chunks
+    ranges = equal_ranges(model.num_layers, k) if ranges is None else tuple(map(tuple, ranges))
+    length = [b - a for a, b in ranges]
     cm = cost_models.CostModel(hw, sizes)
 
     def duration(a: S.Action) -> float:
         ends = ((costs.embed_f if a.kind == "F" else costs.embed_b) * (a.chunk == 0)
                 + (costs.head_f if a.kind == "F" else costs.head_b) * (a.chunk == k - 1))
-        return lc * (costs.layer_f if a.kind == "F" else costs.layer_b) + ends
+        return length[a.chunk] * (costs.layer_f if a.kind == "F" else costs.layer_b) + ends
 
     hop = cm.collective_time_s("collective-permute", costs.act_bytes, axis)
     timeline = S.price(sch, duration, lambda t, f, b: hop * (f + b))
-    layers, rest = model.split(params)
-    tensor = sizes.get("model", 1)
-    layer_bytes = _bytes(layers) / model.num_layers / tensor
-    rest_bytes = _bytes(rest)
-    stage_params = layer_bytes * lc * virtual + rest_bytes
+    layer_bytes, rest_bytes = _param_bytes(model, params, sizes)
+    on = [[length[c] for c in range(s, k, p)] for s in range(p)]     # chunk lengths of stage s
     sync = cm.collective_time_s("all-reduce", rest_bytes, axis)
-    optimizer = 12 * stage_params / hw.hbm_bytes_per_s
-    bufs = _buffer_slots(sch)
-    memory = tuple((ADAM_STATE + NEW_STATE) * stage_params + bufs[s] * costs.act_bytes
-                   + lc * costs.layer_peak_bytes for s in range(p))
-    ranges = tuple((c * lc, (c + 1) * lc) for c in range(k))
+    optimizer = 12 * max(layer_bytes * sum(n) + rest_bytes for n in on) / hw.hbm_bytes_per_s
+    slots = _buffer_slots(sch)[0]
+    memory = tuple(stage_bytes(sum(n), max(n), layer_bytes, rest_bytes, slots, costs)
+                   for n in on)
     return PipelinePlan(axis, p, ranges, microbatches, sch.name, virtual,
                         timeline.bubble_fraction, timeline.busy_s, memory, S.in_flight(sch),
                         timeline.makespan_s + sync + optimizer, costs.act_bytes, costs.layer_f,
                         costs.layer_b)
+
+
+def equal_ranges(layers: int, chunks: int) -> tuple[tuple[int, int], ...]:
+    lc = layers // chunks
+    return tuple((c * lc, (c + 1) * lc) for c in range(chunks))
+
+
+def _param_bytes(model: StagedModel, params, sizes: dict) -> tuple[float, float]:
+    """(bytes of one layer's parameters per device of a stage, bytes of the rest)."""
+    layers, rest = model.split(params)
+    return _bytes(layers) / model.num_layers / sizes.get("model", 1), _bytes(rest)
+
+
+def stage_bytes(n_layers, longest, layer_bytes: float, rest_bytes: float, slots: int,
+                costs: Costs):
+    """Per-device bytes of a stage holding ``n_layers`` layers (numpy arrays broadcast): its
+    parameters and Adam state, the schedule's buffer slots of one microbatch's activation, and
+    the working set of its longest chunk's backward."""
+    return ((ADAM_STATE + NEW_STATE) * (layer_bytes * n_layers + rest_bytes)
+            + slots * costs.act_bytes + longest * costs.layer_peak_bytes)
 
 
 def _buffer_slots(sch: S.Schedule) -> tuple[int, ...]:
@@ -189,6 +213,48 @@ def _buffer_slots(sch: S.Schedule) -> tuple[int, ...]:
     n = sum(max(S.allocate(iv).count, 1) for iv in (
         S.stash_intervals(sch), S.inbox_intervals(sch, "F"), S.inbox_intervals(sch, "B")))
     return (n,) * sch.stages
+
+
+# ---- layer ranges (autopar.pipeline.dp) -------------------------------------------------------
+def boundary_hops_s(sizes: dict, axis: str, hw, nbytes: float) -> tuple[float, ...]:
+    """Per boundary between stages ``k`` and ``k + 1``: one activation forward and one cotangent
+    back on the link that boundary crosses (inter-node when a device of stage ``k`` and its
+    partner in stage ``k + 1`` sit in different nodes, devices numbered in mesh order)."""
+    from cost_models.collectives import COLLECTIVE_RULES
+
+    ids = np.arange(math.prod(sizes.values())).reshape(tuple(sizes.values()))
+    nodes = np.moveaxis(ids, list(sizes).index(axis), 0) // hw.devices_per_node
+    eff = hw.collective_efficiency * hw.kind_efficiency("collective-permute")
+    out = []
+    for k in range(sizes[axis] - 1):
+        link = hw.inter_node if np.any(nodes[k] != nodes[k + 1]) else hw.intra_node
+        one = COLLECTIVE_RULES["collective-permute"](nbytes, 2, link.bandwidth_bytes_per_s * eff,
+                                                     link.latency_s)
+        out.append(2 * (one + hw.collective_launch_s))
+    return tuple(out)
+
+
+def layer_split(model: StagedModel, params, costs: Costs, sizes: dict, axis: str, hw,
+                schedule: str, microbatches: int, budget: float, runnable: bool = True):
+    """The DP's layer ranges for one range per stage (``virtual_stages=1``) under ``schedule``'s
+    buffers, or ``None`` when none fits ``budget``. ``runnable``: only ranges the runtime runs
+    (equal ones); ``False`` searches every contiguous split."""
+    p, n = sizes[axis], model.num_layers
+    slots = _buffer_slots(S.build(schedule, p, 1, microbatches))[0]
+    layer_bytes, rest_bytes = _param_bytes(model, params, sizes)
+    fb = costs.layer_f + costs.layer_b
+
+    def time_of(i, j):
+        return ((j - i) * fb + (costs.embed_f + costs.embed_b) * (i == 0)
+                + (costs.head_f + costs.head_b) * (j == n))
+
+    def memory_of(k, i, j):
+        return stage_bytes(j - i, j - i, layer_bytes, rest_bytes, slots, costs) + 0 * k
+
+    problem = dp.build(n, p, microbatches, time_of, memory_of, budget,
+                       boundary_hops_s(sizes, axis, hw, costs.act_bytes),
+                       dp.equal_lengths(n, p) if runnable else None)
+    return dp.solve(problem)
 
 
 # ---- the search -------------------------------------------------------------------------------
@@ -218,8 +284,11 @@ def sub_plan_limit_s(time_limit_s: float, cands) -> float:
 
 
 def choose(model: StagedModel, params, batch, pins: Pins, sizes: dict, hw, budget: float,
-           time_limit_s: float = 30.0) -> PipelinePlan:
-    """The fastest candidate that fits ``budget`` bytes per device (else the leanest)."""
+           time_limit_s: float = 30.0, stage_strategy="auto") -> PipelinePlan:
+    """The fastest candidate that fits ``budget`` bytes per device (else the leanest); stage
+    costs from sub-plans under ``stage_strategy`` (the ILP's ``"auto"`` or a hand-written one).
+    Layer ranges are the runtime's equal chunks; ``why`` says what the layer-range DP's best
+    unequal split would predict."""
     rows = jax.tree_util.tree_leaves(batch)[0].shape[0]
     priced = []
     costs_by_rows: dict[int, Costs] = {}
@@ -228,13 +297,33 @@ def choose(model: StagedModel, params, batch, pins: Pins, sizes: dict, hw, budge
     for name, v, m in cands:
         if rows // m not in costs_by_rows:
             costs_by_rows[rows // m] = stage_costs(model, params, batch, rows // m, sizes,
-                                                   pins.axis, hw, each_s)
+                                                   pins.axis, hw, each_s, stage_strategy)
         priced.append(price(model, params, costs_by_rows[rows // m], sizes, pins.axis, hw,
                             name, v, m))
     fits = [c for c in priced if max(c.stage_memory_bytes) <= budget]
     best = (min(fits, key=lambda c: (c.step_time_s, max(c.stage_memory_bytes))) if fits
             else min(priced, key=lambda c: (max(c.stage_memory_bytes), c.step_time_s)))
-    return dataclasses.replace(best, why=_why(best, priced, fits, budget))
+    note = _ranges_note(model, params, costs_by_rows[rows // best.microbatches], sizes, hw,
+                        best, budget)
+    return dataclasses.replace(best, why=_why(best, priced, fits, budget) + note)
+
+
+def _ranges_note(model, params, costs: Costs, sizes: dict, hw, best: PipelinePlan,
+                 budget: float) -> str:
+    """The layer-range DP's unrestricted split for ``best``'s schedule, priced on the same
+    timeline: what unequal ranges would gain if the runtime ran them."""
+    if best.virtual_stages != 1:
+        return ""
+    free = layer_split(model, params, costs, sizes, best.axis, hw, best.schedule,
+                       best.microbatches, budget, runnable=False)
+    if free is None or free.ranges == best.layer_ranges:
+        return (f"\n  layer ranges {list(best.layer_ranges)}: the layer-range DP's best split "
+                f"too")
+    alt = price(model, params, costs, sizes, best.axis, hw, best.schedule, 1, best.microbatches,
+                free.ranges)
+    return (f"\n  layer ranges {list(best.layer_ranges)} (the runtime runs equal chunks); the "
+            f"layer-range DP's best split {list(free.ranges)} would predict "
+            f"{alt.step_time_s * 1e3:.3f} ms (planned, not run)")
 
 
 def _why(best: PipelinePlan, priced, fits, budget: float) -> str:
@@ -250,9 +339,12 @@ def _why(best: PipelinePlan, priced, fits, budget: float) -> str:
 
 # ---- the plan ---------------------------------------------------------------------------------
 def plan(fn, args, mesh, *, hardware=None, memory_budget=None, pipeline="auto",
-         time_limit_s: float = 30.0, strategy="auto", donate_argnums=()):
+         time_limit_s: float = 30.0, strategy="auto", donate_argnums=(), stage_strategy="auto",
+         name: str = "pipeline"):
     """``autopar.plan(fn, state, batch, mesh=..., pipeline=...)``: an ``autopar.Plan`` whose
-    layouts are the pipelined step's and whose ``pipeline`` is the chosen ``PipelinePlan``."""
+    layouts are the pipelined step's and whose ``pipeline`` is the chosen ``PipelinePlan``.
+    ``stage_strategy``: what plans a stage's sub-plans (``megatron_3d`` pins the runtime's
+    layouts); ``name``: the plan's ``strategy``."""
     import time
 
     from autopar.mesh import axis_sizes, default_hardware
@@ -277,14 +369,16 @@ def plan(fn, args, mesh, *, hardware=None, memory_budget=None, pipeline="auto",
 
     budget = parse_budget(memory_budget)
     budget = hw.memory_bytes if budget is None else budget
-    pp = choose(model, state["params"], batch, pins, sizes, hw, budget, time_limit_s)
+    pp = choose(model, state["params"], batch, pins, sizes, hw, budget, time_limit_s,
+                stage_strategy)
     with without_mesh():
         graph = ir.trace(fn, state, batch)
     return _assemble(model, graph, state, batch, pp, sizes, hw, budget,
-                     time.perf_counter() - t0)
+                     time.perf_counter() - t0, name)
 
 
-def _assemble(model, graph, state, batch, pp: PipelinePlan, sizes, hw, budget, spent_s):
+def _assemble(model, graph, state, batch, pp: PipelinePlan, sizes, hw, budget, spent_s,
+              name: str = "pipeline"):
     from autopar.pipeline.runtime import batch_spec, state_specs
     from autopar.plan import Collective, CostBreakdown, Plan, SolverStats
 
@@ -302,7 +396,7 @@ def _assemble(model, graph, state, batch, pp: PipelinePlan, sizes, hw, budget, s
     cost = CostBreakdown(pp.step_time_s, busy, comm, 0.0, max(pp.stage_memory_bytes), budget,
                          (("collective-permute", comm),),
                          comm_bytes_by_kind=(("collective-permute", pp.p2p_bytes),))
-    return Plan(tuple(sizes.items()), hw.name, "pipeline", graph.fingerprint(),
+    return Plan(tuple(sizes.items()), hw.name, name, graph.fingerprint(),
                 graph.input_paths, graph.output_paths,
                 tuple(graph.values[v].shape for v in graph.inputs), ins, outs, (), (), (p2p,),
                 cost, SolverStats("PIPELINE", 0.0, spent_s, 0.0, 0.0, 0, 0, 0),

@@ -47,7 +47,7 @@ from autopar.sharding import Sharding
 from autopar.strategies.logical import InputAxes, annotate
 from ir import Graph
 
-__all__ = ["NAMES", "Bound", "HandWritten", "annotate", "get"]
+__all__ = ["NAMES", "PIPELINED", "Bound", "HandWritten", "annotate", "get"]
 
 _MODEL_FIRST = ("megatron", "megatron_sp")     # a one-axis mesh is their model axis
 _TP_NAMES = ("mlp", "heads", "vocab")          # Megatron's sharded logical dims
@@ -269,6 +269,9 @@ _FACTORIES = {
     "ep": _make("ep", experts=True),
 }
 NAMES: tuple[str, ...] = tuple(_FACTORIES)
+# Pipelined strategies plan a step that declares its layers (autopar.pipeline.model) through the
+# pipeline codegen, not one traced graph: autopar.compare and Megatron3D.plan take them.
+PIPELINED: tuple[str, ...] = ("megatron_3d",)
 
 
 def get(name: str, **knobs) -> HandWritten:
@@ -278,10 +281,20 @@ def get(name: str, **knobs) -> HandWritten:
     Raises:
       ShardingError: for an unknown name, listing the valid ones.
     """
+    if name == "megatron_3d":
+        from autopar.strategies import megatron_3d
+
+        try:
+            return megatron_3d.make(**knobs)
+        except TypeError as e:
+            raise ShardingError(f"strategy 'megatron_3d' got knobs {sorted(knobs)}; it takes "
+                                f"stage_axis, microbatches, schedule and virtual_stages "
+                                f"({e})") from None
     factory = _FACTORIES.get(name)
     if factory is None:
         raise ShardingError(f"unknown strategy {name!r}; hand-written strategies are "
-                            f"{', '.join(NAMES)} (or strategy='auto' for the planner's choice)")
+                            f"{', '.join(NAMES + PIPELINED)} (or strategy='auto' for the "
+                            f"planner's choice)")
     try:
         return factory(**knobs)
     except TypeError as e:

@@ -1,0 +1,105 @@
+"""``megatron_3d``: Megatron-LM's hand-written tensor x pipeline x data parallelism.
+
+The step's layers are cut into equal pipeline stages over the ``stage`` axis (one slice of that
+axis per stage), each stage splits its layers' kernels over the ``model`` axis as Megatron-LM
+does (heads of the attention projections, the hidden dim of the MLP: ``StagedModel.tensor_dims``)
+and its microbatches' rows over every other axis (data parallel). Microbatches default to
+Megatron-LM's one row per data shard; the schedule to 1F1B (``virtual_stages > 1``: interleaved).
+
+It runs through the same pipeline codegen as ``autopar.plan(..., pipeline=...)``
+(``autopar.pipeline.runtime``); what it pins, the planner's ``pipeline="auto"`` would search. Its
+stage costs come from sub-plans whose inputs are pinned to exactly the layouts the runtime gives
+them (``StageLayouts``), so its prediction prices what runs.
+
+    >>> m3d = autopar.strategies.get("megatron_3d", microbatches=8, schedule="1f1b")
+    >>> plan = m3d.plan(step, state, batch, mesh={"stage": 2, "data": 2, "model": 2})
+    >>> autopar.compare(step, state, batch, mesh=..., strategies=("megatron_3d", "auto"))
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+import jax
+
+from autopar.errors import ShardingError
+from autopar.strategies.roles import path_keys
+
+
+@dataclasses.dataclass(frozen=True)
+class StageLayouts:
+    """Input layouts of one stage's sub-plans (a layer, the embedding, the head): the layer
+    kernels ``tensor_dims`` names split over ``tensor_axis``, other parameters (argument 0)
+    replicated, activations and batch rows over the remaining axes."""
+
+    tensor_dims: Mapping[str, int]
+    tensor_axis: str = "model"
+    name: str = "megatron_3d stage"
+
+    def fix_inputs(self, graph, mesh: Mapping[str, int]) -> dict[int, tuple]:
+        data = tuple(a for a in mesh if a != self.tensor_axis and mesh[a] > 1)
+        rows = math.prod(mesh[a] for a in data)
+        out = {}
+        for k, path in enumerate(graph.input_paths):
+            shape = graph.values[graph.inputs[k]].shape
+            dims: list[tuple] = [()] * len(shape)
+            keys = path_keys(path)
+            if keys[:1] == ("0",):
+                d = self.tensor_dims.get("/".join(keys[-2:]))
+                t = mesh.get(self.tensor_axis, 1)
+                if d is not None and t > 1 and d < len(shape) and shape[d] % t == 0:
+                    dims[d] = (self.tensor_axis,)
+            elif shape and data and shape[0] % rows == 0:
+                dims[0] = data
+            out[k] = tuple(dims)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Megatron3D:
+    """Tensor (``model`` axis) x pipeline (``stage_axis``) x data (the other axes)."""
+
+    stage_axis: str = "stage"
+    microbatches: int | None = None       # None: one row per data shard per microbatch
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    name: str = "megatron_3d"
+
+    def fix_inputs(self, graph, mesh):
+        raise ShardingError("strategy 'megatron_3d' pipelines the step, so it is not planned "
+                            "from one traced graph: use autopar.strategies.get('megatron_3d')"
+                            ".plan(step, state, batch, mesh=...) or autopar.compare(step, state, "
+                            "batch, mesh=..., strategies=('megatron_3d', ...)), with a step that "
+                            "declares its layers (autopar.pipeline.model.gpt_train_step)")
+
+    def pipeline(self, sizes: Mapping[str, int], rows: int) -> dict:
+        """The ``pipeline=`` options this strategy pins on a mesh of ``sizes``."""
+        if self.stage_axis not in sizes:
+            raise ShardingError(f"megatron_3d pipelines over mesh axis {self.stage_axis!r}, which"
+                                f" the mesh {dict(sizes)} lacks; add it (e.g. {{'stage': 2, "
+                                f"**mesh}}) or pass stage_axis= naming one of {list(sizes)}")
+        shards = math.prod(n for a, n in sizes.items() if a not in (self.stage_axis, "model"))
+        m = self.microbatches or max(rows // shards, 1)
+        return {"axis": self.stage_axis, "stages": sizes[self.stage_axis], "microbatches": m,
+                "schedule": self.schedule, "virtual_stages": self.virtual_stages}
+
+    def plan(self, fn, state, batch, *, mesh, hardware=None, memory_budget=None,
+             time_limit_s: float = 30.0):
+        """The ``autopar.Plan`` of this strategy (``plan.pipeline`` its pipeline); run it with
+        ``autopar.pipeline.planning.executable(plan, fn, mesh)``."""
+        from autopar.mesh import axis_sizes
+        from autopar.pipeline import planning
+        from autopar.pipeline.model import staged_model_of
+
+        rows = jax.tree_util.tree_leaves(batch)[0].shape[0]
+        stage = StageLayouts(dict(staged_model_of(fn).tensor_dims))
+        return planning.plan(fn, (state, batch), mesh, hardware=hardware,
+                             memory_budget=memory_budget, time_limit_s=time_limit_s,
+                             pipeline=self.pipeline(axis_sizes(mesh), rows),
+                             stage_strategy=stage, name=self.name)
+
+
+def make(*, stage_axis: str = "stage", microbatches: int | None = None, schedule: str = "1f1b",
+         virtual_stages: int = 1) -> Megatron3D:
+    return Megatron3D(stage_axis, microbatches, schedule, virtual_stages)
