@@ -107,7 +107,8 @@ def plan(fn: Callable, *args, mesh=None, hardware=None, memory_budget: float | N
         ``microbatches``, ``schedule``, ``virtual_stages``: split the step into pipeline
         stages over a mesh axis (``autopar.pipeline``; the step must declare its layers, e.g.
         ``autopar.pipeline.model.gpt_train_step``). Run the plan with
-        ``autopar.pipeline.planning.executable(plan, fn, mesh)``.
+        ``autopar.autoparallel(fn, mesh=..., plan=plan)`` (or decorate the step with
+        ``@autoparallel(mesh=..., pipeline=...)``).
       kernels: fused Pallas kernels (``autopar.kernels``) in place of XLA's ops: "never" (the
         default: the kernels' cost entries are not yet checked against GPU timings, and their
         sites add solver time), "auto" (the ILP chooses each where its cost model says so; on
@@ -151,8 +152,7 @@ def _require_mesh(mesh, where: str) -> None:
                             f"dict of axis sizes, e.g. mesh={{'data': 2, 'model': 4}}")
 
 
-# pipeline= is not wired into autoparallel yet (autopar.pipeline.planning.executable runs a plan).
-AUTOPARALLEL_OPTIONS = tuple(o for o in PLAN_OPTIONS if o != "pipeline") + ("plan",)
+AUTOPARALLEL_OPTIONS = PLAN_OPTIONS + ("plan",)
 
 
 class AutoParallel:
@@ -308,9 +308,6 @@ def _given_plan(plan, options: dict, mesh) -> Plan | None:
     if not isinstance(plan, Plan):
         raise PlanError(f"plan={validate.short(plan)} ({type(plan).__name__}) is not an "
                         f"autopar.Plan; load a saved one with plan=autopar.Plan.from_json(text)")
-    if getattr(plan, "pipeline", None) is not None:
-        raise PlanError("this plan pipelines the step, which autoparallel does not run yet; run "
-                        "it with autopar.pipeline.planning.executable(plan, step, mesh)")
     ignored = [k for k in ("hardware", "memory_budget") if options[k] is not None]
     ignored += ["strategy"] if options["strategy"] not in (None, "auto") else []
     ignored += ["kernels"] if options["kernels"] != "never" else []
@@ -334,7 +331,7 @@ def autoparallel(fn: Callable | None = None, *, mesh=None, hardware=None,
                  memory_budget: float | None = None, strategy="auto", donate_argnums=(),
                  time_limit_s: float = 30.0, plan: Plan | None = None,
                  deterministic: bool | None = None, host_local_argnums=(), kernels: str = "never",
-                 **options):
+                 pipeline=None, **options):
     """Decorate a training step so it runs sharded over ``mesh`` by a plan autopar chooses.
 
     ``autoparallel(fn, mesh=...)`` and ``@autoparallel(mesh=...)`` both work. The first call with
@@ -343,8 +340,18 @@ def autoparallel(fn: Callable | None = None, *, mesh=None, hardware=None,
     ``autopar.plan``; every one is checked here, before the first call. Under
     ``jax.distributed`` every process calls the step alike; the arguments in
     ``host_local_argnums`` hold this process's rows of the batch (see ``autopar.distributed``).
+    ``pipeline=`` (or ``plan=`` a pipelined plan) runs the step pipelined (``autopar.pipeline``).
     """
     validate.reject_unknown(options, AUTOPARALLEL_OPTIONS, "autoparallel")
+    if pipeline is not None or getattr(plan, "pipeline", None) is not None:
+        _pipelined_only(strategy=strategy, donate_argnums=donate_argnums,
+                        host_local_argnums=host_local_argnums, kernels=kernels,
+                        deterministic=deterministic)
+        return functools.partial(_Pipelined, mesh=mesh, pipeline=pipeline, plan=plan,
+                                 hardware=hardware, memory_budget=memory_budget,
+                                 time_limit_s=time_limit_s) if fn is None else _Pipelined(
+            fn, mesh=mesh, pipeline=pipeline, plan=plan, hardware=hardware,
+            memory_budget=memory_budget, time_limit_s=time_limit_s)
 
     def wrap(f):
         return AutoParallel(f, mesh=mesh, hardware=hardware, memory_budget=memory_budget,
@@ -353,3 +360,52 @@ def autoparallel(fn: Callable | None = None, *, mesh=None, hardware=None,
                             host_local_argnums=host_local_argnums, kernels=kernels)
 
     return wrap(fn) if fn is not None else wrap
+
+
+# ---- pipelined steps (autopar.pipeline) --------------------------------------------------------
+def _pipelined_only(**given) -> None:
+    """Options a pipelined step does not take yet (its stages' layouts and donation are the
+    pipeline runtime's own)."""
+    defaults = dict(strategy="auto", donate_argnums=(), host_local_argnums=(), kernels="never",
+                    deterministic=None)
+    bad = [k for k, v in given.items() if v is not None and v != defaults[k]]
+    if bad:
+        raise AutoparError(f"autoparallel(pipeline=...) does not combine with "
+                           f"{', '.join(k + '=' for k in bad)} yet: a pipelined step's layouts, "
+                           f"kernels and donation are the pipeline runtime's own; drop "
+                           f"{'them' if len(bad) > 1 else 'it'} or drop pipeline=")
+
+
+class _Pipelined:
+    """``@autoparallel(pipeline=...)``, or ``plan=`` a pipelined plan: per argument signature,
+    ``autopar.plan(..., pipeline=...)`` (or the given plan) and the pipelined step that runs it
+    (``autopar.pipeline.planning.executable``). The step must declare its layers
+    (``autopar.pipeline.model``); it takes ``(state, batch)`` and returns ``(state, loss)``."""
+
+    def __init__(self, fn: Callable, *, mesh, pipeline=None, plan: Plan | None = None,
+                 **plan_options):
+        validate.callable_fn(fn, "autopar.autoparallel")
+        functools.update_wrapper(self, fn)
+        _require_mesh(mesh, "autoparallel")
+        self.fn, self.mesh = fn, concrete_mesh(mesh)
+        self.pipeline = "auto" if pipeline is None and plan is None else pipeline
+        self._given, self._options = plan, plan_options
+        self._runs: dict[tuple, tuple[Plan, Any]] = {}
+        self._last: Plan | None = None
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan of the last signature this step was called with."""
+        return self._last
+
+    def __call__(self, *args, **kwargs):
+        from autopar.pipeline import planning
+
+        _no_kwargs(self, kwargs)
+        key = validate.signature(args, validate.leaf_types(args, run=True))
+        if key not in self._runs:
+            made = self._given or plan(self.fn, *args, mesh=self.mesh, pipeline=self.pipeline,
+                                       **self._options)
+            self._runs[key] = (made, planning.executable(made, self.fn, self.mesh))
+        self._last, run = self._runs[key]
+        return run(*args)
