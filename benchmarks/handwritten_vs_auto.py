@@ -74,7 +74,7 @@ def models(quick: bool) -> list[Model]:
 
 
 def sweep(quick: bool) -> list[tuple[str, int, str]]:
-    """(model name, devices, hardware) to run; shrunk to fit ~10 minutes on 2 cores."""
+    """(model name, devices, hardware) to run; kept small enough for a 2-core machine."""
     if quick:
         return [("GPT-tiny", 8, "h100")]
     runs = []
@@ -370,7 +370,7 @@ def method_lines(plans, args, tl_1d: float, tl_2d: float) -> list[str]:
         "implementation; ratios near 1.00 are within the solver's noise. Absolute throughputs "
         "are the cost model's predictions: compare ratios, not samples/s against published "
         "numbers.",
-        "- **Sweep shrunk to fit ~10 minutes:** 8 and 64 devices for every model on H100, "
+        "- **Sweep kept small for a 2-core machine:** 8 and 64 devices for every model on H100, "
         "16 and 32 devices only for GPT-1.3B, A100 only for GPT-1.3B (8, 64); 2-D shapes use "
         "a model axis of 2 or 8 (and 4 on 8 devices); GPT-39B left out." if not args.quick
         else "- `--quick`: a tiny GPT on the 1-D mesh of 8 devices, H100 only.",
