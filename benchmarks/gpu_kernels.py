@@ -261,15 +261,22 @@ def device_profile():
     return cost_models.hardware("cpu") if jax.default_backend() == "cpu" else None
 
 
-def main() -> None:
-    p = _common.parser(__doc__)
-    p.add_argument("--interpret", action="store_true",
-                   help="run the kernels in Pallas' interpreter on the CPU (a script check)")
-    p.add_argument("--repeats", type=int, default=20)
+def gpu_args(doc: str, interpret_help: str, repeats: int):
+    """The GPU benchmarks' arguments (``--interpret``, ``--repeats`` beside ``_common``'s); exits
+    with the fix when there is no GPU and ``--interpret`` was not given."""
+    p = _common.parser(doc)
+    p.add_argument("--interpret", action="store_true", help=interpret_help)
+    p.add_argument("--repeats", type=int, default=repeats)
     args = p.parse_args()
-    if not INTERPRET and jax.default_backend() != "gpu":
+    if not args.interpret and jax.default_backend() != "gpu":
         sys.exit(f"no GPU here (jax backend {jax.default_backend()!r}); run with --interpret "
                  f"to check the script on the CPU")
+    return args
+
+
+def main() -> None:
+    args = gpu_args(__doc__, "run the kernels in Pallas' interpreter on the CPU (a script check)",
+                    repeats=20)
     backend = "interpret" if INTERPRET else "triton"
     hw = None if INTERPRET else device_profile()     # interpreter times predict nothing
     repeats = 2 if args.quick else args.repeats

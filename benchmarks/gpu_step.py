@@ -29,7 +29,7 @@ import _common  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from gpu_kernels import device_profile  # noqa: E402
+from gpu_kernels import device_profile, gpu_args  # noqa: E402
 
 import autopar  # noqa: E402
 import ir  # noqa: E402
@@ -65,14 +65,8 @@ def run(mode: str, cfg, batch_size: int, repeats: int, hw) -> tuple[list, float]
 
 
 def main() -> None:
-    p = _common.parser(__doc__)
-    p.add_argument("--interpret", action="store_true",
-                   help="run on the CPU, kernels in Pallas' interpreter (a script check)")
-    p.add_argument("--repeats", type=int, default=10)
-    args = p.parse_args()
-    if not INTERPRET and jax.default_backend() != "gpu":
-        sys.exit(f"no GPU here (jax backend {jax.default_backend()!r}); run with --interpret "
-                 f"to check the script on the CPU")
+    args = gpu_args(__doc__, "run on the CPU, kernels in Pallas' interpreter (a script check)",
+                    repeats=10)
     hw = device_profile()
     name, cfg, batch_size = config(args.quick)
     repeats = 2 if args.quick else args.repeats
