@@ -75,13 +75,13 @@ def estimate(prob: Problem, choice) -> MemoryEstimate:
 def _output_slots(prob: Problem, nbytes) -> list[tuple[float, int]]:
     """(per-device bytes, schedule position that writes it) of each result with a buffer of
     its own (not an argument, constant or a donated argument's buffer), largest first."""
-    g = prob.graph
-    memo = prob.__dict__.get("_written_at")
-    if memo is None:
+    def written_at():
+        g = prob.graph
         resident = set(prob.const_values) - set(g.inputs) - set(g.consts)
-        memo = {v: t for t, op in enumerate(g.ops) for v in op.outs
+        return {v: t for t, op in enumerate(g.ops) for v in op.outs
                 if v in resident and v in g.outputs}
-        prob.__dict__["_written_at"] = memo
+
+    memo = _memo(prob, "_written_at", written_at)
     return sorted(((nbytes(v), t) for v, t in memo.items()), key=lambda s: -s[0])
 
 
@@ -120,27 +120,32 @@ def _sizer(prob: Problem, choice):
 
 def _positions(prob: Problem) -> dict[int, int]:
     """Op id -> the top-level schedule position it runs at (nested ops: their loop's)."""
-    memo = prob.__dict__.get("_positions")
-    if memo is None:
-        memo = {}
+    def positions():
+        where = {}
         for t, op in enumerate(prob.graph.ops):
             stack = [op]
             while stack:
                 o = stack.pop()
-                memo[o.id] = t
+                where[o.id] = t
                 stack.extend(x for r in o.regions for x in r.ops)
-        prob.__dict__["_positions"] = memo
-    return memo
+        return where
+
+    return _memo(prob, "_positions", positions)
 
 
 def _schedule(prob: Problem):
     """The plan-independent part: top-level temporaries and loop-body peaks (``problem.build``
     stores them; a restricted copy of the problem recomputes them once)."""
-    memo = prob.__dict__.get("_schedule")
-    if memo is None:
-        memo = prob.__dict__["_schedule"] = (temporaries(prob.graph, prob.fusion),
-                                             body_peaks(prob.graph, prob.fusion))
-    return memo
+    return _memo(prob, "_schedule", lambda: (temporaries(prob.graph, prob.fusion),
+                                             body_peaks(prob.graph, prob.fusion)))
+
+
+def _memo(prob: Problem, key: str, make):
+    """A plan-independent fact about ``prob``, computed on first use and kept on it (the
+    frozen problem's ``__dict__``; ``problem.build`` may have stored it already)."""
+    if key not in prob.__dict__:
+        prob.__dict__[key] = make()
+    return prob.__dict__[key]
 
 
 def _reshard_copies(prob: Problem, choice) -> list[tuple[int, int, float]]:
