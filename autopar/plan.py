@@ -22,7 +22,8 @@ from autopar.sharding import Sharding, to_spec
 # 4: a plan may carry a pipeline (``autopar.pipeline.record.PipelinePlan``, null when none).
 # 5: kernels: the fused kernels the plan runs in place of XLA's ops.
 FORMAT_VERSION = 5
-_FALLBACK = "replicated: "    # = planner.rules.FALLBACK (not imported: the planner imports us)
+# Prefix of the strategy names of ops run replicated for want of a rule (planner.rules uses it).
+FALLBACK = "replicated: "
 PIN_SLOTS = ("out", "in", "arg", "res")
 KERNELS = ("attention", "norm", "xent", "adamw")
 
@@ -168,8 +169,8 @@ class Plan:
         want of a way to shard it: no sharding rule for its primitive, a ``while``/``cond`` whose
         body is not planned, or the time limit reached before its strategies were enumerated.
         Read from ``choices``: their strategy names start with ``"replicated: "``."""
-        return tuple((op_id, prim, src, name[len(_FALLBACK):])
-                     for op_id, prim, src, name in self.choices if name.startswith(_FALLBACK))
+        return tuple((op_id, prim, src, name[len(FALLBACK):])
+                     for op_id, prim, src, name in self.choices if name.startswith(FALLBACK))
 
     def collective_counts(self) -> dict[str, int]:
         out: dict[str, int] = {}

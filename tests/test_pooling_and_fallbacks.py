@@ -189,7 +189,7 @@ def test_op_without_a_rule_is_listed_with_its_source_line():
 
 def test_fallback_marker_is_the_planners():
     plan_module = importlib.import_module("autopar.plan")   # autopar.plan is also a function
-    assert plan_module._FALLBACK == rules.FALLBACK
+    assert plan_module.FALLBACK == rules.FALLBACK
     assert all(name.startswith(rules.FALLBACK) for name in (rules.NO_RULE, rules.OPAQUE,
                                                             rules.LATE))
 

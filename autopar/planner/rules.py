@@ -21,6 +21,7 @@ import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 
+from autopar.plan import FALLBACK
 from autopar.planner.budget import SEARCH_BEFORE
 from autopar.sharding import (
     Sharding,
@@ -103,7 +104,6 @@ def rule_for(op: Op, ctx: RuleContext) -> Choices | Follow:
 # ---------------------------------------------------------------------------------------------
 # The replicate-only strategy's name says why an op got nothing better; ``Plan.
 # replicated_fallbacks`` lists the ops whose strategy name starts with ``FALLBACK``.
-FALLBACK = "replicated: "
 NO_RULE = FALLBACK + "no sharding rule"
 OPAQUE = FALLBACK + "loop/branch body not planned"
 LATE = FALLBACK + "time limit"
