@@ -347,11 +347,10 @@ def autoparallel(fn: Callable | None = None, *, mesh=None, hardware=None,
         _pipelined_only(strategy=strategy, donate_argnums=donate_argnums,
                         host_local_argnums=host_local_argnums, kernels=kernels,
                         deterministic=deterministic)
-        return functools.partial(_Pipelined, mesh=mesh, pipeline=pipeline, plan=plan,
+        make = functools.partial(_Pipelined, mesh=mesh, pipeline=pipeline, plan=plan,
                                  hardware=hardware, memory_budget=memory_budget,
-                                 time_limit_s=time_limit_s) if fn is None else _Pipelined(
-            fn, mesh=mesh, pipeline=pipeline, plan=plan, hardware=hardware,
-            memory_budget=memory_budget, time_limit_s=time_limit_s)
+                                 time_limit_s=time_limit_s)
+        return make if fn is None else make(fn)
 
     def wrap(f):
         return AutoParallel(f, mesh=mesh, hardware=hardware, memory_budget=memory_budget,
