@@ -398,13 +398,22 @@ class _Pipelined:
         return self._last
 
     def __call__(self, *args, **kwargs):
+        _no_kwargs(self, kwargs)
+        return self._step(args, run=True)(*args)
+
+    def lower(self, *args, **kwargs):
+        """Like ``jax.jit(...).lower``: arguments may be ShapeDtypeStructs."""
+        _no_kwargs(self, kwargs)
+        return self._step(args, run=False).jitted(*args).lower(*args)
+
+    def _step(self, args, run: bool):
+        """The pipelined step of ``args``' signature, planned on its first use."""
         from autopar.pipeline import planning
 
-        _no_kwargs(self, kwargs)
-        key = validate.signature(args, validate.leaf_types(args, run=True))
+        key = validate.signature(args, validate.leaf_types(args, run=run))
         if key not in self._runs:
             made = self._given or plan(self.fn, *args, mesh=self.mesh, pipeline=self.pipeline,
                                        **self._options)
             self._runs[key] = (made, planning.executable(made, self.fn, self.mesh))
-        self._last, run = self._runs[key]
-        return run(*args)
+        self._last, step = self._runs[key]
+        return step

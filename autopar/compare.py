@@ -286,13 +286,7 @@ def _runnable_mesh(mesh, args):
 def _compile(fn, args, mesh, plan: Plan):
     """Lower and compile ``plan`` with the codegen ``autopar.autoparallel`` uses: (exe, seconds)."""
     t0 = time.perf_counter()
-    if plan.pipeline is not None:
-        from autopar.pipeline.planning import executable
-
-        step = executable(plan, fn, mesh)
-        compiled = step.jitted(*args).lower(*args).compile()
-    else:
-        compiled = autoparallel(fn, mesh=mesh, plan=plan).lower(*args).compile()
+    compiled = autoparallel(fn, mesh=mesh, plan=plan).lower(*args).compile()
     return compiled, time.perf_counter() - t0
 
 
