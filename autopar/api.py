@@ -17,7 +17,7 @@ import cost_models
 import ir
 from autopar import codegen, distributed, validate
 from autopar.errors import AutoparError, PlanError, ShardingError
-from autopar.mesh import axis_sizes, concrete_mesh, default_hardware, on_mesh, without_mesh
+from autopar.mesh import axis_sizes, concrete_mesh, hardware_for, on_mesh, without_mesh
 from autopar.options import PlannerOptions, checks_enabled, deterministic_default
 from autopar.plan import Plan
 from autopar.planner import make_plan
@@ -35,16 +35,12 @@ def _trace(fn: Callable, args, types, donate_argnums) -> tuple[ir.Graph, float]:
     return graph, time.perf_counter() - t0
 
 
-def _hardware(hardware, mesh) -> cost_models.Hardware:
-    return cost_models.hardware(hardware if hardware is not None else default_hardware(mesh))
-
-
 def plan_graph(graph: ir.Graph, mesh, *, hardware=None, memory_budget=None, strategy="auto",
                time_limit_s: float = 30.0, trace_s: float = 0.0,
                deterministic: bool | None = None, kernels: str = "never") -> Plan:
     """Plan an already traced graph (see ``plan``)."""
     sizes = axis_sizes(mesh)
-    hw = _hardware(hardware, mesh)
+    hw = hardware_for(hardware, mesh)
     budget = validate.memory_budget(memory_budget)
     time_limit_s = validate.time_limit(time_limit_s)
     cm = cost_models.CostModel(hw, sizes, device_nodes=distributed.device_nodes(mesh))

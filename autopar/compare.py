@@ -37,7 +37,7 @@ import ir
 from autopar import distributed, validate
 from autopar.api import autoparallel, plan_graph
 from autopar.errors import PlanError
-from autopar.mesh import axis_sizes, concrete_mesh, default_hardware
+from autopar.mesh import axis_sizes, concrete_mesh, hardware_for
 from autopar.options import PlannerOptions
 from autopar.plan import Plan
 from autopar.planner import make_plan, problem
@@ -172,7 +172,7 @@ def compare(fn: Callable, *args, mesh, hardware=None,
     graph = ir.trace(fn, *args)
     trace_s = time.perf_counter() - t0
     run_mesh = _runnable_mesh(mesh, args) if measure else None
-    hw = cost_models.hardware(hardware if hardware is not None else default_hardware(mesh))
+    hw = hardware_for(hardware, mesh)
     names = [s if isinstance(s, str) else getattr(s, "name", type(s).__name__)
              for s in strategies]
     # Compiles run on a worker thread while the next strategy is planned (XLA releases the GIL);

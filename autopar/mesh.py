@@ -84,6 +84,14 @@ def _context(mesh: Mesh | None):
                             f"mesh=...)") from None
 
 
+def hardware_for(hardware, mesh):
+    """The ``cost_models.Hardware`` of ``hardware`` (a name or profile), or by default the one
+    of ``mesh``'s devices (``default_hardware``)."""
+    import cost_models
+
+    return cost_models.hardware(hardware if hardware is not None else default_hardware(mesh))
+
+
 def default_hardware(mesh) -> str:
     if isinstance(mesh, Mesh):
         kind = str(mesh.devices.flat[0].device_kind).lower()

@@ -347,7 +347,7 @@ def plan(fn, args, mesh, *, hardware=None, memory_budget=None, pipeline="auto",
     layouts); ``name``: the plan's ``strategy``."""
     import time
 
-    from autopar.mesh import axis_sizes, default_hardware
+    from autopar.mesh import axis_sizes, hardware_for
     from autopar.pipeline.model import staged_model_of
 
     t0 = time.perf_counter()
@@ -362,7 +362,7 @@ def plan(fn, args, mesh, *, hardware=None, memory_budget=None, pipeline="auto",
     state, batch = jax.tree_util.tree_map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tuple(args))
     sizes = axis_sizes(mesh)
-    hw = cost_models.hardware(hardware if hardware is not None else default_hardware(mesh))
+    hw = hardware_for(hardware, mesh)
     rows = jax.tree_util.tree_leaves(batch)[0].shape[0]
     pins = parse(pipeline, sizes, model, rows)
     from autopar.validate import memory_budget as parse_budget
