@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import numbers
 from typing import Any
 
 import jax
 
+from autopar import jsonread as J
 from autopar.errors import AutoparError, PlanError
 from autopar.sharding import Sharding, to_spec
 
@@ -229,27 +228,27 @@ class Plan:
 def _plan_from_dict(d) -> Plan:
     _check_top(d)
     sizes = _mesh(d["mesh"])
-    ins, outs = _strs(d["input_paths"], "input_paths"), _strs(d["output_paths"], "output_paths")
-    shapes = tuple(_shape(x, f"input_shapes[{k}]") for k, x in
-                   enumerate(_list(d["input_shapes"], "input_shapes", len(ins))))
+    ins, outs = J.texts(d["input_paths"], "input_paths"), J.texts(d["output_paths"], "output_paths")
+    shapes = tuple(J.shape(x, f"input_shapes[{k}]") for k, x in
+                   enumerate(J.seq(d["input_shapes"], "input_shapes", len(ins))))
     return Plan(
-        mesh=tuple(sizes.items()), hardware=_str(d["hardware"], "hardware"),
-        strategy=_str(d["strategy"], "strategy"),
-        graph_fingerprint=_str(d["graph_fingerprint"], "graph_fingerprint"),
+        mesh=tuple(sizes.items()), hardware=J.text(d["hardware"], "hardware"),
+        strategy=J.text(d["strategy"], "strategy"),
+        graph_fingerprint=J.text(d["graph_fingerprint"], "graph_fingerprint"),
         input_paths=ins, output_paths=outs, input_shapes=shapes,
         input_shardings=_in_layouts(d["input_shardings"], ins, shapes, sizes),
         output_shardings=tuple(_layout(s, sizes, f"output_shardings[{k}] ({outs[k]})") for k, s
-                               in enumerate(_list(d["output_shardings"], "output_shardings",
+                               in enumerate(J.seq(d["output_shardings"], "output_shardings",
                                                   len(outs)))),
-        pins=tuple(_pin(x, sizes, k) for k, x in enumerate(_list(d["pins"], "pins"))),
-        choices=tuple(_choice(x, k) for k, x in enumerate(_list(d["choices"], "choices"))),
+        pins=tuple(_pin(x, sizes, k) for k, x in enumerate(J.seq(d["pins"], "pins"))),
+        choices=tuple(_choice(x, k) for k, x in enumerate(J.seq(d["choices"], "choices"))),
         collectives=tuple(_collective(x, sizes, k)
-                          for k, x in enumerate(_list(d["collectives"], "collectives"))),
+                          for k, x in enumerate(J.seq(d["collectives"], "collectives"))),
         cost=_cost(d["cost"]), solver=_solver_stats(d["solver"]),
-        notes=_strs(d.get("notes", []), "notes"),
+        notes=J.texts(d.get("notes", []), "notes"),
         pipeline=_pipeline(d["pipeline"], sizes),
         kernels=tuple(_kernel_use(x, sizes, k)
-                      for k, x in enumerate(_list(d["kernels"], "kernels"))))
+                      for k, x in enumerate(J.seq(d["kernels"], "kernels"))))
 
 
 def _pipeline(x, sizes):
@@ -277,8 +276,8 @@ def _check_top(d) -> None:
 def _mesh(x) -> dict[str, int]:
     from autopar.mesh import axis_sizes
 
-    pairs = _pairs_of(x, "mesh")
-    names = [_str(a, f"mesh[{k}] axis name") for k, (a, _) in enumerate(pairs)]
+    pairs = J.pairs(x, "mesh")
+    names = [J.text(a, f"mesh[{k}] axis name") for k, (a, _) in enumerate(pairs)]
     if len(set(names)) != len(names):
         raise PlanError(f"mesh {pairs} repeats an axis name")
     return axis_sizes(dict(pairs))
@@ -289,7 +288,7 @@ def _in_layouts(value, paths, shapes, sizes) -> tuple[Sharding, ...]:
 
     return tuple(layout_for(s, shapes[k], sizes, f"input_shardings[{k}] (input {paths[k]})",
                             PlanError)
-                 for k, s in enumerate(_list(value, "input_shardings", len(paths))))
+                 for k, s in enumerate(J.seq(value, "input_shardings", len(paths))))
 
 
 def _layout(value, sizes, where: str) -> Sharding:
@@ -300,142 +299,95 @@ def _layout(value, sizes, where: str) -> Sharding:
 
 def _pin(x, sizes, k: int) -> Pin:
     where = f"pins[{k}]"
-    d = _fields(x, where, [f.name for f in dataclasses.fields(Pin)])
-    path = tuple(_int(i, f"{where}.path") for i in _list(d["path"], f"{where}.path"))
-    slot = _str(d["slot"], f"{where}.slot")
+    d = J.fields(x, where, [f.name for f in dataclasses.fields(Pin)])
+    path = tuple(J.integer(i, f"{where}.path") for i in J.seq(d["path"], f"{where}.path"))
+    slot = J.text(d["slot"], f"{where}.slot")
     if slot not in PIN_SLOTS:
         raise PlanError(f"{where}.slot is {slot!r}; a pin's slot is one of {PIN_SLOTS}")
     chain = tuple(_layout(s, sizes, f"{where}.chain[{j}]")
-                  for j, s in enumerate(_list(d["chain"], f"{where}.chain")))
+                  for j, s in enumerate(J.seq(d["chain"], f"{where}.chain")))
     if not chain:
         raise PlanError(f"{where}.chain is empty; a pin names at least the layout it enforces")
-    return Pin(path, slot, _int(d["index"], f"{where}.index"), chain)
+    return Pin(path, slot, J.integer(d["index"], f"{where}.index"), chain)
 
 
 def _choice(x, k: int):
-    op, prim, source, name = _list(x, f"choices[{k}]", 4)
-    return (_int(op, f"choices[{k}] op id"), _str(prim, f"choices[{k}]"),
-            _str(source, f"choices[{k}]"), _str(name, f"choices[{k}]"))
+    op, prim, source, name = J.seq(x, f"choices[{k}]", 4)
+    return (J.integer(op, f"choices[{k}] op id"), J.text(prim, f"choices[{k}]"),
+            J.text(source, f"choices[{k}]"), J.text(name, f"choices[{k}]"))
 
 
 def _collective(x, sizes, k: int) -> Collective:
     where = f"collectives[{k}]"
-    d = _fields(x, where, [f.name for f in dataclasses.fields(Collective)],
-                optional=("hbm_bytes",))    # plans saved before it was recorded
-    axes = _strs(d["axes"], f"{where}.axes")
+    d = J.fields(x, where, [f.name for f in dataclasses.fields(Collective)],
+                 optional=("hbm_bytes",))    # plans saved before it was recorded
+    axes = J.texts(d["axes"], f"{where}.axes")
     for a in axes:
         if a not in sizes:
             raise PlanError(f"{where} names mesh axis {a!r}, but the mesh has axes {sizes}")
-    return Collective(_str(d["where"], where), _str(d["kind"], where), axes,
-                      _num(d["nbytes"], f"{where}.nbytes"), _num(d["time_s"], f"{where}.time_s"),
-                      _num(d["count"], f"{where}.count"), _str(d["source"], f"{where}.source"),
-                      _str(d["name"], f"{where}.name"),
-                      _num(d.get("hbm_bytes", 0.0), f"{where}.hbm_bytes"))
+    num = {n: J.number(d.get(n, 0.0), f"{where}.{n}")
+           for n in ("nbytes", "time_s", "count", "hbm_bytes")}
+    return Collective(J.text(d["where"], where), J.text(d["kind"], where), axes,
+                      num["nbytes"], num["time_s"], num["count"],
+                      J.text(d["source"], f"{where}.source"), J.text(d["name"], f"{where}.name"),
+                      num["hbm_bytes"])
 
 
 def _kernel_use(x, sizes, k: int) -> KernelUse:
     where = f"kernels[{k}]"
-    d = _fields(x, where, [f.name for f in dataclasses.fields(KernelUse)])
-    kernel = _str(d["kernel"], f"{where}.kernel")
+    d = J.fields(x, where, [f.name for f in dataclasses.fields(KernelUse)])
+    kernel = J.text(d["kernel"], f"{where}.kernel")
     if kernel not in KERNELS:
         raise PlanError(f"{where}.kernel is {kernel!r}; a kernel is one of {KERNELS}")
-    split = tuple((_str(n, f"{where}.split"), _strs(axes, f"{where}.split"))
-                  for n, axes in _pairs_of(d["split"], f"{where}.split"))
+    split = tuple((J.text(n, f"{where}.split"), J.texts(axes, f"{where}.split"))
+                  for n, axes in J.pairs(d["split"], f"{where}.split"))
     for _, axes in split:
         for a in axes:
             if a not in sizes:
                 raise PlanError(f"{where}.split names mesh axis {a!r}, but the mesh has axes "
                                 f"{sizes}")
     specs = tuple(_spec_entry(e, f"{where}.specs[{j}]")
-                  for j, e in enumerate(_list(d["specs"], f"{where}.specs")))
-    ids = {n: tuple(_int(i, f"{where}.{n}") for i in _list(d[n], f"{where}.{n}"))
+                  for j, e in enumerate(J.seq(d["specs"], f"{where}.specs")))
+    ids = {n: tuple(J.integer(i, f"{where}.{n}") for i in J.seq(d[n], f"{where}.{n}"))
            for n in ("op_ids", "bwd_op_ids")}
     if not ids["op_ids"]:
         raise PlanError(f"{where}.op_ids is empty; a kernel replaces at least one op")
     return KernelUse(kernel, ids["op_ids"], ids["bwd_op_ids"],
-                     _strs(d["sources"], f"{where}.sources"), split, specs,
-                     _num(d["kernel_s"], f"{where}.kernel_s"), _num(d["xla_s"], f"{where}.xla_s"))
+                     J.texts(d["sources"], f"{where}.sources"), split, specs,
+                     J.number(d["kernel_s"], f"{where}.kernel_s"),
+                     J.number(d["xla_s"], f"{where}.xla_s"))
 
 
 def _spec_entry(x, where: str) -> tuple[str, str, tuple[int, ...]]:
-    arg, spec, shape = _list(x, where, 3)
-    return _str(arg, where), _str(spec, where), _shape(shape, where)
+    arg, spec, shape = J.seq(x, where, 3)
+    return J.text(arg, where), J.text(spec, where), J.shape(shape, where)
 
 
 def _cost(x) -> CostBreakdown:
     names = [f.name for f in dataclasses.fields(CostBreakdown)]
-    d = _fields(x, "cost", names, optional=("dispatch_s",))
+    d = J.fields(x, "cost", names, optional=("dispatch_s",))
     pairs = {n: _kind_pairs(d[n], f"cost.{n}") for n in ("comm_by_kind", "comm_bytes_by_kind")}
     budget = d["memory_budget_bytes"]
-    nums = {n: _num(d[n], f"cost.{n}") for n in names
+    nums = {n: J.number(d[n], f"cost.{n}") for n in names
             if n in d and n not in pairs and n != "memory_budget_bytes"}
     return CostBreakdown(**nums, **pairs, memory_budget_bytes=None if budget is None
-                         else _num(budget, "cost.memory_budget_bytes"))
+                         else J.number(budget, "cost.memory_budget_bytes"))
 
 
 def _kind_pairs(x, where: str) -> tuple[tuple[str, float], ...]:
-    return tuple((_str(k, where), _num(t, where))
-                 for k, t in (_list(p, where, 2) for p in _list(x, where)))
+    return tuple((J.text(k, where), J.number(t, where))
+                 for k, t in (J.seq(p, where, 2) for p in J.seq(x, where)))
 
 
 def _solver_stats(x) -> SolverStats:
-    d = _fields(x, "solver", [f.name for f in dataclasses.fields(SolverStats)],
-                optional=("candidates",))
+    d = J.fields(x, "solver", [f.name for f in dataclasses.fields(SolverStats)],
+                 optional=("candidates",))
     d = {"candidates": 0, **d}
     ints = ("num_groups", "num_vars", "num_constraints", "candidates")
-    return SolverStats(status=_str(d["status"], "solver.status"),
-                       **{n: _num(d[n], f"solver.{n}") for n in ("gap", "solve_s", "build_s",
+    return SolverStats(status=J.text(d["status"], "solver.status"),
+                       **{n: J.number(d[n], f"solver.{n}") for n in ("gap", "solve_s", "build_s",
                                                                   "trace_s")},
-                       **{n: _int(d[n], f"solver.{n}") for n in ints})
-
-
-def _fields(x, where: str, names, optional=()) -> dict:
-    if not isinstance(x, dict):
-        raise PlanError(f"{where} must be a JSON object with fields {names}; got {x!r:.80}")
-    unknown, missing = sorted(set(x) - set(names)), [n for n in names
-                                                     if n not in x and n not in optional]
-    if unknown or missing:
-        raise PlanError(f"{where}: unknown fields {unknown} / missing fields {missing}")
-    return x
-
-
-def _list(x, where: str, length: int | None = None) -> list:
-    if not isinstance(x, list):
-        raise PlanError(f"{where} must be a JSON list; got {x!r:.80}")
-    if length is not None and len(x) != length:
-        raise PlanError(f"{where} has {len(x)} entries where {length} were expected")
-    return x
-
-
-def _pairs_of(x, where: str) -> list[tuple[Any, Any]]:
-    return [tuple(_list(p, f"{where}[{k}]", 2)) for k, p in enumerate(_list(x, where))]
-
-
-def _str(x, where: str) -> str:
-    if not isinstance(x, str):
-        raise PlanError(f"{where} must be a string; got {x!r:.80}")
-    return x
-
-
-def _strs(x, where: str) -> tuple[str, ...]:
-    return tuple(_str(v, f"{where}[{k}]") for k, v in enumerate(_list(x, where)))
-
-
-def _int(x, where: str, lo: int = 0) -> int:
-    if isinstance(x, bool) or not isinstance(x, int) or x < lo:
-        raise PlanError(f"{where} must be an integer >= {lo}; got {x!r:.80}")
-    return x
-
-
-def _num(x, where: str) -> float:
-    """A finite number >= 0, kept as JSON gave it (an int stays an int: to_json is unchanged)."""
-    if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x) or x < 0:
-        raise PlanError(f"{where} must be a finite number >= 0; got {x!r:.80}")
-    return x
-
-
-def _shape(x, where: str) -> tuple[int, ...]:
-    return tuple(_int(n, f"{where}[{i}]") for i, n in enumerate(_list(x, where)))
+                       **{n: J.integer(d[n], f"solver.{n}") for n in ints})
 
 
 def _spec_tree(shardings, tree, paths):

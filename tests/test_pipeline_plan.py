@@ -54,7 +54,11 @@ def test_pipeline_plan_json_round_trip(pinned):
         autopar.autoparallel(lambda s, b: s, mesh={"stage": 4, "data": 2}, plan=back)(1, 2)
     d = json.loads(pinned.to_json())
     d["pipeline"]["stage_time_s"] = [1.0]
-    with pytest.raises(PlanError, match="one per stage"):
+    with pytest.raises(PlanError, match=r"pipeline.stage_time_s has 1 entries where 4 were"):
+        autopar.Plan.from_json(json.dumps(d))
+    d = json.loads(pinned.to_json())
+    d["pipeline"]["bubble_fraction"] = float("inf")      # json writes Infinity and reads it back
+    with pytest.raises(PlanError, match="pipeline.bubble_fraction must be a finite number"):
         autopar.Plan.from_json(json.dumps(d))
 
 

@@ -7,8 +7,8 @@ per device of that stage and per step.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 
+from autopar import jsonread as J
 from autopar.errors import PlanError
 
 FIELDS_INT = ("stages", "microbatches", "virtual_stages")
@@ -48,49 +48,28 @@ def from_dict(d, mesh: dict) -> PipelinePlan | None:
     """The ``PipelinePlan`` ``dataclasses.asdict`` wrote, checked; ``None`` stays ``None``."""
     if d is None:
         return None
-    names = [f.name for f in dataclasses.fields(PipelinePlan)]
-    if not isinstance(d, dict) or sorted(d) != sorted(names):
-        raise PlanError(f"pipeline must be null or an object with fields {names}; got "
-                        f"{d!r:.120}")
+    J.fields(d, "pipeline", [f.name for f in dataclasses.fields(PipelinePlan)])
     if d["axis"] not in mesh:
         raise PlanError(f"pipeline.axis {d['axis']!r} is not an axis of the mesh {mesh}")
     for n in FIELDS_INT:
-        if isinstance(d[n], bool) or not isinstance(d[n], int) or d[n] < 1:
-            raise PlanError(f"pipeline.{n} must be an integer >= 1; got {d[n]!r}")
+        J.integer(d[n], f"pipeline.{n}", lo=1)
     for n in FIELDS_NUM:
-        _num(d[n], f"pipeline.{n}")
-    ranges = tuple(_pair(r, f"pipeline.layer_ranges[{k}]")
-                   for k, r in enumerate(_list(d["layer_ranges"], "pipeline.layer_ranges")))
+        J.number(d[n], f"pipeline.{n}")
+    ranges = tuple(_range(r, f"pipeline.layer_ranges[{k}]")
+                   for k, r in enumerate(J.seq(d["layer_ranges"], "pipeline.layer_ranges")))
     if len(ranges) != d["stages"] * d["virtual_stages"]:
         raise PlanError(f"pipeline.layer_ranges has {len(ranges)} chunks, not stages x "
                         f"virtual_stages = {d['stages'] * d['virtual_stages']}")
-    per_stage = {n: tuple(_list(d[n], f"pipeline.{n}")) for n in
-                 ("stage_time_s", "stage_memory_bytes", "in_flight")}
-    for n, v in per_stage.items():
-        if len(v) != d["stages"]:
-            raise PlanError(f"pipeline.{n} has {len(v)} entries, one per stage ({d['stages']}) "
-                            f"expected")
-        for k, x in enumerate(v):
-            _num(x, f"pipeline.{n}[{k}]")
-    if not isinstance(d["schedule"], str) or not isinstance(d["why"], str):
-        raise PlanError("pipeline.schedule and pipeline.why must be strings")
+    per_stage = {n: tuple(J.number(x, f"pipeline.{n}[{k}]")
+                          for k, x in enumerate(J.seq(d[n], f"pipeline.{n}", d["stages"])))
+                 for n in ("stage_time_s", "stage_memory_bytes", "in_flight")}
+    J.text(d["schedule"], "pipeline.schedule")
+    J.text(d["why"], "pipeline.why")
     return PipelinePlan(**{**d, "layer_ranges": ranges, **per_stage})
 
 
-def _list(x, where: str) -> list:
-    if not isinstance(x, list):
-        raise PlanError(f"{where} must be a JSON list; got {x!r:.80}")
-    return x
-
-
-def _pair(x, where: str) -> tuple[int, int]:
-    v = _list(x, where)
-    if len(v) != 2 or not all(isinstance(i, int) and not isinstance(i, bool) for i in v) \
-            or not 0 <= v[0] < v[1]:
+def _range(x, where: str) -> tuple[int, int]:
+    start, end = (J.integer(i, where) for i in J.seq(x, where, 2))
+    if not start < end:
         raise PlanError(f"{where} must be [start, end) with 0 <= start < end; got {x!r}")
-    return v[0], v[1]
-
-
-def _num(x, where: str) -> None:
-    if isinstance(x, bool) or not isinstance(x, numbers.Real) or not x >= 0:
-        raise PlanError(f"{where} must be a number >= 0; got {x!r:.80}")
+    return start, end
