@@ -55,7 +55,16 @@ class MemoryEstimate:
 
 
 def estimate(prob: Problem, choice) -> MemoryEstimate:
-    """The per-device memory of ``prob`` under ``choice`` (group id -> strategy index)."""
+    """The per-device memory of ``prob`` under ``choice`` (group id -> strategy index). The
+    last answer is kept: the planner checks the budget and then reports the same plan."""
+    key = tuple(choice[g.id] for g in prob.groups)
+    last = prob.__dict__.get("_last_estimate")
+    if last is None or last[0] != key:
+        last = prob.__dict__["_last_estimate"] = (key, _estimate(prob, choice))
+    return last[1]
+
+
+def _estimate(prob: Problem, choice) -> MemoryEstimate:
     g = prob.graph
     nbytes = _sizer(prob, choice)
     resident = sum(nbytes(v) for v in prob.const_values)
@@ -93,10 +102,11 @@ def _pooled(spans, slots) -> list[tuple[int, int, float]]:
     temporary's last reader, and no other temporary placed there is live at the same time; only
     the rest share the pool. ``slots``: ``_output_slots``."""
     taken: list[list[tuple[int, int]]] = [[] for _ in slots]
+    smaller = [-cap for cap, _ in slots]    # ascending: the slots that fit a size are a prefix
     pooled = []
     for a, b, size in sorted(spans, key=lambda s: (-s[2], s[0])):
-        k = next((k for k, (cap, written) in enumerate(slots) if cap >= size
-                  and b < written and _free(taken[k], a, b)), None)
+        fit = bisect.bisect_right(smaller, -size)
+        k = next((k for k in range(fit) if b < slots[k][1] and _free(taken[k], a, b)), None)
         if k is None:
             pooled.append((a, b, size))
         else:

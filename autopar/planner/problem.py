@@ -258,15 +258,10 @@ class _Builder:
                 op.bytes_accessed, self.fusion_role(op))
 
     def fusion_role(self, op: Op) -> tuple:
-        """What the op's kernel reads, writes and copies (positions among its operands and
-        results) and whether it launches the kernel: its costs depend on them."""
-        f = self.fusion
-
-        def at(values, vs):
-            return tuple(values.index(v) for v in vs)
-
-        return (at(op.ins, f.reads.get(op.id, ())), at(op.outs, f.writes.get(op.id, ())),
-                at(op.ins, f.copies.get(op.id, ())), op.id in f.roots)
+        """What the op's kernel reads (with how often), writes and copies, as positions among its
+        operands and results (``kernel_io``), and whether it launches the kernel: its costs
+        depend on them."""
+        return kernel_io(self.fusion, op) + (op.id in self.fusion.roots,)
 
     def planned(self, op: Op, per_i: Sequence[Strategy], key) -> _Planned:
         """The op's contribution under ``per_i``, memoised under ``key`` (None: not memoised)."""
@@ -322,8 +317,9 @@ class _Builder:
         dtype = self.compute_dtype(op)
         launch = 0.0 if op.id in self.fusion.roots else self.cm.hw.kernel_launch_s
         matmul = op.prim in MATMUL_PRIMS
+        io = None if op.regions or op.prim == "alias" else kernel_io(self.fusion, op)
         for i, st in enumerate(per_i):
-            nbytes = self.fused_bytes(op, st)
+            nbytes = self.fused_bytes(op, st, io)
             if op.flops or nbytes:
                 t = self.cm.compute_time_s(op.flops / st.compute_div, nbytes, dtype, matmul)
                 grp.compute_s[i] += mult * max(t - launch, 0.0)
@@ -331,10 +327,10 @@ class _Builder:
             for c in st.comms:
                 grp.comm_s[i] += mult * self.cm.collective_time_s(c.kind, c.nbytes, c.axes)
 
-    def fused_bytes(self, op: Op, st: Strategy) -> float:
+    def fused_bytes(self, op: Op, st: Strategy, io: tuple | None = None) -> float:
         if op.prim == "alias":       # a loop's carry or slice seen from its body: no kernel
             return 0.0
-        return op_hbm_bytes(self.g, self.fusion, self.mesh, op, st)
+        return op_hbm_bytes(self.g, self.fusion, self.mesh, op, st, io)
 
     def follow(self, op: Op, operand_value: int, derive, mult: float,
                out_values: Sequence[int] | None = None, key=None) -> tuple[Group, _Planned]:
@@ -485,23 +481,41 @@ class _Builder:
         self.gop[op.id] = self.gv.get(op.outs[0], -1) if op.outs else -1
 
 
-def op_hbm_bytes(graph: Graph, fusion, mesh: Mapping[str, int], op: Op, st: Strategy) -> float:
+def kernel_io(fusion: Fusion, op: Op) -> tuple[tuple, tuple, tuple]:
+    """(reads, writes, copies) of ``op``'s kernel (``ir.fusion``) as positions: ``((operand,
+    times read), ...)``, result positions written, ``((operand, times copied), ...)``. A
+    producer duplicated into many kernels (a mask every layer reads) reads its operand once per
+    kernel; counting keeps pricing it linear in its operands, not in its kernels."""
+    def counted(vs) -> tuple:
+        times: dict[int, int] = {}
+        for v in vs:
+            k = op.ins.index(v)
+            times[k] = times.get(k, 0) + 1
+        return tuple(times.items())
+
+    writes = tuple(op.outs.index(v) for v in fusion.writes.get(op.id, ()))
+    return counted(fusion.reads.get(op.id, ())), writes, counted(fusion.copies.get(op.id, ()))
+
+
+def op_hbm_bytes(graph: Graph, fusion, mesh: Mapping[str, int], op: Op, st: Strategy,
+                 io: tuple | None = None) -> float:
     """Per-device bytes ``op`` reads and writes for its kernel under ``st``: operands from memory
     in the layouts ``st`` needs, materialized results in its layouts, layout copies twice. A loop
-    or branch op (run replicated) counts its bodies' kernels whole."""
+    or branch op (run replicated) counts its bodies' kernels whole. ``io``: ``kernel_io`` of the
+    op, when the caller prices it under several strategies."""
     if op.regions:
         inner = [o.id for o in walk_ops(r.ops for r in op.regions)]
         return fusion.hbm_bytes(graph, inner + [op.id])
+    reads, writes, copies = kernel_io(fusion, op) if io is None else io
 
     def per_device(v: int, layout: Sharding | None) -> float:
         return graph.values[v].nbytes / (shard_factor(layout, mesh) if layout else 1)
 
     total = 0.0
-    for v in fusion.reads.get(op.id, ()) + 2 * fusion.copies.get(op.id, ()):
-        k = op.ins.index(v)
-        total += per_device(v, st.ins[k] if k < len(st.ins) else None)
-    for v in fusion.writes.get(op.id, ()):
-        total += per_device(v, st.outs[op.outs.index(v)])
+    for (k, times), weight in [(r, 1) for r in reads] + [(c, 2) for c in copies]:
+        total += weight * times * per_device(op.ins[k], st.ins[k] if k < len(st.ins) else None)
+    for k in writes:
+        total += per_device(op.outs[k], st.outs[k])
     return total
 
 
