@@ -343,9 +343,14 @@ class _Builder:
         if op.prim != "alias":
             grp.members[op.id] = pl.per_i
             grp.mults[op.id] = mult
-        grp.compute_s += mult * pl.compute_s
-        grp.comm_s += mult * pl.comm_s
-        grp.hbm_bytes += mult * pl.hbm_bytes
+        if mult == 1.0:     # most ops: no scaled copies of the three arrays
+            grp.compute_s += pl.compute_s
+            grp.comm_s += pl.comm_s
+            grp.hbm_bytes += pl.hbm_bytes
+        else:
+            grp.compute_s += mult * pl.compute_s
+            grp.comm_s += mult * pl.comm_s
+            grp.hbm_bytes += mult * pl.hbm_bytes
         outs = op.outs if out_values is None else out_values
         for v, layouts in zip(outs, pl.outs):
             grp.shard[v] = layouts
@@ -493,8 +498,9 @@ def kernel_io(fusion: Fusion, op: Op) -> tuple[tuple, tuple, tuple]:
             times[k] = times.get(k, 0) + 1
         return tuple(times.items())
 
-    writes = tuple(op.outs.index(v) for v in fusion.writes.get(op.id, ()))
-    return counted(fusion.reads.get(op.id, ())), writes, counted(fusion.copies.get(op.id, ()))
+    reads, writes, copies = (f.get(op.id, ()) for f in (fusion.reads, fusion.writes,
+                                                         fusion.copies))
+    return counted(reads), tuple(op.outs.index(v) for v in writes), counted(copies)
 
 
 def op_hbm_bytes(graph: Graph, fusion, mesh: Mapping[str, int], op: Op, st: Strategy,
