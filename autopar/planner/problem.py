@@ -244,7 +244,8 @@ class _Builder:
     def op_key(self, op: Op) -> tuple | None:
         """Everything the rules and the costs read of an op; None for ops with regions. A
         top-level op's structural label (``ir.layers.node_graph``: primitive, params, types,
-        literals) stands in for the first five."""
+        literals) stands in for the first five. The last entry, the fusion role, only the costs
+        read."""
         if op.regions:
             return None
         vals, ctx = self.g.values, self.ctx
@@ -339,7 +340,13 @@ class _Builder:
         memo_key = None if key is None else ("follow", key, id(have))
         pl = self.memo.get(memo_key) if memo_key is not None else None
         if pl is None:
-            pl = self.planned(op, [derive(s) for s in have], memo_key)
+            derived_key = None if key is None else ("derived", key[:-1], id(have))
+            per_i = self.memo.get(derived_key) if derived_key is not None else None
+            if per_i is None:
+                per_i = [derive(s) for s in have]
+                if derived_key is not None:
+                    self.memo[derived_key] = per_i
+            pl = self.planned(op, per_i, memo_key)
         if op.prim != "alias":
             grp.members[op.id] = pl.per_i
             grp.mults[op.id] = mult
@@ -431,8 +438,12 @@ class _Builder:
                 self.add_op(op, mult)
 
     def rule(self, op: Op, key) -> Choices | Follow:
-        if key is not None and ("rule", key) in self.memo:
-            return self.memo[("rule", key)]
+        """The op's rule, memoised under its key without the fusion role (rules read the op's
+        structure only: ops that differ in how many kernels read them share it)."""
+        rule_key = None if key is None else ("rule", key[:-1])
+        hit = self.memo.get(rule_key) if rule_key is not None else None
+        if hit is not None:
+            return hit
         if op.regions:  # while / cond: opaque, replicated
             found = rules.fallback_rule(op, self.ctx, rules.OPAQUE)
         elif self.late():
@@ -440,8 +451,8 @@ class _Builder:
             return rules.fallback_rule(op, self.ctx, rules.LATE)
         else:
             found = rules.rule_for(op, self.ctx)
-        if key is not None:
-            self.memo[("rule", key)] = found
+        if rule_key is not None:
+            self.memo[rule_key] = found
         return found
 
     def add_op(self, op: Op, mult: float) -> None:
