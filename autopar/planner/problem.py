@@ -500,8 +500,9 @@ class _Builder:
 def kernel_io(fusion: Fusion, op: Op) -> tuple[tuple, tuple, tuple]:
     """(reads, writes, copies) of ``op``'s kernel (``ir.fusion``) as positions: ``((operand,
     times read), ...)``, result positions written, ``((operand, times copied), ...)``. A
-    producer duplicated into many kernels (a mask every layer reads) reads its operand once per
-    kernel; counting keeps pricing it linear in its operands, not in its kernels."""
+    producer duplicated into many kernels (``ir.fusion`` copies an unrolled model's residual
+    adds into every later layer's kernels) reads its operand once per kernel; counting keeps
+    pricing it linear in its operands, not in its kernels."""
     def counted(vs) -> tuple:
         times: dict[int, int] = {}
         for v in vs:
