@@ -226,7 +226,7 @@ def _kernel_io(ops: list[Op], kernel_id: int, k: _Kernels, reads: dict, writes: 
             seen.add(v)
             got.append(v)
         if got:
-            reads[op.id] = reads.get(op.id, ()) + tuple(got)
+            reads.setdefault(op.id, []).extend(got)   # a copied op reads once per kernel
         if op.id in k.copies:
             continue   # a duplicated producer writes nothing: each copy feeds its kernel
         outs = tuple(v for v in op.outs if v not in k.const and (
@@ -281,6 +281,7 @@ def fuse(graph: Graph) -> Fusion:
     result: dict = {"kernel_of": {}, "reads": {}, "writes": {}, "roots": set(), "copies": {},
                     "values": graph.values, "broadcasts": []}
     _fuse_list(graph.ops, const, set(graph.outputs), result)
-    return Fusion(result["kernel_of"], result["reads"], result["writes"],
+    reads = {i: tuple(vs) for i, vs in result["reads"].items()}
+    return Fusion(result["kernel_of"], reads, result["writes"],
                   frozenset(result["roots"]), frozenset(const), result["copies"],
                   tuple(result["broadcasts"]))

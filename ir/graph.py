@@ -22,6 +22,7 @@ A pass returns a new Graph; nothing here is edited in place.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -42,22 +43,28 @@ class TensorType:
 
     @property
     def itemsize(self) -> int:
-        if self.dtype == "bfloat16":
-            return 2
-        if self.dtype.startswith("float8"):
-            return 1
-        if self.dtype.startswith("key<"):  # a PRNG key: threefry keys are 2 x uint32
-            return 8
-        if self.dtype == "token" or "float0" in self.dtype:  # float0: gradients of ints, no data
-            return 0
-        return np.dtype(self.dtype).itemsize
+        return _itemsize(self.dtype)
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
+        """Computed once per type (the planner asks for it per value, per layout, per check)."""
         return self.size * self.itemsize
 
     def __str__(self) -> str:
         return f"{self.dtype}[{','.join(map(str, self.shape))}]"
+
+
+@functools.cache
+def _itemsize(dtype: str) -> int:
+    if dtype == "bfloat16":
+        return 2
+    if dtype.startswith("float8"):
+        return 1
+    if dtype.startswith("key<"):  # a PRNG key: threefry keys are 2 x uint32
+        return 8
+    if dtype == "token" or "float0" in dtype:  # float0: gradients of ints, no data
+        return 0
+    return np.dtype(dtype).itemsize
 
 
 @dataclasses.dataclass(frozen=True)

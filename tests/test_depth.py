@@ -1,14 +1,18 @@
 """Deeper unrolled models give the solver the same problem: layers tie, repeated edges merge."""
 from __future__ import annotations
 
+import bisect
 import dataclasses
 
+import numpy as np
 import pytest
 
 import cost_models
 import ir
+from autopar.api import plan_graph
 from autopar.models import gpt, hf
-from autopar.planner import descent, problem
+from autopar.planner import descent, memory, problem
+from autopar.sharding import shard_factor
 
 MESH = {"data": 2, "model": 4}
 CM = cost_models.CostModel(cost_models.hardware("h100"), MESH)
@@ -30,10 +34,8 @@ def test_autopar_gpt_problem_does_not_grow_with_depth():
     assert _size(four) == _size(eight)
 
 
-def test_hf_gpt2_problem_does_not_grow_with_depth():
-    pytest.importorskip("transformers")
-    graphs = [ir.trace(*hf.abstract("gpt2", hf.tiny("gpt2", layers=n), 8)) for n in (3, 6)]
-    assert _size(graphs[0]) == _size(graphs[1])
+def test_hf_gpt2_problem_does_not_grow_with_depth(hf_graphs):
+    assert _size(hf_graphs[4]) == _size(hf_graphs[8])
 
 
 def test_tied_groups_cost_what_their_layers_cost():
@@ -61,3 +63,92 @@ def test_scan_and_unrolled_gpt_share_a_plan_shape():
     scan = ir.trace(*gpt.abstract(dataclasses.replace(base, scan=True), 8))
     unrolled, scanned = _size(_gpt(4)), _size(scan)
     assert unrolled[0] <= 2 * scanned[0], (unrolled, scanned)
+
+
+# -- the shortcuts that keep planning linear in depth change no plan --------------------------
+def _hbm_per_read(graph, fusion, mesh, op, st, io=None):
+    """``problem.op_hbm_bytes`` as it was: every read of a copied op priced one by one."""
+    if op.regions:
+        return _FAST_HBM(graph, fusion, mesh, op, st)
+
+    def per_device(v, layout):
+        return graph.values[v].nbytes / (shard_factor(layout, mesh) if layout else 1)
+
+    total = 0.0
+    for v in fusion.reads.get(op.id, ()) + 2 * fusion.copies.get(op.id, ()):
+        k = op.ins.index(v)
+        total += per_device(v, st.ins[k] if k < len(st.ins) else None)
+    for v in fusion.writes.get(op.id, ()):
+        total += per_device(v, st.outs[op.outs.index(v)])
+    return total
+
+
+def _pooled_one_by_one(spans, slots):
+    """``memory._pooled`` as it was: first fit testing each result buffer in turn."""
+    taken = [[] for _ in slots]
+    pooled = []
+    for a, b, size in sorted(spans, key=lambda s: (-s[2], s[0])):
+        k = next((k for k, (cap, written) in enumerate(slots)
+                  if cap >= size and b < written and memory._free(taken[k], a, b)), None)
+        if k is None:
+            pooled.append((a, b, size))
+        else:
+            bisect.insort(taken[k], (a, b))
+    return pooled
+
+
+_FAST_HBM = problem.op_hbm_bytes
+
+
+@pytest.fixture(scope="module")
+def hf_graphs():
+    pytest.importorskip("transformers")
+    return {n: ir.trace(*hf.abstract("gpt2", hf.tiny("gpt2", layers=n), 8)) for n in (4, 8)}
+
+
+def _plan(graph):
+    return plan_graph(graph, MESH, hardware="h100", deterministic=True)
+
+
+@pytest.fixture(scope="module")
+def hf_plans(hf_graphs):
+    return {n: _plan(g) for n, g in hf_graphs.items()}
+
+
+def test_depth_shortcuts_keep_the_plan(hf_graphs, hf_plans, monkeypatch):
+    """Counted reads and the all-buffers first fit plan an unrolled GPT-2 exactly as the
+    one-by-one versions did: same decisions, same predicted time, memory and traffic."""
+    fast = hf_plans[4]
+    monkeypatch.setattr(problem, "op_hbm_bytes", _hbm_per_read)
+    monkeypatch.setattr(memory, "_pooled", _pooled_one_by_one)
+    slow = _plan(hf_graphs[4])
+    assert fast.choices == slow.choices and fast.pins == slow.pins
+    for field in ("step_time_s", "compute_s", "comm_s", "transition_s", "peak_memory_bytes",
+                  "hbm_bytes"):
+        a, b = getattr(fast.cost, field), getattr(slow.cost, field)
+        assert a == pytest.approx(b, rel=1e-9, abs=0.0), field
+    assert fast.cost.hbm_bytes > 0 and fast.cost.peak_memory_bytes > 0
+
+
+def test_hf_gpt2_ilp_does_not_grow_with_depth(hf_graphs, hf_plans):
+    """The solver's model (variables, constraints, decision groups) for 8 unrolled layers is the
+    one for 4."""
+    four, eight = (hf_plans[n].solver for n in (4, 8))
+    assert len(hf_graphs[8].ops) > 1.8 * len(hf_graphs[4].ops)
+    assert (four.num_vars, four.num_constraints, four.num_groups) == (
+        eight.num_vars, eight.num_constraints, eight.num_groups)
+    assert four.num_vars > 0
+
+
+def test_first_fit_matches_one_by_one():
+    """The all-buffers first fit places every temporary where the one-by-one search did, on
+    nested, disjoint and gapped intervals, with buffers too small for some temporaries."""
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        spans = []
+        for _ in range(int(rng.integers(0, 120))):
+            a = int(rng.integers(0, 200))
+            spans.append((a, a + int(rng.integers(0, 60)), float(rng.choice([1, 2, 4, 8]))))
+        slots = sorted(((float(rng.choice([1, 2, 4, 8])), int(rng.integers(0, 300)))
+                        for _ in range(int(rng.integers(0, 30)))), key=lambda s: -s[0])
+        assert memory._pooled(spans, slots) == _pooled_one_by_one(spans, slots)

@@ -55,7 +55,16 @@ class MemoryEstimate:
 
 
 def estimate(prob: Problem, choice) -> MemoryEstimate:
-    """The per-device memory of ``prob`` under ``choice`` (group id -> strategy index)."""
+    """The per-device memory of ``prob`` under ``choice`` (group id -> strategy index). The
+    last answer is kept: the planner checks the budget and then reports the same plan."""
+    key = tuple(choice[g.id] for g in prob.groups)
+    last = prob.__dict__.get("_last_estimate")
+    if last is None or last[0] != key:
+        last = prob.__dict__["_last_estimate"] = (key, _estimate(prob, choice))
+    return last[1]
+
+
+def _estimate(prob: Problem, choice) -> MemoryEstimate:
     g = prob.graph
     nbytes = _sizer(prob, choice)
     resident = sum(nbytes(v) for v in prob.const_values)
@@ -91,17 +100,45 @@ def _pooled(spans, slots) -> list[tuple[int, int, float]]:
     XLA's buffer assignment visits buffers largest first and puts a temporary into the buffer
     of a result when the buffer is at least as large, the result is written only after the
     temporary's last reader, and no other temporary placed there is live at the same time; only
-    the rest share the pool. ``slots``: ``_output_slots``."""
+    the rest share the pool. ``slots``: ``_output_slots``.
+
+    First fit, with every buffer tested at once (``_first_fit``): a buffer whose placed
+    temporaries' hull misses the temporary is free, one holding a single temporary that meets it
+    is not, and only one with several (and gaps between them) is searched one by one. An
+    unrolled model's thousands of result buffers, tested one by one for each temporary, made
+    this walk grow with the square of the depth."""
+    n = len(slots)
     taken: list[list[tuple[int, int]]] = [[] for _ in slots]
+    smaller = [-cap for cap, _ in slots]    # ascending: the slots that fit a size are a prefix
+    written = np.array([w for _, w in slots], dtype=np.int64)
+    lo = np.full(n, np.iinfo(np.int64).max)   # hull of each slot's temporaries (empty: lo > hi)
+    hi = np.full(n, -1, dtype=np.int64)
+    count = np.zeros(n, dtype=np.int64)
     pooled = []
     for a, b, size in sorted(spans, key=lambda s: (-s[2], s[0])):
-        k = next((k for k, (cap, written) in enumerate(slots) if cap >= size
-                  and b < written and _free(taken[k], a, b)), None)
+        fit = bisect.bisect_right(smaller, -size)
+        k = _first_fit(a, b, written[:fit], lo[:fit], hi[:fit], count[:fit], taken)
         if k is None:
             pooled.append((a, b, size))
-        else:
-            bisect.insort(taken[k], (a, b))
+            continue
+        bisect.insort(taken[k], (a, b))
+        lo[k], hi[k], count[k] = min(lo[k], a), max(hi[k], b), count[k] + 1
     return pooled
+
+
+def _first_fit(a: int, b: int, written, lo, hi, count, taken) -> int | None:
+    """The first slot written after ``b`` with no placed temporary meeting ``[a, b]``."""
+    if not len(written):
+        return None
+    after = written > b
+    clear = after & ((hi < a) | (lo > b))
+    first = int(clear.argmax())
+    if not clear[first]:
+        first = len(clear)          # no slot is surely free: search those with gaps
+    for k in np.flatnonzero(after[:first] & (count[:first] > 1)).tolist():
+        if _free(taken[k], a, b):
+            return k
+    return first if first < len(clear) else None
 
 
 def _free(occupied: list[tuple[int, int]], a: int, b: int) -> bool:

@@ -26,6 +26,7 @@ from ir import Op
 class _Pins:
     def __init__(self, prob: problem.Problem, choice):
         self.p, self.choice, self.out = prob, choice, []
+        self.chains: dict = {}   # (have, need) -> staged transition: layers repeat the same few
 
     def layout(self, v: int) -> Sharding | None:
         g = self.p.group_of_value.get(v)
@@ -44,7 +45,10 @@ class _Pins:
         if slot in ("in", "res"):
             if have is None or have == need:
                 return
-            chain = tuple(s.layout for s in reshard_steps(have, need, self.p.mesh))
+            chain = self.chains.get((have, need))
+            if chain is None:
+                chain = self.chains[(have, need)] = tuple(
+                    s.layout for s in reshard_steps(have, need, self.p.mesh))
         else:
             chain = (need,)
         self.out.append(Pin(tuple(path), slot, index, chain))

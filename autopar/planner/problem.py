@@ -244,7 +244,8 @@ class _Builder:
     def op_key(self, op: Op) -> tuple | None:
         """Everything the rules and the costs read of an op; None for ops with regions. A
         top-level op's structural label (``ir.layers.node_graph``: primitive, params, types,
-        literals) stands in for the first five."""
+        literals) stands in for the first five. The last entry, the fusion role, only the costs
+        read."""
         if op.regions:
             return None
         vals, ctx = self.g.values, self.ctx
@@ -258,15 +259,10 @@ class _Builder:
                 op.bytes_accessed, self.fusion_role(op))
 
     def fusion_role(self, op: Op) -> tuple:
-        """What the op's kernel reads, writes and copies (positions among its operands and
-        results) and whether it launches the kernel: its costs depend on them."""
-        f = self.fusion
-
-        def at(values, vs):
-            return tuple(values.index(v) for v in vs)
-
-        return (at(op.ins, f.reads.get(op.id, ())), at(op.outs, f.writes.get(op.id, ())),
-                at(op.ins, f.copies.get(op.id, ())), op.id in f.roots)
+        """What the op's kernel reads (with how often), writes and copies, as positions among its
+        operands and results (``kernel_io``), and whether it launches the kernel: its costs
+        depend on them."""
+        return kernel_io(self.fusion, op) + (op.id in self.fusion.roots,)
 
     def planned(self, op: Op, per_i: Sequence[Strategy], key) -> _Planned:
         """The op's contribution under ``per_i``, memoised under ``key`` (None: not memoised)."""
@@ -322,8 +318,9 @@ class _Builder:
         dtype = self.compute_dtype(op)
         launch = 0.0 if op.id in self.fusion.roots else self.cm.hw.kernel_launch_s
         matmul = op.prim in MATMUL_PRIMS
+        io = None if op.regions or op.prim == "alias" else kernel_io(self.fusion, op)
         for i, st in enumerate(per_i):
-            nbytes = self.fused_bytes(op, st)
+            nbytes = self.fused_bytes(op, st, io)
             if op.flops or nbytes:
                 t = self.cm.compute_time_s(op.flops / st.compute_div, nbytes, dtype, matmul)
                 grp.compute_s[i] += mult * max(t - launch, 0.0)
@@ -331,10 +328,10 @@ class _Builder:
             for c in st.comms:
                 grp.comm_s[i] += mult * self.cm.collective_time_s(c.kind, c.nbytes, c.axes)
 
-    def fused_bytes(self, op: Op, st: Strategy) -> float:
+    def fused_bytes(self, op: Op, st: Strategy, io: tuple | None = None) -> float:
         if op.prim == "alias":       # a loop's carry or slice seen from its body: no kernel
             return 0.0
-        return op_hbm_bytes(self.g, self.fusion, self.mesh, op, st)
+        return op_hbm_bytes(self.g, self.fusion, self.mesh, op, st, io)
 
     def follow(self, op: Op, operand_value: int, derive, mult: float,
                out_values: Sequence[int] | None = None, key=None) -> tuple[Group, _Planned]:
@@ -343,13 +340,24 @@ class _Builder:
         memo_key = None if key is None else ("follow", key, id(have))
         pl = self.memo.get(memo_key) if memo_key is not None else None
         if pl is None:
-            pl = self.planned(op, [derive(s) for s in have], memo_key)
+            derived_key = None if key is None else ("derived", key[:-1], id(have))
+            per_i = self.memo.get(derived_key) if derived_key is not None else None
+            if per_i is None:
+                per_i = [derive(s) for s in have]
+                if derived_key is not None:
+                    self.memo[derived_key] = per_i
+            pl = self.planned(op, per_i, memo_key)
         if op.prim != "alias":
             grp.members[op.id] = pl.per_i
             grp.mults[op.id] = mult
-        grp.compute_s += mult * pl.compute_s
-        grp.comm_s += mult * pl.comm_s
-        grp.hbm_bytes += mult * pl.hbm_bytes
+        if mult == 1.0:     # most ops: no scaled copies of the three arrays
+            grp.compute_s += pl.compute_s
+            grp.comm_s += pl.comm_s
+            grp.hbm_bytes += pl.hbm_bytes
+        else:
+            grp.compute_s += mult * pl.compute_s
+            grp.comm_s += mult * pl.comm_s
+            grp.hbm_bytes += mult * pl.hbm_bytes
         outs = op.outs if out_values is None else out_values
         for v, layouts in zip(outs, pl.outs):
             grp.shard[v] = layouts
@@ -430,8 +438,12 @@ class _Builder:
                 self.add_op(op, mult)
 
     def rule(self, op: Op, key) -> Choices | Follow:
-        if key is not None and ("rule", key) in self.memo:
-            return self.memo[("rule", key)]
+        """The op's rule, memoised under its key without the fusion role (rules read the op's
+        structure only: ops that differ in how many kernels read them share it)."""
+        rule_key = None if key is None else ("rule", key[:-1])
+        hit = self.memo.get(rule_key) if rule_key is not None else None
+        if hit is not None:
+            return hit
         if op.regions:  # while / cond: opaque, replicated
             found = rules.fallback_rule(op, self.ctx, rules.OPAQUE)
         elif self.late():
@@ -439,8 +451,8 @@ class _Builder:
             return rules.fallback_rule(op, self.ctx, rules.LATE)
         else:
             found = rules.rule_for(op, self.ctx)
-        if key is not None:
-            self.memo[("rule", key)] = found
+        if rule_key is not None:
+            self.memo[rule_key] = found
         return found
 
     def add_op(self, op: Op, mult: float) -> None:
@@ -485,23 +497,43 @@ class _Builder:
         self.gop[op.id] = self.gv.get(op.outs[0], -1) if op.outs else -1
 
 
-def op_hbm_bytes(graph: Graph, fusion, mesh: Mapping[str, int], op: Op, st: Strategy) -> float:
+def kernel_io(fusion: Fusion, op: Op) -> tuple[tuple, tuple, tuple]:
+    """(reads, writes, copies) of ``op``'s kernel (``ir.fusion``) as positions: ``((operand,
+    times read), ...)``, result positions written, ``((operand, times copied), ...)``. A
+    producer duplicated into many kernels (``ir.fusion`` copies an unrolled model's residual
+    adds into every later layer's kernels) reads its operand once per kernel; counting keeps
+    pricing it linear in its operands, not in its kernels."""
+    def counted(vs) -> tuple:
+        times: dict[int, int] = {}
+        for v in vs:
+            k = op.ins.index(v)
+            times[k] = times.get(k, 0) + 1
+        return tuple(times.items())
+
+    reads, writes, copies = (f.get(op.id, ()) for f in (fusion.reads, fusion.writes,
+                                                         fusion.copies))
+    return counted(reads), tuple(op.outs.index(v) for v in writes), counted(copies)
+
+
+def op_hbm_bytes(graph: Graph, fusion, mesh: Mapping[str, int], op: Op, st: Strategy,
+                 io: tuple | None = None) -> float:
     """Per-device bytes ``op`` reads and writes for its kernel under ``st``: operands from memory
     in the layouts ``st`` needs, materialized results in its layouts, layout copies twice. A loop
-    or branch op (run replicated) counts its bodies' kernels whole."""
+    or branch op (run replicated) counts its bodies' kernels whole. ``io``: ``kernel_io`` of the
+    op, when the caller prices it under several strategies."""
     if op.regions:
         inner = [o.id for o in walk_ops(r.ops for r in op.regions)]
         return fusion.hbm_bytes(graph, inner + [op.id])
+    reads, writes, copies = kernel_io(fusion, op) if io is None else io
 
     def per_device(v: int, layout: Sharding | None) -> float:
         return graph.values[v].nbytes / (shard_factor(layout, mesh) if layout else 1)
 
     total = 0.0
-    for v in fusion.reads.get(op.id, ()) + 2 * fusion.copies.get(op.id, ()):
-        k = op.ins.index(v)
-        total += per_device(v, st.ins[k] if k < len(st.ins) else None)
-    for v in fusion.writes.get(op.id, ()):
-        total += per_device(v, st.outs[op.outs.index(v)])
+    for (k, times), weight in [(r, 1) for r in reads] + [(c, 2) for c in copies]:
+        total += weight * times * per_device(op.ins[k], st.ins[k] if k < len(st.ins) else None)
+    for k in writes:
+        total += per_device(op.outs[k], st.outs[k])
     return total
 
 
