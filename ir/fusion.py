@@ -11,8 +11,10 @@ Rules (``fuse``), applied within each top-level op list and separately within ea
   * a *fusible producer* (``FUSIBLE``: elementwise, broadcast, reshape, transpose, convert,
     slices, concatenate, pad, iota, select, gather) joins the kernel of its consumers when they
     all belong to one kernel; when they belong to several it is duplicated into each of them,
-    unless it is ``EXPENSIVE`` (transcendental or a division), which XLA does not recompute: then
-    it is a kernel of its own whose result is written;
+    unless it is ``EXPENSIVE`` (transcendental or a division), which XLA does not recompute, or
+    its copies would read more than it writes and one of its readers is reached from it through
+    an unfusible op (``_Kernels.kept_whole``: XLA's "fuse on all paths" test, approximated; a
+    pre-norm residual add is the case): then it is a kernel of its own whose result is written;
   * *fusing consumers* are fusible ops and reductions (``ABSORBING``); contractions,
     convolutions, scatters, sorts, loops and collectives take their operands from memory and
     write their results;
@@ -139,6 +141,7 @@ class _Kernels:
         self.kernel = {op.id: op.id for op in self.ops}
         self.producer = {v: op for op in self.ops for v in op.outs}
         self.copies: dict[int, set[int]] = defaultdict(set)  # op id -> kernels it is copied into
+        self.level = self.unfusible_levels()
 
     def find(self, op_id: int) -> int:
         while self.kernel[op_id] != op_id:
@@ -165,8 +168,33 @@ class _Kernels:
                 continue
             if len(targets) == 1:
                 self.kernel[op.id] = next(iter(targets))
-            elif op.prim not in EXPENSIVE:
+            elif op.prim not in EXPENSIVE and not self.kept_whole(op, users):
                 self.copies[op.id] = targets
+
+    def unfusible_levels(self) -> dict[int, int]:
+        """Value id -> the most unfusible ops (``ABSORBING`` excluded) on a path from this op
+        list's inputs to it."""
+        level: dict[int, int] = {}
+        for op in self.ops:
+            up = max((level.get(v, 0) for v in op.ins), default=0)
+            up += op.prim not in ABSORBING
+            level.update((v, up) for v in op.outs)
+        return level
+
+    def kept_whole(self, op: Op, users: list[Op]) -> bool:
+        """XLA does not duplicate a producer whose copies would read more than it writes (two
+        or more operands that are not scalars, more elements in than out) unless it fuses into
+        every consumer on every path; a consumer that also reads a value that went through more
+        unfusible ops than the producer (a residual add after the layer it skips) is taken as
+        reached through an unfusible path, an approximation of XLA's reachability test. Without
+        this rule an unrolled model's residual stream would be re-added in every later layer."""
+        arrays = [v for v in dict.fromkeys(op.ins)
+                  if v not in self.const and self.values[v].shape]
+        out = sum(self.values[v].size for v in op.outs)
+        if len(arrays) < 2 or sum(self.values[v].size for v in arrays) <= out:
+            return False
+        mine = max(self.level.get(v, 0) for v in op.outs)
+        return any(self.level.get(v, 0) > mine for u in users for v in u.ins)
 
     def kept_for_reduction(self, op: Op, targets: set[int]) -> bool:
         """An expanding broadcast that feeds a reduction's kernel: XLA:CPU runs reductions as

@@ -23,9 +23,10 @@ that is what ``estimate`` predicts:
 Measured by ``autopar.verify`` over the matrix of ``benchmarks/verify_matrix.py`` (results in
 ``benchmarks/results/verify_matrix.md``). Known gaps: XLA's own schedule is not modelled (ours is
 the traced order), nor collectives' buffers beyond the resharded copies, nor where XLA:CPU
-materializes values our fusion rules fuse. On that matrix, unrolled auto and megatron plans are
-off by up to ~22% either way and scanned data-parallel plans over-predicted by ~17% (their
-loops' results are kept out of the results' buffers, which XLA partly reuses for them).
+materializes values our fusion rules fuse. On that matrix 17 of 24 plans are within 10%; the
+rest are over-predicted by up to ~37% (MoE auto on 2x4, unrolled zero3 and megatron on 2x4,
+scanned data-parallel plans, whose loops' results are kept out of the results' buffers, which
+XLA partly reuses for them) or under-predicted by ~10% (scanned zero3 on 1x8).
 
 The ILP's memory constraint (``ilp.memory_exprs``) is the linear part of this model: it checks
 the live values at the heaviest points of the schedule but cannot see resharded copies, whose
