@@ -190,6 +190,19 @@ def test_fit_compute_recovers_launch_rates_and_conv_rate() -> None:
     assert dict(fit.conv_flops_by_dtype)["float32"] == pytest.approx(conv, rel=1e-6)
 
 
+def test_reference_efficiencies_stay_fractions_when_the_fit_finds_no_signal() -> None:
+    from cost_models.fit import ComputeFit
+    from cost_models.profile import _compute_figures
+
+    ref = cost_models.hardware("h100")
+    no_signal = ComputeFit(4e-5, (("float32", 1e30),), 1e30)  # what a zero coefficient gives
+    _, matmul_eff, hbm, memory_eff = _compute_figures(no_signal, ref)
+    assert (matmul_eff, memory_eff, hbm) == (1.0, 1.0, ref.hbm_bytes_per_s)
+    cpu_like = ComputeFit(4e-5, (("float32", 66.9e9),), 3.35e9)
+    _, matmul_eff, _, memory_eff = _compute_figures(cpu_like, ref)
+    assert matmul_eff == pytest.approx(1e-3) and memory_eff == pytest.approx(1e-3)
+
+
 def test_conv_factor_of_a_fit() -> None:
     from cost_models.fit import ComputeFit
     from cost_models.profile import _conv_factor
