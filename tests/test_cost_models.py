@@ -136,6 +136,82 @@ def test_op_time_uses_matmul_peak_and_shard_factor() -> None:
     assert cm.op_time_s(add, dtype="bfloat16") == pytest.approx(1e12 / 50e12 + 1e-6)
 
 
+def test_convolution_runs_at_the_conv_factor_of_the_matmul_rate() -> None:
+    # float32 matmul rate 100e12 * 0.5 = 50e12; a convolution at 0.25 of it: 12.5e12 FLOP/s
+    cm = CostModel(toy_hw(conv_efficiency=0.25), {"model": 4})
+    conv = Op(0, "conv_general_dilated", (0, 1), (2,), flops=1e12, bytes_accessed=1e3)
+    dot = Op(1, "dot_general", (0, 1), (2,), flops=1e12, bytes_accessed=1e3)
+    assert cm.op_time_s(conv, dtype="float32") == pytest.approx(1e12 / 12.5e12 + 1e-6)
+    assert cm.op_time_s(dot, dtype="float32") == pytest.approx(1e12 / 50e12 + 1e-6)
+    assert cm.compute_time_s(1e12, 1e3, conv=True) == pytest.approx(0.08 + 1e-6)
+    # the factor is a matmul-unit figure: a vector op flagged conv by mistake keeps its rate
+    assert cm.compute_time_s(1e12, 1e3, is_matmul=False, conv=True) == pytest.approx(
+        0.02 + 1e-6)
+
+
+def test_profiles_without_conv_efficiency_load_and_price_convs_as_matmuls() -> None:
+    import json
+
+    old = toy_hw().to_dict()
+    del old["conv_efficiency"]  # a profile written before the field existed
+    hw = Hardware.from_json(json.dumps(old))
+    assert hw.conv_efficiency == 1.0 and hw == toy_hw()
+    for name in ("a100", "h100", "h200"):  # data-sheet profiles: unchanged predictions
+        cm = CostModel(name, {"model": 8})
+        assert cm.hw.conv_efficiency == 1.0
+        assert cm.compute_time_s(1e12, 1e6, "bfloat16", conv=True) == cm.compute_time_s(
+            1e12, 1e6, "bfloat16")
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), 1e9, "fast"])
+def test_bad_conv_efficiency_is_refused(bad: object) -> None:
+    with pytest.raises(CostModelError, match="conv_efficiency"):
+        toy_hw(conv_efficiency=bad)
+
+
+def test_fit_compute_recovers_launch_rates_and_conv_rate() -> None:
+    from cost_models.fit import fit_compute
+    from cost_models.measure import Measurement
+
+    launch, peak, hbm, conv = 40e-6, 20e9, 8e9, 5e9   # what the rows are generated from
+
+    def row(kind: str, flops: float, nbytes: float, rate: float) -> Measurement:
+        t = launch + (flops / rate if flops else nbytes / rate)
+        return Measurement(kind, "float32", flops, nbytes, 1, t, "synthetic")
+
+    rows = [row("matmul", f, 0.0, peak) for f in (1e6, 4e6, 16e6, 64e6)]
+    rows += [row("memory", 0.0, b, hbm) for b in (3e4, 3e5, 3e6)]
+    rows += [row("conv", f, 0.0, conv) for f in (2e6, 8e6)]
+    fit = fit_compute(rows)
+    assert fit.kernel_launch_s == pytest.approx(launch, rel=1e-6)
+    assert dict(fit.peak_flops_by_dtype)["float32"] == pytest.approx(peak, rel=1e-6)
+    assert fit.hbm_bytes_per_s == pytest.approx(hbm, rel=1e-6)
+    # each conv row solved with the fitted launch: F / (t - L) = 5e9 exactly
+    assert dict(fit.conv_flops_by_dtype)["float32"] == pytest.approx(conv, rel=1e-6)
+
+
+def test_reference_efficiencies_stay_fractions_when_the_fit_finds_no_signal() -> None:
+    from cost_models.fit import ComputeFit
+    from cost_models.profile import _compute_figures
+
+    ref = cost_models.hardware("h100")
+    no_signal = ComputeFit(4e-5, (("float32", 1e30),), 1e30)  # what a zero coefficient gives
+    _, matmul_eff, hbm, memory_eff = _compute_figures(no_signal, ref)
+    assert (matmul_eff, memory_eff, hbm) == (1.0, 1.0, ref.hbm_bytes_per_s)
+    cpu_like = ComputeFit(4e-5, (("float32", 66.9e9),), 3.35e9)
+    _, matmul_eff, _, memory_eff = _compute_figures(cpu_like, ref)
+    assert matmul_eff == pytest.approx(1e-3) and memory_eff == pytest.approx(1e-3)
+
+
+def test_conv_factor_of_a_fit() -> None:
+    from cost_models.fit import ComputeFit
+    from cost_models.profile import _conv_factor
+
+    fit = ComputeFit(1e-5, (("float32", 20e9),), 8e9, (("float32", 5e9),))
+    assert _conv_factor(fit) == pytest.approx(0.25)
+    assert _conv_factor(dataclasses.replace(fit, conv_flops_by_dtype=())) == 1.0
+
+
 def test_unknown_dtype_falls_back_to_float32() -> None:
     assert toy_hw().peak_flops_per_s("int4") == 100e12
     with pytest.raises(CostModelError, match="float32"):
