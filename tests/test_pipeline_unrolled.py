@@ -156,6 +156,10 @@ def test_autoparallel_pipelines_hf_gpt2(models):
     _close(new["opt_state"][0].mu, ref_state["opt_state"][0].mu, rel=1e-5)
     _close(new["params"], ref_state["params"], atol=0.3 * LR)
     assert run.plan.pipeline.schedule == "1f1b"
+    # lowering (autopar.compare's path) takes the user's layout's shapes: lowered stacked
+    lowered = run.lower(*jax.eval_shape(lambda: (state, batch)))
+    h = lowered.args_info[0][0]["params"]["transformer"]["h"]
+    assert {a.shape[0] for a in jax.tree_util.tree_leaves(h)} == {4}
 
 
 def test_scanned_and_unrolled_gpt_compute_the_same_loss(models):
