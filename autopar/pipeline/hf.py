@@ -35,8 +35,10 @@ MEGATRON_GPT2 = {"mlp/c_fc/kernel": 0, "mlp/c_fc/bias": 0, "mlp/c_proj/kernel": 
 def _model(model_or_config) -> Any:
     if hasattr(model_or_config, "module") and hasattr(model_or_config, "config"):
         model = model_or_config
-    else:
+    elif type(model_or_config).__name__ == "GPT2Config":
         model = hf.build("gpt2", model_or_config)
+    else:
+        model = model_or_config
     if type(model).__name__ != "FlaxGPT2LMHeadModel":
         raise AutoparError(f"autopar.pipeline.hf.gpt2_train_step takes a GPT2Config or a "
                            f"FlaxGPT2LMHeadModel; got {type(model).__name__}")
