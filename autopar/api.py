@@ -394,13 +394,34 @@ class _Pipelined:
         return self._last
 
     def __call__(self, *args, **kwargs):
+        from autopar.pipeline.planning import stacked_args
+
         _no_kwargs(self, kwargs)
+        stacked_args(self.fn, args, run=True)     # an unrolled model's state: stack_state first
         return self._step(args, run=True)(*args)
 
     def lower(self, *args, **kwargs):
-        """Like ``jax.jit(...).lower``: arguments may be ShapeDtypeStructs."""
+        """Like ``jax.jit(...).lower``: arguments may be ShapeDtypeStructs (an unrolled model's
+        in its own layout too: lowered in the stacked layout the step runs on)."""
+        from autopar.pipeline.planning import stacked_args
+
         _no_kwargs(self, kwargs)
+        args = stacked_args(self.fn, args)
         return self._step(args, run=False).jitted(*args).lower(*args)
+
+    def stack_state(self, state):
+        """An unrolled model's state (``autopar.pipeline.unrolled``) in the stacked layout the
+        pipelined step runs on and returns; ``unstack_state`` converts back."""
+        from autopar.pipeline.model import staged_model_of
+        from autopar.pipeline.unrolled import stacked_state
+
+        return stacked_state(staged_model_of(self.fn).stacking, state, abstract=False)
+
+    def unstack_state(self, state):
+        from autopar.pipeline.model import staged_model_of
+
+        stacking = staged_model_of(self.fn).stacking
+        return state if stacking is None else stacking.unstack_state(state)
 
     def _step(self, args, run: bool):
         """The pipelined step of ``args``' signature, planned on its first use."""

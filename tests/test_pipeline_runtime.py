@@ -102,5 +102,3 @@ def test_steps_without_layers_are_refused():
     step, _ = gpt.make_train_step(CFG)
     with pytest.raises(AutoparError, match="gpt_train_step"):
         PM.staged_model_of(step)
-    with pytest.raises(AutoparError, match="scan=True"):
-        PM.gpt_staged(dataclasses.replace(CFG, scan=False))

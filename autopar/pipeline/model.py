@@ -2,10 +2,11 @@
 
 ``StagedModel`` is what the pipelined step (``autopar.pipeline.runtime``) runs: the parameters
 split into the stacked layers (a leading layer axis ``L``, as ``flax.linen.scan`` stacks them)
-and the rest (embedding, head), and three pure functions over them. A step built with
-``gpt_train_step`` carries its ``StagedModel`` (``staged_model_of``), which is how
-``autopar.plan(..., pipeline=...)`` learns the layer structure of a step; tracing an arbitrary
-step into stages is not done yet.
+and the rest (embedding, head), and three pure functions over them. An unrolled model's numbered
+layers are stacked into that layout (``autopar.pipeline.unrolled``). A step built with
+``gpt_train_step`` (or ``autopar.pipeline.hf.gpt2_train_step``) carries its ``StagedModel``
+(``staged_model_of``), which is how ``autopar.plan(..., pipeline=...)`` learns the layer
+structure of a step; tracing an arbitrary step into stages is not done yet.
 
 Shapes: ``b`` rows of one microbatch, ``S`` sequence, ``D`` model width.
 """
@@ -39,14 +40,22 @@ class StagedModel:
     # "module/param" -> the dim (after the layer axis) a tensor-parallel axis splits inside a
     # stage (Megatron-LM's layout); parameters not named stay whole on each stage.
     tensor_dims: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    # The key path of the stacked layers when they are not a top-level key (HF GPT-2's
+    # ("transformer", "h")); () means (layers_key,).
+    layers_path: tuple[str, ...] = ()
+    # An unrolled model's ``autopar.pipeline.unrolled.Stacking``: how its numbered layers
+    # stack; the pipelined step runs on the stacked layout. None: the params are stacked.
+    stacking: Any = None
+
+    def _path(self) -> tuple[str, ...]:
+        return self.layers_path or (self.layers_key,)
 
     def split(self, params: dict) -> tuple[Any, dict]:
         """(stacked layer params, the rest)."""
-        rest = {k: v for k, v in params.items() if k != self.layers_key}
-        return params[self.layers_key], rest
+        return _pop(params, self._path())
 
     def join(self, layers, rest: dict) -> dict:
-        return {**rest, self.layers_key: layers}
+        return _put(rest, self._path(), layers)
 
     def loss(self, params: dict, batch: dict):
         """The unpipelined loss, for tests and the reference."""
@@ -56,6 +65,19 @@ class StagedModel:
         return self.head_loss(rest, x, batch)
 
 
+def _pop(tree: dict, path: tuple[str, ...]):
+    head, *tail = path
+    if not tail:
+        return tree[head], {k: v for k, v in tree.items() if k != head}
+    got, inner = _pop(tree[head], tuple(tail))
+    return got, {**tree, head: inner}
+
+
+def _put(tree: dict, path: tuple[str, ...], value) -> dict:
+    head, *tail = path
+    return {**tree, head: _put(tree[head], tuple(tail), value) if tail else value}
+
+
 def staged_model_of(step: Callable) -> StagedModel:
     """The ``StagedModel`` a step declares, or an ``AutoparError`` naming how to get one."""
     model = getattr(step, ATTRIBUTE, None)
@@ -63,9 +85,10 @@ def staged_model_of(step: Callable) -> StagedModel:
         name = getattr(step, "__name__", type(step).__name__)
         raise AutoparError(
             f"pipeline= needs a step that declares its layers, and {name} does not: build it "
-            f"with autopar.pipeline.model.gpt_train_step(cfg) for autopar's scanned GPT, or "
-            f"attach a StagedModel with autopar.pipeline.model.declare(step, model); splitting "
-            f"an arbitrary traced step into stages is not supported yet")
+            f"with autopar.pipeline.model.gpt_train_step(cfg) for autopar's GPT, "
+            f"autopar.pipeline.hf.gpt2_train_step(config) for HF's Flax GPT-2, or attach a "
+            f"StagedModel with autopar.pipeline.model.declare(step, model); splitting an "
+            f"arbitrary traced step into stages is not supported yet")
     return model
 
 
@@ -75,17 +98,15 @@ def declare(step: Callable, model: StagedModel) -> Callable:
 
 
 def gpt_staged(cfg, lr: float = 1e-3) -> StagedModel:
-    """``StagedModel`` of autopar's GPT (``autopar.models.gpt``, ``scan=True``), with the adamw
-    optimizer ``make_train_step`` uses; the same flax modules compute the same values."""
+    """``StagedModel`` of autopar's GPT (``autopar.models.gpt``), with the adamw optimizer
+    ``make_train_step`` uses; the same flax modules compute the same values. With
+    ``scan=False`` its layers ``layer_0 ..`` are found in the params and stacked
+    (``autopar.pipeline.unrolled``)."""
     import flax.linen as nn
     import optax
 
     from autopar.models import gpt
 
-    if not cfg.scan:
-        raise AutoparError("pipelining autopar's GPT needs GPTConfig(scan=True): the stages take "
-                           "contiguous ranges of the scanned layer stack; unrolled models are "
-                           "not supported yet")
     block = gpt.Block(dataclasses.replace(cfg, scan=False))
     if cfg.remat:
         block = nn.remat(gpt.Block)(dataclasses.replace(cfg, scan=False))
@@ -108,8 +129,15 @@ def gpt_staged(cfg, lr: float = 1e-3) -> StagedModel:
         return -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1).mean()
 
     tx = optax.adamw(lr, weight_decay=0.01)
-    return StagedModel(embed, layer, head_loss, "layers", cfg.layers, tx, name="gpt",
-                       tensor_dims=MEGATRON_GPT)
+    model = StagedModel(embed, layer, head_loss, "layers", cfg.layers, tx, name="gpt",
+                        tensor_dims=MEGATRON_GPT)
+    if cfg.scan:
+        return model
+    from autopar.pipeline.unrolled import unrolled
+
+    tokens = jax.ShapeDtypeStruct((1, cfg.seq), jnp.int32)
+    params = jax.eval_shape(gpt.GPT(cfg).init, jax.random.PRNGKey(0), tokens)["params"]
+    return unrolled(model, params)
 
 
 # Megatron-LM inside a stage: heads of qkv and out, the hidden dim of the MLP.
@@ -119,7 +147,9 @@ MEGATRON_GPT = {"qkv/kernel": 2, "out/kernel": 0, "fc1/kernel": 1, "fc1/bias": 0
 
 def gpt_train_step(cfg, lr: float = 1e-3):
     """``(train_step, init_state)`` of ``autopar.models.gpt.make_train_step`` with the step's
-    ``StagedModel`` attached, so ``autopar.plan(step, ..., pipeline=...)`` can pipeline it."""
+    ``StagedModel`` attached, so ``autopar.plan(step, ..., pipeline=...)`` can pipeline it.
+    With ``scan=False`` the step and its state are the unrolled model's; the pipelined step
+    runs on their stacked layout (``step.stack_state``)."""
     from autopar.models import gpt
 
     step, init = gpt.make_train_step(cfg, lr)

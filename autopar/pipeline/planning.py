@@ -357,10 +357,7 @@ def plan(fn, args, mesh, *, hardware=None, memory_budget=None, pipeline="auto",
                            f"are the pipeline's own and the pipelined step donates nothing; "
                            f"drop {given} or drop pipeline=")
     model = staged_model_of(fn)
-    if len(args) != 2:
-        raise AutoparError(f"a pipelined step takes (state, batch); got {len(args)} arguments")
-    state, batch = jax.tree_util.tree_map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tuple(args))
+    state, batch = stacked_args(fn, args)
     sizes = axis_sizes(mesh)
     hw = hardware_for(hardware, mesh)
     rows = jax.tree_util.tree_leaves(batch)[0].shape[0]
@@ -371,10 +368,32 @@ def plan(fn, args, mesh, *, hardware=None, memory_budget=None, pipeline="auto",
     budget = hw.memory_bytes if budget is None else budget
     pp = choose(model, state["params"], batch, pins, sizes, hw, budget, time_limit_s,
                 stage_strategy)
+    if model.stacking is not None:       # the plan's graph: the user's step, stacked layout
+        from autopar.pipeline.unrolled import stacked_step
+
+        fn = stacked_step(model.stacking, fn)
     with without_mesh():
         graph = ir.trace(fn, state, batch)
     return _assemble(model, graph, state, batch, pp, sizes, hw, budget,
                      time.perf_counter() - t0, name)
+
+
+def stacked_args(fn, args, *, run: bool = False):
+    """``(state, batch)`` of a pipelined step as shapes in the stacked layout its runtime takes.
+    An unrolled model's own layout is converted (shapes only), except when ``run``: then the
+    step refuses it and names the conversion (``step.stack_state``)."""
+    from autopar.pipeline.model import staged_model_of
+    from autopar.pipeline.unrolled import require_stacked, stacked_state
+
+    if len(args) != 2:
+        raise AutoparError(f"a pipelined step takes (state, batch); got {len(args)} arguments")
+    stacking = staged_model_of(fn).stacking
+    if run:
+        require_stacked(stacking, args[0])
+        return args
+    state, batch = jax.tree_util.tree_map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tuple(args))
+    return stacked_state(stacking, state, abstract=True), batch
 
 
 def _assemble(model, graph, state, batch, pp: PipelinePlan, sizes, hw, budget, spent_s,

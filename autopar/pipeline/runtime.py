@@ -89,14 +89,15 @@ def _names(path) -> tuple[str, ...]:
 
 def state_specs(model: StagedModel, state, axis: str, tensor_axis: str | None):
     """PartitionSpecs of the state: the stacked layers (and their optimizer moments) split over
-    the stage axis on the layer dim, and the dim ``model.tensor_dims`` names over the tensor
-    axis; everything else replicated."""
+    the stage axis on the layer dim, and the dim ``model.tensor_dims`` names (by the leaf's last
+    three or two path keys) over the tensor axis; everything else replicated."""
     def spec(path, leaf):
         names = _names(path)
         if model.layers_key not in names or not getattr(leaf, "ndim", 0):
             return P()
         dims = [axis] + [None] * (leaf.ndim - 1)
-        d = model.tensor_dims.get(names[-2] + "/" + names[-1]) if len(names) > 1 else None
+        d = model.tensor_dims.get("/".join(names[-3:]),   # "mlp/c_proj/kernel" first
+                                  model.tensor_dims.get("/".join(names[-2:])))
         if tensor_axis is not None and d is not None:
             dims[1 + d] = tensor_axis
         return P(*dims)
@@ -148,7 +149,7 @@ def build_step(model: StagedModel, mesh, schedule: S.Schedule, axis: str = "stag
             lambda x: NamedSharding(mesh, batch_spec(x.ndim, sizes, axis, tensor_axis)), batch)
         return st, bt
 
-    return PipelinedStep(step, shardings, mesh, donate, loss_and_grads)
+    return PipelinedStep(step, shardings, mesh, donate, loss_and_grads, model.stacking)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,16 +162,35 @@ class PipelinedStep:
     mesh: object
     donate: bool
     loss_and_grads: object      # (params, batch) -> (loss, grads), for tests and measurements
+    stacking: object = None     # an unrolled model's layer stacking (autopar.pipeline.unrolled)
 
     def jitted(self, state, batch):
+        from autopar.pipeline.unrolled import require_stacked
+
+        require_stacked(self.stacking, state)       # an unrolled model's: see stack_state
         st, bt = self.in_shardings_of(state, batch)
         return jax.jit(self.fn, in_shardings=(st, bt), out_shardings=(st, NamedSharding(
             self.mesh, P())), donate_argnums=(0,) if self.donate else ())
 
     def __call__(self, state, batch):
+        jitted = self.jitted(state, batch)
         st, bt = self.in_shardings_of(state, batch)
         state, batch = jax.device_put(state, st), jax.device_put(batch, bt)
-        return self.jitted(state, batch)(state, batch)
+        return jitted(state, batch)
+
+    def stack_state(self, state):
+        """An unrolled model's state in the stacked layout this step runs on, placed in the
+        step's layouts (each stage its own layers); a stacked state as it is."""
+        from autopar.pipeline.unrolled import stacked_state
+
+        shapes = stacked_state(self.stacking, jax.eval_shape(lambda s: s, state), abstract=True)
+        st, _ = self.in_shardings_of(shapes, {})
+        return jax.jit(lambda s: stacked_state(self.stacking, s, abstract=False),
+                       out_shardings=st)(state)
+
+    def unstack_state(self, state):
+        """The state in the model's own (unrolled) layout, for checkpoints and evaluation."""
+        return state if self.stacking is None else jax.jit(self.stacking.unstack_state)(state)
 
 
 def _microbatches(x, m: int, mesh, data_axes):

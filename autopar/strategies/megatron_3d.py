@@ -46,7 +46,8 @@ class StageLayouts:
             dims: list[tuple] = [()] * len(shape)
             keys = path_keys(path)
             if keys[:1] == ("0",):
-                d = self.tensor_dims.get("/".join(keys[-2:]))
+                d = self.tensor_dims.get("/".join(keys[-3:]),       # as the runtime looks up
+                                         self.tensor_dims.get("/".join(keys[-2:])))
                 t = mesh.get(self.tensor_axis, 1)
                 if d is not None and t > 1 and d < len(shape) and shape[d] % t == 0:
                     dims[d] = (self.tensor_axis,)

@@ -1,0 +1,170 @@
+"""Pipelining unrolled models (autopar's GPT with scan=False, HF's Flax GPT-2): their numbered
+layers found and stacked, and the pipelined step equal to the user's own unsharded step."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import autopar
+from autopar.errors import AutoparError
+from autopar.models import gpt
+from autopar.pipeline import model as PM
+from autopar.pipeline import runtime as R
+from autopar.pipeline import schedules as S
+from autopar.pipeline import unrolled as U
+
+CFG = gpt.GPTConfig(vocab=64, seq=8, d_model=32, heads=4, d_ff=64, layers=4, scan=False)
+LR = 1e-3
+MESH_A = {"stage": 2, "data": 2, "model": 2}
+MESH_B = {"stage": 4, "data": 2}
+
+
+def _gpt():
+    step, init = PM.gpt_train_step(CFG, LR)
+    return step, init(jax.random.PRNGKey(0), 8), gpt.make_batch(CFG, 8)
+
+
+def _hf_gpt2():
+    pytest.importorskip("transformers", reason="the dev extra installs transformers 4.x")
+    from autopar.models import hf
+    from autopar.pipeline import hf as PH
+
+    config = hf.tiny("gpt2", layers=4, width=32)
+    step, init = PH.gpt2_train_step(config, LR)
+    return step, init(jax.random.PRNGKey(0)), hf.make_batch("gpt2", config, 8, seq=8)
+
+
+MAKERS = {"gpt": _gpt, "hf_gpt2": _hf_gpt2}
+
+
+@pytest.fixture(scope="module")
+def models():
+    """Per model: the step, its state and batch (the user's layout) and the unsharded step's
+    new state and loss, made on first use."""
+    made = {}
+
+    def get(name):
+        if name not in made:
+            step, state, batch = MAKERS[name]()
+            made[name] = (step, state, batch, *jax.jit(step)(state, batch))
+        return made[name]
+
+    return get
+
+
+def _mesh(shape: dict):
+    return jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(*shape.values()), tuple(shape))
+
+
+def _close(a, b, rel: float = 0.0, atol: float = 0.0):
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        x, y = np.asarray(x), np.asarray(y)
+        np.testing.assert_allclose(x, y, rtol=0, atol=max(rel * np.abs(y).max(), atol))
+
+
+# ---- the layers found and stacked -------------------------------------------------------------
+@pytest.mark.parametrize("name,want", [
+    ("gpt", U.Stacking((), "layer_", 4, "layer", False)),
+    ("hf_gpt2", U.Stacking(("transformer", "h"), "", 4, "layers", True))])
+def test_layers_are_found_and_stack_back_exactly(models, name, want):
+    step, state, *_ = models(name)
+    sm = PM.staged_model_of(step)
+    assert sm.stacking == want and sm.num_layers == 4
+    stacked = sm.stacking.stack_state(state)
+    layers, rest = sm.split(stacked["params"])
+    assert all(x.shape[0] == 4 for x in jax.tree_util.tree_leaves(layers))
+    n = len(jax.tree_util.tree_leaves(state["params"]))      # 4 layers' leaves and the rest's
+    assert n == 4 * len(jax.tree_util.tree_leaves(layers)) + len(jax.tree_util.tree_leaves(rest))
+    adam = stacked["opt_state"][0]        # Adam's moments stacked like the parameters
+    assert jax.tree_util.tree_structure(adam.mu) == jax.tree_util.tree_structure(stacked["params"])
+    _close(sm.stacking.unstack_state(stacked), state)
+
+
+def test_layer_finding_errors_name_what_was_found():
+    params = {"wte": jnp.zeros((8, 4)), "block_0": {"w": jnp.zeros((4, 4))},
+              "block_1": {"w": jnp.zeros((4, 5))}}
+    with pytest.raises(AutoparError, match="block_1 differs in shapes"):
+        U.find(params)
+    with pytest.raises(AutoparError, match="found no numbered layers.*'wte'"):
+        U.find({"wte": jnp.zeros((8, 4)), "layers": {"w": jnp.zeros((2, 4, 4))}})
+    two = {"enc": {"0": {"w": jnp.zeros(3)}, "1": {"w": jnp.zeros(3)}},
+           "dec": {"0": {"w": jnp.zeros(2)}, "1": {"w": jnp.zeros(2)}}}
+    with pytest.raises(AutoparError, match="2 stacks of numbered layers.*where="):
+        U.find(two)
+    assert U.find(two, where="dec").parent == ("dec",)
+
+
+# ---- numerics ---------------------------------------------------------------------------------
+# Every schedule on {stage: 2, data: 2, model: 2} (gpipe, 1f1b, eager_1f1b, and with 2 virtual
+# stages interleaved 1f1b and circular gpipe), two on {stage: 4, data: 2}, shared between the two
+# models (each compile costs ~10 s of CPU): HF GPT-2's 1f1b on the first mesh runs through
+# autopar.plan and @autoparallel below.
+CASES = [("gpt", MESH_A, "gpipe", 1), ("gpt", MESH_A, "1f1b", 2), ("gpt", MESH_A, "eager_1f1b", 1),
+         ("gpt", MESH_B, "1f1b", 1), ("hf_gpt2", MESH_A, "gpipe", 2),
+         ("hf_gpt2", MESH_B, "gpipe", 1)]
+
+
+@pytest.mark.parametrize("name,shape,schedule,virtual", CASES)
+def test_step_equals_the_users_unsharded_step(models, name, shape, schedule, virtual):
+    """Loss, gradients (Adam's moments) and updated parameters, in the user's own layout."""
+    step, state, batch, ref_state, ref_loss = models(name)
+    sm = PM.staged_model_of(step)
+    run = R.build_step(sm, _mesh(shape), S.build(schedule, shape["stage"], virtual, 4))
+    stacked = run.stack_state(state)
+    kernel = [x for p, x in jax.tree_util.tree_flatten_with_path(stacked["params"])[0]
+              if "fc" in jax.tree_util.keystr(p) and x.ndim == 3]
+    assert kernel and all(k.sharding.spec[0] == "stage" for k in kernel)   # a stage its layers
+    if "model" in shape:                                # the MLP split inside a stage
+        assert all("model" in tuple(k.sharding.spec) for k in kernel)
+    new, loss = run(stacked, batch)
+    new = run.unstack_state(new)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+    adam, ref_adam = new["opt_state"][0], ref_state["opt_state"][0]
+    _close(adam.mu, ref_adam.mu, rel=1e-5)
+    _close(adam.nu, ref_adam.nu, rel=2e-5)
+    _close(new["params"], ref_state["params"], atol=0.3 * LR)   # see test_pipeline_runtime
+
+
+def test_the_users_layout_is_refused_with_the_conversion(models):
+    step, state, batch, *_ = models("gpt")
+    run = R.build_step(PM.staged_model_of(step), _mesh(MESH_B), S.build("1f1b", 4, 1, 4))
+    with pytest.raises(AutoparError, match=r"step.stack_state\(state\)"):
+        run(state, batch)
+    bad = {**state, "params": {k: v for k, v in state["params"].items() if k != "layer_3"}}
+    with pytest.raises(AutoparError, match="neither the model's layout"):
+        run(bad, batch)
+
+
+def test_autoparallel_pipelines_hf_gpt2(models):
+    """``autopar.plan`` takes the user's layout (shapes converted), ``@autoparallel`` runs the
+    stacked one; the result, unstacked, equals HF's own unsharded step."""
+    step, state, batch, ref_state, ref_loss = models("hf_gpt2")
+    pins = {"schedule": "1f1b", "microbatches": 4}
+    plan = autopar.plan(step, state, batch, mesh=MESH_A, hardware="cpu", pipeline=pins)
+    assert plan.pipeline.layer_ranges == ((0, 2), (2, 4))
+    spec = plan.spec_of("['params']['transformer']['h']['mlp']['c_fc']['kernel']")
+    assert tuple(spec)[:2] == ("stage", "model")
+    run = autopar.autoparallel(step, mesh=_mesh(MESH_A), plan=plan)
+    with pytest.raises(AutoparError, match="stack_state"):
+        run(state, batch)
+    new, loss = run(run.stack_state(state), batch)
+    new = run.unstack_state(new)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+    _close(new["opt_state"][0].mu, ref_state["opt_state"][0].mu, rel=1e-5)
+    _close(new["params"], ref_state["params"], atol=0.3 * LR)
+    assert run.plan.pipeline.schedule == "1f1b"
+    # lowering (autopar.compare's path) takes the user's layout's shapes: lowered stacked
+    lowered = run.lower(*jax.eval_shape(lambda: (state, batch)))
+    h = lowered.args_info[0][0]["params"]["transformer"]["h"]
+    assert {a.shape[0] for a in jax.tree_util.tree_leaves(h)} == {4}
+
+
+def test_scanned_and_unrolled_gpt_compute_the_same_loss(models):
+    step, state, batch, _, ref_loss = models("gpt")
+    scanned = PM.gpt_staged(dataclasses.replace(CFG, scan=True))
+    stacked = PM.staged_model_of(step).stacking.stack(state["params"])
+    params = {**{k: v for k, v in stacked.items() if k != "layer"}, "layers": stacked["layer"]}
+    np.testing.assert_allclose(float(scanned.loss(params, batch)), float(ref_loss), rtol=1e-6)
