@@ -104,3 +104,27 @@ def test_steps_without_layers_are_refused():
         PM.staged_model_of(step)
     with pytest.raises(AutoparError, match="scan=True"):
         PM.gpt_staged(dataclasses.replace(CFG, scan=False))
+
+
+def test_data_parallel_gradients_are_reduced_once_per_step(setup):
+    """Data axes are manual in the stage shard_map: no all-reduce runs inside the tick loop, and
+    after it each gradient is all-reduced once, the layers' over the data axis (groups of 4),
+    the embedding's and head's with the loss over stage x data (groups of 8)."""
+    from autopar import hlo
+
+    model, state, batch, _, _ = setup
+    step = R.build_step(model, _mesh({"stage": 2, "data": 4}), S.build("1f1b", 2, 1, 2))
+    text = step.jitted(state, batch).lower(state, batch).compile().as_text()
+    reduced = [c for c in hlo.collectives(hlo.parse(text)) if c.kind == "all-reduce"]
+    layers, rest = model.split(state["params"])
+    assert [c for c in reduced if c.count != 1] == []          # nothing inside the loop
+    sizes = sorted(c.group_size for c in reduced)
+    assert sizes == [4] * len(jax.tree_util.tree_leaves(layers)) + [8] * (
+        len(jax.tree_util.tree_leaves(rest)) + 1)
+
+
+def test_microbatches_must_split_over_the_data_shards(setup):
+    model, state, batch, _, _ = setup
+    step = R.build_step(model, _mesh({"stage": 2, "data": 4}), S.build("1f1b", 2, 1, 4))
+    with pytest.raises(AutoparError, match=r"batch\['targets'\] has 8 rows.*multiple of 16"):
+        jax.eval_shape(step.loss_and_grads, state["params"], batch)

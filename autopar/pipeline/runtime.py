@@ -9,8 +9,9 @@ mean):
     lives on stage ``k % P`` (its ``(P, V, L / K, ...)`` view is sharded over the stage axis);
     the embedding and the head live on every stage, run only on the first and last chunk's
     stage, and their gradients are summed over the stage axis;
-  * inside ``jax.shard_map`` (manual over the stage axis only, so the other axes stay automatic:
-    data and tensor parallelism inside a stage come from the input layouts), a ``lax.scan`` walks
+  * inside ``jax.shard_map`` (manual over the stage and data axes, automatic over the tensor
+    axis, so Megatron layouts inside a stage come from the input layouts; each device holds its
+    data shard's rows of every microbatch and computes local means), a ``lax.scan`` walks
     the schedule's ticks (``autopar.pipeline.schedules``). Per tick each device reads its row of
     the schedule's tables and runs at most two actions, each a ``lax.switch`` over {nothing,
     forward, backward}, so a device executes only its own branch; then activations move one
@@ -18,12 +19,15 @@ mean):
   * a forward stores its chunk's input in a stash slot; the backward recomputes the chunk from
     it under ``jax.vjp`` (activation memory: one chunk input per microbatch in flight) and
     accumulates the parameter gradients;
-  * after the loop the optimizer updates every parameter where it lives: each stage its layers.
+  * after the loop, and only there, gradients and loss are averaged over the data axes (equal
+    shards: the mean of local means is the batch mean), one all-reduce per gradient per step;
+  * the optimizer updates every parameter where it lives: each stage its layers.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -118,7 +122,9 @@ def build_step(model: StagedModel, mesh, schedule: S.Schedule, axis: str = "stag
     _check(model, mesh, schedule, axis)
     tensor_axis = tensor_axis if tensor_axis in mesh.axis_names else None
     data_axes = tuple(a for a in mesh.axis_names if a not in (axis, tensor_axis))
-    grads = _grads_fn(model, mesh, schedule, axis, tables(schedule))
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+    grads = _grads_fn(model, mesh, schedule, axis, {a: sizes[a] for a in data_axes},
+                      tables(schedule))
     lc = model.num_layers // k
 
     def to_stages(x):           # (L, ...) -> (P, V, Lc, ...): chunk v P + s on stage s
@@ -128,6 +134,7 @@ def build_step(model: StagedModel, mesh, schedule: S.Schedule, axis: str = "stag
         return jnp.swapaxes(x, 0, 1).reshape(model.num_layers, *x.shape[3:])
 
     def loss_and_grads(params, batch):
+        _check_rows(batch, schedule.microbatches, {a: sizes[a] for a in data_axes})
         layers, rest = model.split(params)
         micro = jax.tree_util.tree_map(
             lambda x: _microbatches(x, schedule.microbatches, mesh, data_axes), batch)
@@ -197,19 +204,35 @@ def _check(model: StagedModel, mesh, schedule: S.Schedule, axis: str) -> None:
                            f"virtual_stages whose product divides {model.num_layers}")
 
 
-def _grads_fn(model: StagedModel, mesh, sch: S.Schedule, axis: str, tab: Tables):
+def _check_rows(batch, m: int, data: dict) -> None:
+    shards = math.prod(data.values())
+    for path, x in jax.tree_util.tree_leaves_with_path(batch):
+        rows = x.shape[0] if x.ndim else 0
+        if x.ndim and (rows % m or rows // m % shards):
+            raise AutoparError(
+                f"batch{jax.tree_util.keystr(path)} has {rows} rows, which do not split into "
+                f"microbatches={m} of equal row counts on each of the {shards} data shards "
+                f"(mesh axes {data}); use a batch of a multiple of {m * shards} rows or fewer "
+                f"microbatches")
+
+
+def _grads_fn(model: StagedModel, mesh, sch: S.Schedule, axis: str, data: dict, tab: Tables):
     """``(staged layers, rest, microbatches) -> (layer grads, rest grads, loss)`` as a
-    ``shard_map`` over ``axis`` whose body walks the ticks."""
-    body = functools.partial(_pipeline_body, model, sch, axis, tab)
-    sm = jax.shard_map(body, mesh=mesh, in_specs=(P(axis), P(), P()),
-                       out_specs=(P(axis), P(), P()), axis_names=frozenset({axis}),
-                       check_vma=False)
-    return sm
+    ``shard_map`` manual over ``axis`` and the ``data`` axes (each device gets its rows of every
+    microbatch), automatic over the tensor axis; its body walks the ticks on local rows and
+    averages gradients and loss over ``data`` once, after the loop."""
+    body = functools.partial(_pipeline_body, model, sch, axis, tuple(data),
+                             math.prod(data.values()), tab)
+    rows = P(None, tuple(data) or None)
+    return jax.shard_map(body, mesh=mesh, in_specs=(P(axis), P(), rows),
+                         out_specs=(P(axis), P(), P()), axis_names=frozenset({axis, *data}),
+                         check_vma=False)
 
 
-def _pipeline_body(model: StagedModel, sch: S.Schedule, axis: str, tab: Tables, layers, rest,
-                   micro):
-    """Runs on every device: ``layers`` its stage's (1, V, Lc, ...) view."""
+def _pipeline_body(model: StagedModel, sch: S.Schedule, axis: str, data: tuple, shards: int,
+                   tab: Tables, layers, rest, micro):
+    """Runs on every device: ``layers`` its stage's (1, V, Lc, ...) view, ``micro`` its data
+    shard's rows of every microbatch (M, b, ...)."""
     layers = jax.tree_util.tree_map(lambda a: a[0], layers)                   # (V, Lc, ...)
     s = jax.lax.axis_index(axis)
     mb0 = jax.tree_util.tree_map(lambda x: x[0], micro)
@@ -243,8 +266,19 @@ def _pipeline_body(model: StagedModel, sch: S.Schedule, axis: str, tab: Tables, 
           jnp.asarray(tab.recv_b))
     carry, _ = jax.lax.scan(tick, carry, xs)
     *_, g_layers, g_rest, loss = carry
-    g_layers = jax.tree_util.tree_map(lambda g: g[None], g_layers)
-    return g_layers, jax.lax.psum(g_rest, axis), jax.lax.psum(loss, axis)
+    return _reduce(g_layers, g_rest, loss, axis, data, shards)
+
+
+def _reduce(g_layers, g_rest, loss, axis: str, data: tuple, shards: int):
+    """The step's only gradient collectives: local means averaged over the data shards (equal
+    row counts, so the mean of their means is the batch mean); the embedding's and head's
+    gradients and the loss also summed over the stages (each came from one stage)."""
+    def mean(tree, axes):
+        summed = jax.lax.psum(tree, axes) if axes else tree
+        return jax.tree_util.tree_map(lambda x: x / shards, summed)
+
+    g_layers = jax.tree_util.tree_map(lambda g: g[None], mean(g_layers, data))
+    return g_layers, mean(g_rest, (axis, *data)), mean(loss, (axis, *data))
 
 
 def _put(buf, slot, x):
