@@ -62,6 +62,36 @@ def test_step_equals_unsharded(setup, shape, name, virtual):
     assert sharding.spec[0] == "stage"
 
 
+CFG6 = dataclasses.replace(CFG, layers=6)
+
+
+@pytest.fixture(scope="module")
+def setup6():
+    step, init = PM.gpt_train_step(CFG6, LR)
+    state, batch = init(jax.random.PRNGKey(1), 8), gpt.make_batch(CFG6, 8)
+    ref_state, ref_loss = jax.jit(step)(state, batch)
+    return PM.staged_model_of(step), state, batch, ref_state, ref_loss
+
+
+@pytest.mark.parametrize("shape,name,virtual,ranges", [
+    (MESH_A, "1f1b", 1, ((0, 3), (3, 4))),
+    (MESH_B, "gpipe", 1, ((0, 2), (2, 3), (3, 5), (5, 6))),
+    (MESH_A, "1f1b", 2, ((0, 2), (2, 3), (3, 5), (5, 6)))])
+def test_unequal_layer_ranges_equal_unsharded(setup, setup6, shape, name, virtual, ranges):
+    """Chunks padded to the longest: padding slots run as the identity, get no gradient and
+    never reach the optimizer (a padded layer that ran or was updated would change the loss or
+    the layers' Adam moments)."""
+    model, state, batch, ref_state, ref_loss = setup if ranges[-1][1] == 4 else setup6
+    step = R.build_step(model, _mesh(shape), S.build(name, shape["stage"], virtual, 4),
+                        ranges=ranges)
+    new, loss = step(state, batch)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+    adam, ref_adam = new["opt_state"][0], ref_state["opt_state"][0]
+    _close(adam.mu, ref_adam.mu, rel=1e-5)
+    _close(adam.nu, ref_adam.nu, rel=2e-5)
+    _close(new["params"], ref_state["params"], atol=0.3 * LR)
+
+
 def test_grads_and_sgd_update_are_exact(setup):
     model, state, batch, _, _ = setup
     sgd = dataclasses.replace(model, tx=optax.sgd(0.5))
@@ -88,14 +118,16 @@ def test_the_staged_model_is_the_model(setup):
                                rtol=1e-6)
 
 
-@pytest.mark.parametrize("shape,sch,fix", [
-    ({"pipe": 2, "data": 4}, ("1f1b", 2, 1, 4), "name one of"),
-    ({"stage": 4, "data": 2}, ("1f1b", 2, 1, 4), "use stages=4"),
-    ({"stage": 4, "data": 2}, ("1f1b", 4, 2, 4), "divides 4"),
+@pytest.mark.parametrize("shape,sch,fix,ranges", [
+    ({"pipe": 2, "data": 4}, ("1f1b", 2, 1, 4), "name one of", None),
+    ({"stage": 4, "data": 2}, ("1f1b", 2, 1, 4), "use stages=4", None),
+    ({"stage": 4, "data": 2}, ("1f1b", 4, 2, 4), "divides 4", None),
+    ({"stage": 2, "data": 4}, ("1f1b", 2, 1, 4), "contiguous layer ranges", ((0, 3), (2, 4))),
+    ({"stage": 2, "data": 4}, ("1f1b", 2, 2, 4), "one per chunk", ((0, 3), (3, 4))),
 ])
-def test_bad_pipeline_options(setup, shape, sch, fix):
+def test_bad_pipeline_options(setup, shape, sch, fix, ranges):
     with pytest.raises(AutoparError, match=fix):
-        R.build_step(setup[0], _mesh(shape), S.build(*sch))
+        R.build_step(setup[0], _mesh(shape), S.build(*sch), ranges=ranges)
 
 
 def test_steps_without_layers_are_refused():

@@ -383,7 +383,7 @@ def _assemble(model, graph, state, batch, pp: PipelinePlan, sizes, hw, budget, s
     from autopar.plan import Collective, CostBreakdown, Plan, SolverStats
 
     tensor = "model" if "model" in sizes else None
-    specs = (state_specs(model, state, pp.axis, tensor),
+    specs = (state_specs(model, state, pp.axis, tensor, pp.stages),
              jax.tree_util.tree_map(lambda a: batch_spec(a.ndim, sizes, pp.axis), batch))
     ins = tuple(_sharding(s, len(v.shape)) for s, v in zip(
         jax.tree_util.tree_leaves(specs, is_leaf=_is_spec),
@@ -423,4 +423,5 @@ def executable(plan, fn, mesh):
         raise AutoparError("this plan has no pipeline; make it with autopar.plan(..., "
                            "pipeline=...) or run it with autopar.autoparallel(plan=...)")
     sch = S.build(pp.schedule, pp.stages, pp.virtual_stages, pp.microbatches)
-    return build_step(staged_model_of(fn), concrete_mesh(mesh), sch, pp.axis)
+    return build_step(staged_model_of(fn), concrete_mesh(mesh), sch, pp.axis,
+                      ranges=pp.layer_ranges)
