@@ -17,12 +17,16 @@ CFG = gpt.GPTConfig(vocab=64, seq=8, d_model=32, heads=4, d_ff=64, layers=4, sca
 LR = 1e-3
 
 
-@pytest.fixture(scope="module")
-def setup():
-    step, init = PM.gpt_train_step(CFG, LR)
-    state, batch = init(jax.random.PRNGKey(0), 8), gpt.make_batch(CFG, 8)
+def _setup(cfg, seed: int):
+    step, init = PM.gpt_train_step(cfg, LR)
+    state, batch = init(jax.random.PRNGKey(seed), 8), gpt.make_batch(cfg, 8)
     ref_state, ref_loss = jax.jit(step)(state, batch)
     return PM.staged_model_of(step), state, batch, ref_state, ref_loss
+
+
+@pytest.fixture(scope="module")
+def setup():
+    return _setup(CFG, 0)
 
 
 def _mesh(shape: dict):
@@ -41,13 +45,8 @@ MESH_A = {"stage": 2, "data": 2, "model": 2}
 MESH_B = {"stage": 4, "data": 2}
 
 
-@pytest.mark.parametrize("shape,name,virtual", [
-    (MESH_A, "gpipe", 1), (MESH_A, "1f1b", 1), (MESH_A, "1f1b", 2), (MESH_A, "gpipe", 2),
-    (MESH_B, "gpipe", 1), (MESH_B, "eager_1f1b", 1)])
-def test_step_equals_unsharded(setup, shape, name, virtual):
-    model, state, batch, ref_state, ref_loss = setup
-    step = R.build_step(model, _mesh(shape), S.build(name, shape["stage"], virtual, 4))
-    new, loss = step(state, batch)
+def _check_step(out, ref_state, ref_loss):
+    new, loss = out
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
     # Adam's first moment is 0.1 x the gradient and its second 0.001 x its square: the
     # gradients, checked tightly.
@@ -58,6 +57,16 @@ def test_step_equals_unsharded(setup, shape, name, virtual):
     # differences, so parameters are checked to a fraction of lr (a missing or wrong-signed
     # update is off by lr or 2 lr); test_sgd_update_is_exact checks them tightly.
     _close(new["params"], ref_state["params"], atol=0.3 * LR)
+    return new
+
+
+@pytest.mark.parametrize("shape,name,virtual", [
+    (MESH_A, "gpipe", 1), (MESH_A, "1f1b", 1), (MESH_A, "1f1b", 2), (MESH_A, "gpipe", 2),
+    (MESH_B, "gpipe", 1), (MESH_B, "eager_1f1b", 1)])
+def test_step_equals_unsharded(setup, shape, name, virtual):
+    model, state, batch, ref_state, ref_loss = setup
+    step = R.build_step(model, _mesh(shape), S.build(name, shape["stage"], virtual, 4))
+    new = _check_step(step(state, batch), ref_state, ref_loss)
     sharding = new["params"]["layers"]["mlp"]["fc1"]["kernel"].sharding
     assert sharding.spec[0] == "stage"
 
@@ -67,10 +76,7 @@ CFG6 = dataclasses.replace(CFG, layers=6)
 
 @pytest.fixture(scope="module")
 def setup6():
-    step, init = PM.gpt_train_step(CFG6, LR)
-    state, batch = init(jax.random.PRNGKey(1), 8), gpt.make_batch(CFG6, 8)
-    ref_state, ref_loss = jax.jit(step)(state, batch)
-    return PM.staged_model_of(step), state, batch, ref_state, ref_loss
+    return _setup(CFG6, 1)
 
 
 @pytest.mark.parametrize("shape,name,virtual,ranges", [
@@ -84,12 +90,7 @@ def test_unequal_layer_ranges_equal_unsharded(setup, setup6, shape, name, virtua
     model, state, batch, ref_state, ref_loss = setup if ranges[-1][1] == 4 else setup6
     step = R.build_step(model, _mesh(shape), S.build(name, shape["stage"], virtual, 4),
                         ranges=ranges)
-    new, loss = step(state, batch)
-    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
-    adam, ref_adam = new["opt_state"][0], ref_state["opt_state"][0]
-    _close(adam.mu, ref_adam.mu, rel=1e-5)
-    _close(adam.nu, ref_adam.nu, rel=2e-5)
-    _close(new["params"], ref_state["params"], atol=0.3 * LR)
+    _check_step(step(state, batch), ref_state, ref_loss)
 
 
 def test_grads_and_sgd_update_are_exact(setup):
@@ -160,3 +161,21 @@ def test_microbatches_must_split_over_the_data_shards(setup):
     step = R.build_step(model, _mesh({"stage": 2, "data": 4}), S.build("1f1b", 2, 1, 4))
     with pytest.raises(AutoparError, match=r"batch\['targets'\] has 8 rows.*multiple of 16"):
         jax.eval_shape(step.loss_and_grads, state["params"], batch)
+
+
+def test_a_training_loop_traces_the_step_once(setup):
+    model, state, batch, _, _ = setup
+    traces = []
+
+    def embed(rest, b):
+        traces.append(1)            # runs only while jax traces the step
+        return model.embed(rest, b)
+
+    counted = dataclasses.replace(model, embed=embed)
+    step = R.build_step(counted, _mesh({"stage": 2, "data": 4}), S.build("gpipe", 2, 1, 2))
+    state, _ = step(state, batch)
+    first = len(traces)
+    step(state, batch)
+    assert first > 0 and len(traces) == first
+    # One jitted function per signature, built once: its dispatch cache serves every call.
+    assert step.jitted(state, batch) is step.jitted(state, batch)

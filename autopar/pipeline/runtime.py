@@ -178,8 +178,14 @@ def build_step(model: StagedModel, mesh, schedule: S.Schedule, axis: str = "stag
         layers, rest = model.split(params)
         micro = jax.tree_util.tree_map(
             lambda x: _microbatches(x, schedule.microbatches, mesh, data_axes), batch)
-        g_layers, g_rest, loss = grads(jax.tree_util.tree_map(lay.to_stages, layers), rest,
-                                       micro)
+        staged = jax.tree_util.tree_map(lay.to_stages, layers)
+        if not lay.equal:       # a gather: keep each stage's tensor-parallel layout
+            staged = jax.tree_util.tree_map(
+                lambda x, s: jax.lax.with_sharding_constraint(
+                    x, NamedSharding(mesh, P(axis, None, None, *tuple(s)[1:]))),
+                staged, state_specs(model, model.join(layers, {}), axis, tensor_axis)[
+                    model.layers_key])
+        g_layers, g_rest, loss = grads(staged, rest, micro)
         return loss, model.join(jax.tree_util.tree_map(lay.from_stages, g_layers), g_rest)
 
     def step(state, batch):
@@ -202,23 +208,35 @@ def build_step(model: StagedModel, mesh, schedule: S.Schedule, axis: str = "stag
 @dataclasses.dataclass(frozen=True)
 class PipelinedStep:
     """The pipelined step: ``jitted(state, batch)`` places its arguments in the step's layouts
-    (``in_shardings(state, batch)``) and runs one ``jax.jit`` program."""
+    (``in_shardings(state, batch)``) and runs one ``jax.jit`` program, built once per argument
+    signature (tree structure, shapes, dtypes), so a training loop traces the step once."""
 
     fn: object
     in_shardings_of: object
     mesh: object
     donate: bool
     loss_and_grads: object      # (params, batch) -> (loss, grads), for tests and measurements
+    built: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    def _entry(self, state, batch):
+        """((state, batch) shardings, the jitted step) for the arguments' signature."""
+        leaves, tree = jax.tree_util.tree_flatten((state, batch))
+        key = (tree, tuple((tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x))))
+                           for x in leaves))
+        if key not in self.built:
+            st, bt = self.in_shardings_of(state, batch)
+            self.built[key] = (st, bt), jax.jit(
+                self.fn, in_shardings=(st, bt), out_shardings=(st, NamedSharding(self.mesh, P())),
+                donate_argnums=(0,) if self.donate else ())
+        return self.built[key]
 
     def jitted(self, state, batch):
-        st, bt = self.in_shardings_of(state, batch)
-        return jax.jit(self.fn, in_shardings=(st, bt), out_shardings=(st, NamedSharding(
-            self.mesh, P())), donate_argnums=(0,) if self.donate else ())
+        return self._entry(state, batch)[1]
 
     def __call__(self, state, batch):
-        st, bt = self.in_shardings_of(state, batch)
+        (st, bt), fn = self._entry(state, batch)
         state, batch = jax.device_put(state, st), jax.device_put(batch, bt)
-        return self.jitted(state, batch)(state, batch)
+        return fn(state, batch)
 
 
 def _microbatches(x, m: int, mesh, data_axes):
