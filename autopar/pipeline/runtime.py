@@ -178,14 +178,8 @@ def build_step(model: StagedModel, mesh, schedule: S.Schedule, axis: str = "stag
         layers, rest = model.split(params)
         micro = jax.tree_util.tree_map(
             lambda x: _microbatches(x, schedule.microbatches, mesh, data_axes), batch)
-        staged = jax.tree_util.tree_map(lay.to_stages, layers)
-        if not lay.equal:       # a gather: keep each stage's tensor-parallel layout
-            staged = jax.tree_util.tree_map(
-                lambda x, s: jax.lax.with_sharding_constraint(
-                    x, NamedSharding(mesh, P(axis, None, None, *tuple(s)[1:]))),
-                staged, state_specs(model, model.join(layers, {}), axis, tensor_axis)[
-                    model.layers_key])
-        g_layers, g_rest, loss = grads(staged, rest, micro)
+        g_layers, g_rest, loss = grads(jax.tree_util.tree_map(lay.to_stages, layers), rest,
+                                       micro)
         return loss, model.join(jax.tree_util.tree_map(lay.from_stages, g_layers), g_rest)
 
     def step(state, batch):
