@@ -5,8 +5,10 @@ what the unpipelined step computes (``state = {"params", "opt_state"}``, ``loss`
 mean):
 
   * the batch is cut into ``M`` microbatches (row ``i`` goes to microbatch ``i % M``);
-  * the layer stack is cut into ``K = P V`` chunks of ``L / K`` consecutive layers; chunk ``k``
-    lives on stage ``k % P`` (its ``(P, V, L / K, ...)`` view is sharded over the stage axis);
+  * the layer stack is cut into ``K = P V`` chunks of consecutive layers (``L / K`` each, or
+    any contiguous ``ranges``, padded to the longest chunk ``Lmax`` with slots that run as the
+    identity: ``ChunkLayout``); chunk ``k`` lives on stage ``k % P`` (its ``(P, V, Lmax, ...)``
+    view is sharded over the stage axis);
     the embedding and the head live on every stage, run only on the first and last chunk's
     stage, and their gradients are summed over the stage axis;
   * inside ``jax.shard_map`` (manual over the stage and data axes, automatic over the tensor
@@ -299,7 +301,7 @@ def _pipeline_body(model: StagedModel, sch: S.Schedule, axis: str, data: tuple, 
                    tab: Tables, lay: ChunkLayout, layers, rest, micro):
     """Runs on every device: ``layers`` its stage's (1, V, Lmax, ...) view, ``micro`` its data
     shard's rows of every microbatch (M, b, ...)."""
-    layers = jax.tree_util.tree_map(lambda a: a[0], layers)                   # (V, Lc, ...)
+    layers = jax.tree_util.tree_map(lambda a: a[0], layers)                 # (V, Lmax, ...)
     s = jax.lax.axis_index(axis)
     mb0 = jax.tree_util.tree_map(lambda x: x[0], micro)
     x_aval = jax.eval_shape(model.embed, rest, mb0)                           # (b, S, D)
