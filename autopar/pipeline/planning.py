@@ -15,10 +15,11 @@ set of one backward action (the intra-op plan's peak for one layer's vjp, times 
 layers, whose residuals the scan keeps).
 
 ``pipeline="auto"`` enumerates schedules, virtual stages and microbatch counts with equal layer
-ranges (the runtime runs equal chunks of the stacked layers) and keeps the fastest that fits the
-memory budget; its ``why`` lists the runners-up and what the layer-range DP (``dp``,
-``layer_split``) would predict for unequal ranges, which ``price(..., ranges=...)`` prices on the
-same timeline but the runtime does not run. Per-boundary links: ``boundary_hops_s``.
+ranges and keeps the fastest that fits the memory budget; its ``why`` lists the runners-up and
+what the layer-range DP (``dp``, ``layer_split``) would predict for unequal ranges, which
+``price(..., ranges=...)`` prices on the same timeline with the runtime's padding overheads
+(``_unequal_overheads``); the runtime runs such ranges, the search does not pick them yet.
+Per-boundary links: ``boundary_hops_s``.
 """
 from __future__ import annotations
 
@@ -160,7 +161,8 @@ def _bytes(tree) -> float:
 def price(model: StagedModel, params, costs: Costs, sizes: dict, axis: str, hw,
           schedule: str, virtual: int, microbatches: int, ranges=None) -> PipelinePlan:
     """The ``PipelinePlan`` of one choice, with its predicted time and memory; ``ranges``: the
-    layers of each chunk (default equal chunks, which is what the runtime runs)."""
+    layers of each chunk (default equal chunks; unequal ones add the runtime's padding and
+    layer moves, ``_unequal_overheads``)."""
     p = sizes[axis]
     sch = S.build(schedule, p, virtual, microbatches)
     k = sch.chunks
@@ -178,14 +180,31 @@ def price(model: StagedModel, params, costs: Costs, sizes: dict, axis: str, hw,
     layer_bytes, rest_bytes = _param_bytes(model, params, sizes)
     on = [[length[c] for c in range(s, k, p)] for s in range(p)]     # chunk lengths of stage s
     sync = cm.collective_time_s("all-reduce", rest_bytes, axis)
+    move_s, pad = _unequal_overheads(cm, ranges, p, layer_bytes, axis, model.num_layers)
     optimizer = 12 * max(layer_bytes * sum(n) + rest_bytes for n in on) / hw.hbm_bytes_per_s
     slots = _buffer_slots(sch)[0]
-    memory = tuple(stage_bytes(sum(n), max(n), layer_bytes, rest_bytes, slots, costs)
-                   for n in on)
+    whole = model.num_layers % p != 0        # the runtime keeps the stack whole on each stage
+    memory = tuple(stage_bytes(model.num_layers if whole else sum(n), max(n), layer_bytes,
+                               rest_bytes, slots, costs) + pad for n in on)
     return PipelinePlan(axis, p, ranges, microbatches, sch.name, virtual,
                         timeline.bubble_fraction, timeline.busy_s, memory, S.in_flight(sch),
-                        timeline.makespan_s + sync + optimizer, costs.act_bytes, costs.layer_f,
-                        costs.layer_b)
+                        timeline.makespan_s + sync + optimizer + move_s, costs.act_bytes,
+                        costs.layer_f, costs.layer_b)
+
+
+def _unequal_overheads(cm, ranges, p: int, layer_bytes: float, axis: str, layers: int):
+    """(seconds, bytes per device) the runtime spends on unequal ranges: the state keeps the
+    (L, ...) layout, so each step moves the layers to their stages' padded (V, Lmax) slots (a
+    collective-permute of a stage's share) and gathers the gradients back (an all-reduce of
+    the stack over the stage axis); the padded slots' parameters and gradient accumulators and
+    the gathered gradients are the extra bytes. Equal ranges: a reshape, nothing extra."""
+    lengths = [b - a for a, b in ranges]
+    if len(set(lengths)) == 1:
+        return 0.0, 0.0
+    stack = layer_bytes * layers
+    move = (cm.collective_time_s("collective-permute", stack / p, axis)
+            + cm.collective_time_s("all-reduce", stack, axis))
+    return move, 2 * layer_bytes * max(lengths) * len(ranges) / p + stack
 
 
 def equal_ranges(layers: int, chunks: int) -> tuple[tuple[int, int], ...]:
@@ -321,9 +340,10 @@ def _ranges_note(model, params, costs: Costs, sizes: dict, hw, best: PipelinePla
                 f"too")
     alt = price(model, params, costs, sizes, best.axis, hw, best.schedule, 1, best.microbatches,
                 free.ranges)
-    return (f"\n  layer ranges {list(best.layer_ranges)} (the runtime runs equal chunks); the "
-            f"layer-range DP's best split {list(free.ranges)} would predict "
-            f"{alt.step_time_s * 1e3:.3f} ms (planned, not run)")
+    return (f"\n  layer ranges {list(best.layer_ranges)} (equal chunks); the layer-range DP's "
+            f"best split {list(free.ranges)} would predict {alt.step_time_s * 1e3:.3f} ms "
+            f"(the runtime runs it, padded: runtime.build_step(..., ranges=...); not chosen "
+            f"automatically yet)")
 
 
 def _why(best: PipelinePlan, priced, fits, budget: float) -> str:
@@ -402,7 +422,7 @@ def _assemble(model, graph, state, batch, pp: PipelinePlan, sizes, hw, budget, s
     from autopar.plan import Collective, CostBreakdown, Plan, SolverStats
 
     tensor = "model" if "model" in sizes else None
-    specs = (state_specs(model, state, pp.axis, tensor),
+    specs = (state_specs(model, state, pp.axis, tensor, pp.stages),
              jax.tree_util.tree_map(lambda a: batch_spec(a.ndim, sizes, pp.axis), batch))
     ins = tuple(_sharding(s, len(v.shape)) for s, v in zip(
         jax.tree_util.tree_leaves(specs, is_leaf=_is_spec),
@@ -442,4 +462,5 @@ def executable(plan, fn, mesh):
         raise AutoparError("this plan has no pipeline; make it with autopar.plan(..., "
                            "pipeline=...) or run it with autopar.autoparallel(plan=...)")
     sch = S.build(pp.schedule, pp.stages, pp.virtual_stages, pp.microbatches)
-    return build_step(staged_model_of(fn), concrete_mesh(mesh), sch, pp.axis)
+    return build_step(staged_model_of(fn), concrete_mesh(mesh), sch, pp.axis,
+                      ranges=pp.layer_ranges)

@@ -5,12 +5,15 @@ what the unpipelined step computes (``state = {"params", "opt_state"}``, ``loss`
 mean):
 
   * the batch is cut into ``M`` microbatches (row ``i`` goes to microbatch ``i % M``);
-  * the layer stack is cut into ``K = P V`` chunks of ``L / K`` consecutive layers; chunk ``k``
-    lives on stage ``k % P`` (its ``(P, V, L / K, ...)`` view is sharded over the stage axis);
+  * the layer stack is cut into ``K = P V`` chunks of consecutive layers (``L / K`` each, or
+    any contiguous ``ranges``, padded to the longest chunk ``Lmax`` with slots that run as the
+    identity: ``ChunkLayout``); chunk ``k`` lives on stage ``k % P`` (its ``(P, V, Lmax, ...)``
+    view is sharded over the stage axis);
     the embedding and the head live on every stage, run only on the first and last chunk's
     stage, and their gradients are summed over the stage axis;
-  * inside ``jax.shard_map`` (manual over the stage axis only, so the other axes stay automatic:
-    data and tensor parallelism inside a stage come from the input layouts), a ``lax.scan`` walks
+  * inside ``jax.shard_map`` (manual over the stage and data axes, automatic over the tensor
+    axis, so Megatron layouts inside a stage come from the input layouts; each device holds its
+    data shard's rows of every microbatch and computes local means), a ``lax.scan`` walks
     the schedule's ticks (``autopar.pipeline.schedules``). Per tick each device reads its row of
     the schedule's tables and runs at most two actions, each a ``lax.switch`` over {nothing,
     forward, backward}, so a device executes only its own branch; then activations move one
@@ -18,12 +21,15 @@ mean):
   * a forward stores its chunk's input in a stash slot; the backward recomputes the chunk from
     it under ``jax.vjp`` (activation memory: one chunk input per microbatch in flight) and
     accumulates the parameter gradients;
-  * after the loop the optimizer updates every parameter where it lives: each stage its layers.
+  * after the loop, and only there, gradients and loss are averaged over the data axes (equal
+    shards: the mean of local means is the batch mean), one all-reduce per gradient per step;
+  * the optimizer updates every parameter where it lives: each stage its layers.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -87,15 +93,17 @@ def _names(path) -> tuple[str, ...]:
     return tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
 
 
-def state_specs(model: StagedModel, state, axis: str, tensor_axis: str | None):
+def state_specs(model: StagedModel, state, axis: str, tensor_axis: str | None,
+                stages: int = 1):
     """PartitionSpecs of the state: the stacked layers (and their optimizer moments) split over
-    the stage axis on the layer dim, and the dim ``model.tensor_dims`` names (by the leaf's last
-    three or two path keys) over the tensor axis; everything else replicated."""
+    the stage axis on the layer dim (whole on every stage when ``stages`` does not divide the
+    layer count), and the dim ``model.tensor_dims`` names (by the leaf's last three or two path
+    keys) over the tensor axis; everything else replicated."""
     def spec(path, leaf):
         names = _names(path)
         if model.layers_key not in names or not getattr(leaf, "ndim", 0):
             return P()
-        dims = [axis] + [None] * (leaf.ndim - 1)
+        dims = [axis if leaf.shape[0] % stages == 0 else None] + [None] * (leaf.ndim - 1)
         d = model.tensor_dims.get("/".join(names[-3:]),   # "mlp/c_proj/kernel" first
                                   model.tensor_dims.get("/".join(names[-2:])))
         if tensor_axis is not None and d is not None:
@@ -111,29 +119,71 @@ def batch_spec(rank: int, sizes: dict, axis: str, tensor_axis: str | None = "mod
     return P(data or None) if rank else P()
 
 
+# ---- chunks of the layer stack -----------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ChunkLayout:
+    """Where the layers sit in the staged ``(P, V, Lmax, ...)`` view: chunk ``k = v P + s``
+    (layers ``ranges[k]``) on stage ``s``, place ``v``, padded to the longest chunk ``Lmax``.
+    ``index[s, v, i]``: the layer at slot ``i`` (padding repeats the chunk's last layer, or
+    layer 0 for an empty chunk); ``valid[s, v, i]``: whether slot ``i`` is a real layer (padding
+    runs as the identity and gets zero gradients); ``slot[l]``: layer ``l``'s flat slot."""
+
+    index: np.ndarray
+    valid: np.ndarray
+    slot: np.ndarray
+    equal: bool
+
+    @staticmethod
+    def of(layers: int, sch: S.Schedule, ranges=None) -> ChunkLayout:
+        p, v, k = sch.stages, sch.virtual, sch.chunks
+        if ranges is None:
+            ranges = [(c * (layers // k), (c + 1) * (layers // k)) for c in range(k)]
+        longest = max(max(b - a for a, b in ranges), 1)
+        index = np.zeros((p, v, longest), np.int32)
+        valid = np.zeros((p, v, longest), bool)
+        slot = np.zeros(layers, np.int32)
+        for c, (a, b) in enumerate(ranges):
+            s, j = c % p, c // p
+            index[s, j] = np.minimum(a + np.arange(longest), max(b - 1, 0))
+            valid[s, j, : b - a] = True
+            slot[a:b] = (s * v + j) * longest + np.arange(b - a)
+        return ChunkLayout(index, valid, slot, bool(valid.all()))
+
+    def to_stages(self, x):
+        """(L, ...) -> (P, V, Lmax, ...)."""
+        p, v, lc = self.index.shape
+        if self.equal:          # a reshape: no data moves between stages
+            return jnp.swapaxes(x.reshape(v, p, lc, *x.shape[1:]), 0, 1)
+        return jnp.take(x, jnp.asarray(self.index), axis=0)
+
+    def from_stages(self, g):
+        """(P, V, Lmax, ...) -> (L, ...), the padding's slots dropped."""
+        if self.equal:
+            return jnp.swapaxes(g, 0, 1).reshape(len(self.slot), *g.shape[3:])
+        return jnp.take(g.reshape(-1, *g.shape[3:]), jnp.asarray(self.slot), axis=0)
+
+
 # ---- the step ---------------------------------------------------------------------------------
 def build_step(model: StagedModel, mesh, schedule: S.Schedule, axis: str = "stage",
-               tensor_axis: str | None = "model", donate: bool = False):
-    """A jitted ``step(state, batch) -> (state, loss)`` running ``schedule`` over ``axis``."""
-    p, k = schedule.stages, schedule.chunks
-    _check(model, mesh, schedule, axis)
+               tensor_axis: str | None = "model", donate: bool = False, ranges=None):
+    """A jitted ``step(state, batch) -> (state, loss)`` running ``schedule`` over ``axis``;
+    ``ranges``: the layers ``[start, end)`` of each chunk (default equal chunks)."""
+    _check(model, mesh, schedule, axis, ranges)
+    lay = ChunkLayout.of(model.num_layers, schedule, ranges)
     tensor_axis = tensor_axis if tensor_axis in mesh.axis_names else None
     data_axes = tuple(a for a in mesh.axis_names if a not in (axis, tensor_axis))
-    grads = _grads_fn(model, mesh, schedule, axis, tables(schedule))
-    lc = model.num_layers // k
-
-    def to_stages(x):           # (L, ...) -> (P, V, Lc, ...): chunk v P + s on stage s
-        return jnp.swapaxes(x.reshape(schedule.virtual, p, lc, *x.shape[1:]), 0, 1)
-
-    def from_stages(x):
-        return jnp.swapaxes(x, 0, 1).reshape(model.num_layers, *x.shape[3:])
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+    grads = _grads_fn(model, mesh, schedule, axis, {a: sizes[a] for a in data_axes},
+                      tables(schedule), lay)
 
     def loss_and_grads(params, batch):
+        _check_rows(batch, schedule.microbatches, {a: sizes[a] for a in data_axes})
         layers, rest = model.split(params)
         micro = jax.tree_util.tree_map(
             lambda x: _microbatches(x, schedule.microbatches, mesh, data_axes), batch)
-        g_layers, g_rest, loss = grads(jax.tree_util.tree_map(to_stages, layers), rest, micro)
-        return loss, model.join(jax.tree_util.tree_map(from_stages, g_layers), g_rest)
+        g_layers, g_rest, loss = grads(jax.tree_util.tree_map(lay.to_stages, layers), rest,
+                                       micro)
+        return loss, model.join(jax.tree_util.tree_map(lay.from_stages, g_layers), g_rest)
 
     def step(state, batch):
         params = state["params"]
@@ -142,8 +192,8 @@ def build_step(model: StagedModel, mesh, schedule: S.Schedule, axis: str = "stag
         return {"params": optax.apply_updates(params, updates), "opt_state": opt_state}, loss
 
     def shardings(state, batch):
-        st = jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s),
-                                    state_specs(model, state, axis, tensor_axis))
+        st = jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), state_specs(
+            model, state, axis, tensor_axis, schedule.stages))
         sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
         bt = jax.tree_util.tree_map(
             lambda x: NamedSharding(mesh, batch_spec(x.ndim, sizes, axis, tensor_axis)), batch)
@@ -155,7 +205,8 @@ def build_step(model: StagedModel, mesh, schedule: S.Schedule, axis: str = "stag
 @dataclasses.dataclass(frozen=True)
 class PipelinedStep:
     """The pipelined step: ``jitted(state, batch)`` places its arguments in the step's layouts
-    (``in_shardings(state, batch)``) and runs one ``jax.jit`` program."""
+    (``in_shardings(state, batch)``) and runs one ``jax.jit`` program, built once per argument
+    signature (tree structure, shapes, dtypes), so a training loop traces the step once."""
 
     fn: object
     in_shardings_of: object
@@ -163,20 +214,31 @@ class PipelinedStep:
     donate: bool
     loss_and_grads: object      # (params, batch) -> (loss, grads), for tests and measurements
     stacking: object = None     # an unrolled model's layer stacking (autopar.pipeline.unrolled)
+    built: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
-    def jitted(self, state, batch):
+    def _entry(self, state, batch):
+        """((state, batch) shardings, the jitted step) for the arguments' signature; an
+        unrolled model's state must be in the stacked layout (``stack_state``)."""
         from autopar.pipeline.unrolled import require_stacked
 
-        require_stacked(self.stacking, state)       # an unrolled model's: see stack_state
-        st, bt = self.in_shardings_of(state, batch)
-        return jax.jit(self.fn, in_shardings=(st, bt), out_shardings=(st, NamedSharding(
-            self.mesh, P())), donate_argnums=(0,) if self.donate else ())
+        require_stacked(self.stacking, state)
+        leaves, tree = jax.tree_util.tree_flatten((state, batch))
+        key = (tree, tuple((tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x))))
+                           for x in leaves))
+        if key not in self.built:
+            st, bt = self.in_shardings_of(state, batch)
+            self.built[key] = (st, bt), jax.jit(
+                self.fn, in_shardings=(st, bt), out_shardings=(st, NamedSharding(self.mesh, P())),
+                donate_argnums=(0,) if self.donate else ())
+        return self.built[key]
+
+    def jitted(self, state, batch):
+        return self._entry(state, batch)[1]
 
     def __call__(self, state, batch):
-        jitted = self.jitted(state, batch)
-        st, bt = self.in_shardings_of(state, batch)
+        (st, bt), fn = self._entry(state, batch)
         state, batch = jax.device_put(state, st), jax.device_put(batch, bt)
-        return jitted(state, batch)
+        return fn(state, batch)
 
     def stack_state(self, state):
         """An unrolled model's state in the stacked layout this step runs on, placed in the
@@ -201,7 +263,7 @@ def _microbatches(x, m: int, mesh, data_axes):
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
-def _check(model: StagedModel, mesh, schedule: S.Schedule, axis: str) -> None:
+def _check(model: StagedModel, mesh, schedule: S.Schedule, axis: str, ranges) -> None:
     sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
     if axis not in sizes:
         raise AutoparError(f"pipeline axis {axis!r} is not an axis of the mesh {sizes}; name one "
@@ -211,30 +273,60 @@ def _check(model: StagedModel, mesh, schedule: S.Schedule, axis: str) -> None:
                            f"{sizes[axis]} devices; use stages={sizes[axis]}")
     if schedule.stages < 2:
         raise AutoparError("a pipeline needs stages >= 2; plan without pipeline= for one stage")
-    if model.num_layers % schedule.chunks:
+    if ranges is None and model.num_layers % schedule.chunks:
         raise AutoparError(f"{model.num_layers} layers do not split into stages x "
                            f"virtual_stages = {schedule.chunks} equal chunks; choose stages and "
-                           f"virtual_stages whose product divides {model.num_layers}")
+                           f"virtual_stages whose product divides {model.num_layers}, or give "
+                           f"ranges= (the layers of each chunk)")
+    if ranges is not None:
+        _check_ranges(tuple(map(tuple, ranges)), model.num_layers, schedule.chunks)
 
 
-def _grads_fn(model: StagedModel, mesh, sch: S.Schedule, axis: str, tab: Tables):
+def _check_ranges(ranges: tuple, layers: int, chunks: int) -> None:
+    ends = [0] + [b for _, b in ranges]
+    if (len(ranges) != chunks or any(a != e or b < a for (a, b), e in zip(ranges, ends))
+            or ends[-1] != layers):
+        raise AutoparError(f"ranges={list(ranges)} must be {chunks} contiguous layer ranges "
+                           f"[start, end), one per chunk (stages x virtual_stages), from 0 to "
+                           f"{layers}, e.g. {[(0, layers - 1), (layers - 1, layers)]} for two")
+
+
+def _check_rows(batch, m: int, data: dict) -> None:
+    shards = math.prod(data.values())
+    for path, x in jax.tree_util.tree_leaves_with_path(batch):
+        rows = x.shape[0] if x.ndim else 0
+        if x.ndim and (rows % m or rows // m % shards):
+            raise AutoparError(
+                f"batch{jax.tree_util.keystr(path)} has {rows} rows, which do not split into "
+                f"microbatches={m} of equal row counts on each of the {shards} data shards "
+                f"(mesh axes {data}); use a batch of a multiple of {m * shards} rows or fewer "
+                f"microbatches")
+
+
+def _grads_fn(model: StagedModel, mesh, sch: S.Schedule, axis: str, data: dict, tab: Tables,
+              lay: ChunkLayout):
     """``(staged layers, rest, microbatches) -> (layer grads, rest grads, loss)`` as a
-    ``shard_map`` over ``axis`` whose body walks the ticks."""
-    body = functools.partial(_pipeline_body, model, sch, axis, tab)
-    sm = jax.shard_map(body, mesh=mesh, in_specs=(P(axis), P(), P()),
-                       out_specs=(P(axis), P(), P()), axis_names=frozenset({axis}),
-                       check_vma=False)
-    return sm
+    ``shard_map`` manual over ``axis`` and the ``data`` axes (each device gets its rows of every
+    microbatch), automatic over the tensor axis; its body walks the ticks on local rows and
+    averages gradients and loss over ``data`` once, after the loop."""
+    body = functools.partial(_pipeline_body, model, sch, axis, tuple(data),
+                             math.prod(data.values()), tab, lay)
+    rows = P(None, tuple(data) or None)
+    return jax.shard_map(body, mesh=mesh, in_specs=(P(axis), P(), rows),
+                         out_specs=(P(axis), P(), P()), axis_names=frozenset({axis, *data}),
+                         check_vma=False)
 
 
-def _pipeline_body(model: StagedModel, sch: S.Schedule, axis: str, tab: Tables, layers, rest,
-                   micro):
-    """Runs on every device: ``layers`` its stage's (1, V, Lc, ...) view."""
-    layers = jax.tree_util.tree_map(lambda a: a[0], layers)                   # (V, Lc, ...)
+def _pipeline_body(model: StagedModel, sch: S.Schedule, axis: str, data: tuple, shards: int,
+                   tab: Tables, lay: ChunkLayout, layers, rest, micro):
+    """Runs on every device: ``layers`` its stage's (1, V, Lmax, ...) view, ``micro`` its data
+    shard's rows of every microbatch (M, b, ...)."""
+    layers = jax.tree_util.tree_map(lambda a: a[0], layers)                 # (V, Lmax, ...)
     s = jax.lax.axis_index(axis)
     mb0 = jax.tree_util.tree_map(lambda x: x[0], micro)
     x_aval = jax.eval_shape(model.embed, rest, mb0)                           # (b, S, D)
-    acts = Actions(model, sch, layers, rest, micro, x_aval)
+    valid = None if lay.equal else jnp.asarray(lay.valid)[s]                  # (V, Lmax)
+    acts = Actions(model, sch, layers, rest, micro, valid)
     zeros = functools.partial(jnp.zeros, dtype=x_aval.dtype)
     carry = (zeros((tab.stash_slots, *x_aval.shape)), zeros((tab.inbox_f_slots, *x_aval.shape)),
              zeros((tab.inbox_b_slots, *x_aval.shape)),
@@ -263,8 +355,19 @@ def _pipeline_body(model: StagedModel, sch: S.Schedule, axis: str, tab: Tables, 
           jnp.asarray(tab.recv_b))
     carry, _ = jax.lax.scan(tick, carry, xs)
     *_, g_layers, g_rest, loss = carry
-    g_layers = jax.tree_util.tree_map(lambda g: g[None], g_layers)
-    return g_layers, jax.lax.psum(g_rest, axis), jax.lax.psum(loss, axis)
+    return _reduce(g_layers, g_rest, loss, axis, data, shards)
+
+
+def _reduce(g_layers, g_rest, loss, axis: str, data: tuple, shards: int):
+    """The step's only gradient collectives: local means averaged over the data shards (equal
+    row counts, so the mean of their means is the batch mean); the embedding's and head's
+    gradients and the loss also summed over the stages (each came from one stage)."""
+    def mean(tree, axes):
+        summed = jax.lax.psum(tree, axes) if axes else tree
+        return jax.tree_util.tree_map(lambda x: x / shards, summed)
+
+    g_layers = jax.tree_util.tree_map(lambda g: g[None], mean(g_layers, data))
+    return g_layers, mean(g_rest, (axis, *data)), mean(loss, (axis, *data))
 
 
 def _put(buf, slot, x):
@@ -277,8 +380,9 @@ class Actions:
     """The forward and backward of one (microbatch, chunk) on this device, as ``lax.switch``
     branches over the carry ``(stash, inbox_f, inbox_b, layer grads, rest grads, loss)``."""
 
-    def __init__(self, model: StagedModel, sch: S.Schedule, layers, rest, micro, x_aval):
+    def __init__(self, model: StagedModel, sch: S.Schedule, layers, rest, micro, valid=None):
         self.model, self.layers, self.rest, self.micro = model, layers, rest, micro
+        self.valid = valid          # (V, Lmax) bools, None: every slot is a layer
         self.last, self.m = sch.chunks - 1, sch.microbatches
 
     def nothing(self, carry, send_f, send_b, a):
@@ -291,13 +395,21 @@ class Actions:
 
         def f(p_v, rest, x_in):
             x = jax.lax.cond(a["chunk"] == 0, lambda: model.embed(rest, batch), lambda: x_in)
-            y, _ = jax.lax.scan(lambda h, lp: (model.layer(lp, h), None), x, p_v)
+            y, _ = jax.lax.scan(self._layer, x, p_v if self.valid is None else (
+                p_v, self.valid[a["virtual"]]))
             loss = jax.lax.cond(a["chunk"] == self.last,
                                 lambda: model.head_loss(rest, y, batch).astype(jnp.float32),
                                 lambda: jnp.zeros((), jnp.float32))
             return y, loss
 
         return f
+
+    def _layer(self, h, lp):
+        """One slot of the chunk; a padding slot (``valid`` False) is the identity."""
+        if self.valid is None:
+            return self.model.layer(lp, h), None
+        lp, ok = lp
+        return jax.lax.cond(ok, self.model.layer, lambda _, x: x, lp, h), None
 
     def _params(self, a):
         return jax.tree_util.tree_map(lambda x: x[a["virtual"]], self.layers)
