@@ -359,14 +359,12 @@ def report(rows, ok, args, runs, time_limit_s, meter, elapsed, hw) -> list[str]:
         "![predicted vs measured](cpu_measured.png)", "",
         "## Method", "",
         "- Profile: " + ("fitted by `cost_models.profile()` on this machine just before the "
-                         "timings (micro-benchmarks, no training step: in-program chains of "
-                         "matmuls, convolutions and memory-bound kernels of a step's sizes, "
-                         "collectives alone and between such kernels), saved as "
+                         "timings (micro-benchmarks of matmuls, a streaming op, collectives and "
+                         "chains of kernels and all-reduces; no training step), saved as "
                          "`cpu_measured_profile.json`" if args.calibrate else
                          "the shipped `cost_models/profiles/cpu.json`") + ": "
         f"float32 peak {hw.peak_flops_per_s() / 1e9:.1f} GFLOP/s and memory "
-        f"{hw.hbm_bytes_per_s / 1e9:.2f} GB/s per device, convolutions at "
-        f"{hw.conv_efficiency:.2f} of the matmul rate, kernel launch "
+        f"{hw.hbm_bytes_per_s / 1e9:.2f} GB/s per device, kernel launch "
         f"{hw.kernel_launch_s * 1e6:.1f} us, collective launch "
         f"{hw.collective_launch_s * 1e6:.0f} us, program dispatch {hw.dispatch_s * 1e6:.0f} us.",
         "- `autopar.compare(train_step, state, batch, mesh=..., hardware=profile, "

@@ -6,7 +6,6 @@ weigh alike (the planner cares about ratios). Solved by non-negative least squar
 
   compute:     t = L + F / P_dtype          (matmul rows)   -> kernel_launch_s, P per dtype
                t = L + M / W                (memory rows)   -> hbm_bytes_per_s
-               t = L + F / C_dtype          (conv rows, L given) -> convolution rate per dtype
   collectives: t = C + s_k a + f_k S / B_k  (ring terms s_k, f_k of ``COLLECTIVE_TERMS``)
                                                             -> collective_launch_s, latency_s,
                                                                bandwidth B_k per kind
@@ -34,7 +33,6 @@ class ComputeFit:
     kernel_launch_s: float
     peak_flops_by_dtype: tuple[tuple[str, float], ...]
     hbm_bytes_per_s: float
-    conv_flops_by_dtype: tuple[tuple[str, float], ...] = ()  # empty: no conv rows measured
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,35 +51,19 @@ def relative_nnls(design: np.ndarray, times_s: np.ndarray) -> np.ndarray:
 
 
 def fit_compute(samples: Sequence[Measurement]) -> ComputeFit:
-    """Fits the launch floor, each dtype's matmul rate and the memory bandwidth jointly; then
-    each dtype's convolution rate, given that launch (``conv_rates``)."""
-    rows = [s for s in samples if s.kind != "conv"]
-    dtypes = sorted({s.dtype for s in rows if s.kind == "matmul"})
+    """Fits the launch floor, each dtype's matmul rate and the memory bandwidth jointly."""
+    dtypes = sorted({s.dtype for s in samples if s.kind == "matmul"})
     cols = ["launch"] + [f"matmul:{d}" for d in dtypes] + ["memory"]
-    design = np.zeros((len(rows), len(cols)))
-    for i, s in enumerate(rows):
+    design = np.zeros((len(samples), len(cols)))
+    for i, s in enumerate(samples):
         design[i, 0] = 1.0
         if s.kind == "matmul":
             design[i, cols.index(f"matmul:{s.dtype}")] = s.flops
         else:
             design[i, cols.index("memory")] = s.nbytes
-    coef = relative_nnls(design, np.array([s.time_s for s in rows]))
+    coef = relative_nnls(design, np.array([s.time_s for s in samples]))
     peaks = tuple((d, 1.0 / max(coef[1 + j], _TINY)) for j, d in enumerate(dtypes))
-    launch = float(coef[0])
-    convs = conv_rates([s for s in samples if s.kind == "conv"], launch)
-    return ComputeFit(launch, peaks, 1.0 / max(coef[-1], _TINY), convs)
-
-
-def conv_rates(samples: Sequence[Measurement], launch_s: float) -> tuple[tuple[str, float], ...]:
-    """Per dtype, the median of ``F / (t - L)`` over convolution rows: ``t = L + F / C`` solved
-    row by row with the launch ``L`` the other kernels fitted (one row alone cannot separate
-    the two). A row faster than the launch counts as at least half its time spent computing."""
-    out = []
-    for d in sorted({s.dtype for s in samples}):
-        rates = [s.flops / max(s.time_s - launch_s, 0.5 * s.time_s)
-                 for s in samples if s.dtype == d]
-        out.append((d, float(np.median(rates))))
-    return tuple(out)
+    return ComputeFit(float(coef[0]), peaks, 1.0 / max(coef[-1], _TINY))
 
 
 def fit_collectives(samples: Sequence[Measurement]) -> CollectiveFit:

@@ -7,12 +7,8 @@ A ``Hardware`` describes one kind of device and how devices are wired:
   * ``devices_per_node``: devices joined by the fast ``intra_node`` link; groups that span
     several nodes pay the ``inter_node`` link.
   * ``*_efficiency``: the fraction of a peak reached in practice (fitted by ``profile()``).
-  * ``conv_efficiency``: a convolution's rate as a factor of the matmul rate of its dtype
-    (``peak * matmul_efficiency``); 1.0, the default, prices convolutions as matmuls. Small
-    convolutions on CPU devices run well below a matmul's rate (``profile()`` measures it).
   * ``dispatch_s``: launching one whole compiled program on every device (paid once per step);
-  * ``kernel_launch_s``: fixed cost of one kernel inside a program (measured profiles: of a
-    kernel of a training step's size, see ``cost_models.profile``); ``collective_launch_s``:
+  * ``kernel_launch_s``: fixed cost of one kernel inside a program; ``collective_launch_s``:
     fixed cost of one collective inside a program on top of its per-ring-step ``latency_s``
     (host-side synchronisation dominates it on CPU devices; near 0 on GPUs, where NCCL's
     per-step latency is the whole alpha term).
@@ -96,7 +92,6 @@ class Hardware:
     memory_efficiency: float = 0.85
     collective_efficiency: float = 0.8
     collective_kind_efficiency: tuple[tuple[str, float], ...] = ()
-    conv_efficiency: float = 1.0     # convolution rate / matmul rate (optional, neutral 1.0)
     kernel_launch_s: float = 5e-6
     collective_launch_s: float = 0.0
     dispatch_s: float = 0.0          # launching one compiled program (once per step, not per op)
@@ -232,7 +227,6 @@ def _validate(hw: Hardware) -> None:
         _check_rate(where, f"peak_flops_by_dtype[{dtype!r}]", peak)
     for kind, eff in hw.collective_kind_efficiency:
         _check_factor(where, f"collective_kind_efficiency[{kind!r}]", eff)
-    _check_factor(where, "conv_efficiency", hw.conv_efficiency)
     for field in _RATES:
         _check_rate(where, field, getattr(hw, field))
     for field in _FRACTIONS:

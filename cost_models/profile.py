@@ -1,31 +1,24 @@
 """``profile()``: measure the devices jax runs on and fit a ``Hardware`` to them.
 
-Stages: ``run_sweep`` times, on every device at once and *inside one program* (the slope of time
-against the kernel count of chains, ``cost_models.measure.chain_slope``), matmuls of several sizes
-and dtypes, small convolutions and memory-bound kernels of a training step's sizes (tens of KiB
-to a few MiB per device); and each collective alone over groups of the devices (a 1-D mesh of
-all of them, and in the full sweep also groups of 4 and 2, all groups running at once)
-(``cost_models.measure``); ``fit_compute`` / ``fit_collectives`` fit the model's parameters
-(``cost_models.fit``); ``hardware_from_fits`` assembles the profile:
+Stages: ``run_sweep`` times matmuls (per size and dtype) and a streaming elementwise op on one
+device, and each collective over groups of the devices (a 1-D mesh of all of them, and in the
+full sweep also groups of 4 and 2, all groups running at once) (``cost_models.measure``);
+``fit_compute`` / ``fit_collectives`` fit the model's parameters (``cost_models.fit``);
+``hardware_from_fits`` assembles the profile:
 
   * peaks and HBM bandwidth are the fitted rates, with efficiencies 1.0 -- unless a ``reference``
     profile (e.g. the data-sheet ``"h100"``) is given, whose peaks are kept and whose efficiencies
     become fitted rate / data-sheet peak;
-  * ``conv_efficiency`` is the fitted convolution rate over the matmul rate (float32);
-  * ``kernel_launch_s`` is the fit's shared intercept: what one more step-sized kernel costs
-    inside a program beyond its FLOPs or bytes. On 8 CPU devices sharing 2 cores this is several
-    times a tiny kernel's launch (XLA splits step-sized kernels into tasks on a shared thread
-    pool); single-op programs are not used, as a lone op pays thread wake-ups and output
-    allocation that a step's kernels do not, and streams from DRAM where a step's kernels mostly
-    hit the caches;
   * link bandwidth is the best kind's fitted bandwidth ``B_max``; ``collective_efficiency`` is the
     median kind's ``B_k / B_max`` and each kind's factor makes up the rest, so
     ``B_max * collective_efficiency * kind_efficiency = B_k``;
   * the inter-node link cannot be measured from one process: it is the reference's, else a copy
     of the measured intra-node link;
-  * ``collective_launch_s`` is what one more tiny all-reduce costs *between step-sized kernels*
-    (``measure_collective_in_step``) less its ring latency steps: the devices drift apart between
-    collectives, so each waits longer than in a chain of bare all-reduces.
+  * ``kernel_launch_s`` and ``collective_launch_s`` are what one more kernel or all-reduce costs
+    *inside* a program (``in_program_launches``: the slope of time against the count in chains
+    of dependent tiny kernels and all-reduces), not the intercept of single-op programs: on CPU
+    devices a lone op pays thread wake-ups that a step's hundreds of kernels do not (the
+    intercept was ~200 us per kernel, the in-program slope a few us).
 """
 from __future__ import annotations
 
@@ -38,76 +31,72 @@ import jax
 
 from cost_models.collectives import COLLECTIVE_TERMS, KINDS
 from cost_models.fit import CollectiveFit, ComputeFit, fit_collectives, fit_compute
-from cost_models.hardware import FALLBACK_DTYPE, MIN_EFFICIENCY, Hardware, Link, hardware
+from cost_models.hardware import FALLBACK_DTYPE, Hardware, Link, hardware
 from cost_models.measure import (
     Measurement,
-    conv_chain_spec,
     line_mesh,
-    matmul_chain_spec,
-    measure_chains,
     measure_collective,
-    measure_collective_in_step,
+    measure_collective_chain,
     measure_dispatch,
-    stream_kernel_spec,
+    measure_kernel_chain,
+    measure_matmul,
+    measure_memory,
+    slope_s,
 )
 
 
 @dataclasses.dataclass(frozen=True)
 class Sweep:
-    """Sizes a profile measures. ``collective_nbytes`` follow ``collective_time_s``'s convention;
-    ``stream_rows`` are float32 ``(rows, 128)`` shards of memory-bound kernels, ``conv_shapes``
-    ``(batch, side, channels)`` of 3x3 convolutions, ``step_rows`` the shard of the kernels run
-    between the all-reduces of ``measure_collective_in_step``."""
+    """Sizes a profile measures. ``collective_nbytes`` follow ``collective_time_s``'s convention."""
 
     matmul_sizes: tuple[tuple[int, int, int], ...]
     dtypes: tuple[str, ...]
-    stream_rows: tuple[int, ...]
-    conv_shapes: tuple[tuple[int, int, int], ...]
+    memory_elements: tuple[int, ...]
     collective_nbytes: tuple[int, ...]
     group_sizes: tuple[int, ...]  # groups of g devices (0: all), all devices busy at once
     repeats: int
     warmup: int
-    step_rows: int = 128
+    chain_steps: tuple[int, ...] = (4, 16, 64)   # kernel chains: launch cost inside a program
+    collective_chain: tuple[int, ...] = (1, 4, 16)  # dependent all-reduces in one program
 
 
-# Sizes of a small training step's kernels (a 128-wide model's activations and weights: 16 KiB to
-# 2 MiB per device); collectives in powers of 4. Upper ends stay below where 8 emulated devices
-# on a small host leave the caches and time jumps super-linearly.
+# Powers of two (and 4x steps for collectives): calibrate_cost_model.py checks the fit on sizes
+# in between. Upper ends stay below where 8 emulated devices on a small host leave the caches
+# and time jumps super-linearly.
 FULL_SWEEP = Sweep(
-    matmul_sizes=((64, 64, 256), (128, 128, 128), (128, 128, 512), (256, 256, 256),
-                  (512, 512, 512)),
+    matmul_sizes=((128, 128, 128), (256, 256, 256), (512, 512, 512), (1024, 1024, 1024),
+                  (2048, 512, 512)),
     dtypes=("float32", "bfloat16"),
-    stream_rows=(32, 64, 128, 256, 512, 1024, 4096),
-    conv_shapes=((4, 16, 16), (4, 8, 32), (8, 16, 32)),
+    memory_elements=(1 << 18, 1 << 20, 1 << 22),
     collective_nbytes=(1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22),
     group_sizes=(0, 4, 2),  # several group sizes separate per-step latency from fixed cost
     repeats=7,
     warmup=2,
 )
 QUICK_SWEEP = Sweep(
-    matmul_sizes=((128, 128, 128), (256, 256, 256)),
+    matmul_sizes=((128, 128, 128), (512, 512, 512)),
     dtypes=("float32",),
-    stream_rows=(64, 2048),
-    conv_shapes=((4, 8, 16),),
+    memory_elements=(1 << 18, 1 << 21),
     collective_nbytes=(1 << 14, 1 << 20),
     group_sizes=(0,),
     repeats=3,
     warmup=1,
-    step_rows=32,
+    chain_steps=(4, 32),
+    collective_chain=(1, 8),
 )
 
 
 def run_sweep(
     devices: Sequence[jax.Device], sweep: Sweep
 ) -> tuple[list[Measurement], list[Measurement]]:
-    """Returns (compute measurements, in program and every device at once; collective
-    measurements)."""
+    """Returns (compute measurements, every device at once; collective measurements)."""
     reps = dict(repeats=sweep.repeats, warmup=sweep.warmup)
-    specs = [matmul_chain_spec(m, k, n, dtype)
-             for dtype in sweep.dtypes for m, k, n in sweep.matmul_sizes]
-    specs += [conv_chain_spec(b, side, c) for b, side, c in sweep.conv_shapes]
-    specs += [stream_kernel_spec(rows) for rows in sweep.stream_rows]
-    compute = measure_chains(devices, specs, **reps)
+    compute = [
+        measure_matmul(devices, m, k, n, dtype, **reps)
+        for dtype in sweep.dtypes
+        for m, k, n in sweep.matmul_sizes
+    ]
+    compute += [measure_memory(devices, e, **reps) for e in sweep.memory_elements]
     n = len(devices)
     groups = sorted({g if 0 < g <= n else n for g in sweep.group_sizes if n % (g or n) == 0})
     comms = [
@@ -144,26 +133,31 @@ def profile(
     compute, comms = run_sweep(devs, sweep)
     dispatch = measure_dispatch(devs, sweep.repeats + 2, sweep.warmup)
     ref = hardware(reference) if reference is not None else None
-    cfit = fit_compute(compute)  # in-program rows: its intercept is the in-program launch
+    # A single-op program pays the op, the program's dispatch and whatever a lone op costs on
+    # top (thread wake-ups on CPU devices): the launch a step pays per kernel and per collective
+    # is the slope of time against their count in one program (``in_program_launches``).
+    cfit = fit_compute(compute)
     kfit = fit_collectives(comms) if comms else None
+    kernel_s, coll_s = in_program_launches(devs, sweep, kfit)
+    cfit = dataclasses.replace(cfit, kernel_launch_s=kernel_s)
     if kfit is not None:
-        coll_s = collective_launch_in_step(devs, sweep, kfit)
         kfit = dataclasses.replace(kfit, collective_launch_s=coll_s)
     hw = hardware_from_fits(name or devs[0].platform, devs, cfit, kfit, ref)
     return dataclasses.replace(hw, dispatch_s=dispatch)
 
 
-def collective_launch_in_step(devices: Sequence[jax.Device], sweep: Sweep,
-                              kfit: CollectiveFit) -> float:
-    """Seconds one collective costs inside a step beyond its ring terms: a tiny all-reduce's
-    in-step cost (``measure_collective_in_step``) less its ring latency steps."""
-    if len(devices) < 2:
-        return 0.0
-    # a difference of differences of four programs: twice the repeats for a stable median
-    per = measure_collective_in_step(devices, sweep.step_rows, repeats=2 * sweep.repeats + 1,
-                                     warmup=sweep.warmup)
+def in_program_launches(devices: Sequence[jax.Device], sweep: Sweep,
+                        kfit: CollectiveFit | None) -> tuple[float, float]:
+    """(kernel launch, collective launch) seconds inside one program: the slopes of a chain of
+    dependent tiny kernels and of dependent tiny all-reduces over all ``devices``; the
+    all-reduce's ring latency steps (``kfit.latency_s``) are taken off its slope."""
+    reps = dict(repeats=sweep.repeats, warmup=sweep.warmup)
+    kernel_s = slope_s([measure_kernel_chain(devices, k, **reps) for k in sweep.chain_steps])
+    if kfit is None or len(devices) < 2:
+        return kernel_s, 0.0
+    per = slope_s([measure_collective_chain(devices, k, **reps) for k in sweep.collective_chain])
     steps, _ = COLLECTIVE_TERMS["all-reduce"](len(devices))
-    return max(per - steps * kfit.latency_s, 0.0)
+    return kernel_s, max(per - steps * kfit.latency_s, 0.0)
 
 
 def hardware_from_fits(
@@ -175,7 +169,6 @@ def hardware_from_fits(
 ) -> Hardware:
     """Assembles a ``Hardware`` from the fits (rules in the module docstring)."""
     peaks, matmul_eff, hbm, memory_eff = _compute_figures(compute, ref)
-    conv_eff = _conv_factor(compute)
     intra, coll_eff, kind_eff, coll_launch = _link_figures(name, comms, ref)
     source = (
         f"measured by cost_models.profile() on {len(devices)} x {devices[0].device_kind} "
@@ -192,7 +185,6 @@ def hardware_from_fits(
         inter_node=ref.inter_node if ref else dataclasses.replace(intra, name=f"{name}-inter"),
         matmul_efficiency=matmul_eff,
         memory_efficiency=memory_eff,
-        conv_efficiency=conv_eff,
         collective_efficiency=coll_eff,
         collective_kind_efficiency=kind_eff,
         kernel_launch_s=compute.kernel_launch_s,
@@ -205,10 +197,6 @@ def hardware_from_fits(
             ("intra_node", fitted),
             ("inter_node", ref.name if ref else "not measurable in one process: intra copy"),
             ("efficiencies", fitted),
-            ("kernel_launch_s", "intercept of the fit of in-program kernels (chains of "
-                                "step-sized matmuls, convolutions and memory-bound kernels)"),
-            ("collective_launch_s", "in-step all-reduce (between step-sized kernels) less its "
-                                    "ring latency"),
         ),
     )
 
@@ -224,27 +212,10 @@ def _compute_figures(
     ratios = [rate / ref.peak_flops_per_s(d) for d, rate in fitted.items()]
     return (
         ref.peak_flops_by_dtype,
-        _fraction(statistics.median(ratios)),
+        statistics.median(ratios),
         ref.hbm_bytes_per_s,
-        _fraction(fit.hbm_bytes_per_s / ref.hbm_bytes_per_s),
+        fit.hbm_bytes_per_s / ref.hbm_bytes_per_s,
     )
-
-
-def _fraction(x: float) -> float:
-    """An efficiency kept in ``[MIN_EFFICIENCY, 1]``: step-sized kernels are dominated by their
-    launch, so a noisy fit can find no bandwidth (or FLOP) signal at all, which the fit reports
-    as a near-infinite rate; the data sheet's figure is then the best there is."""
-    return min(max(x, MIN_EFFICIENCY), 1.0)
-
-
-def _conv_factor(fit: ComputeFit) -> float:
-    """Fitted convolution rate / matmul rate of the same dtype (median over dtypes), kept in
-    the range ``Hardware`` accepts; 1.0 when no convolution was measured."""
-    peaks = dict(fit.peak_flops_by_dtype)
-    ratios = [rate / peaks[d] for d, rate in fit.conv_flops_by_dtype if d in peaks]
-    if not ratios:
-        return 1.0
-    return min(max(statistics.median(ratios), MIN_EFFICIENCY), 1.0 / MIN_EFFICIENCY)
 
 
 def _link_figures(
