@@ -1,0 +1,49 @@
+"""Predicted HBM bytes and peak memory against XLA as an unrolled model gets deeper.
+
+``verify_matrix``'s rows (``row``: ``step.verify()`` after one step) for its tiny GPT, unrolled,
+data parallel on ``1x8``, at 2 to 16 layers. A fusion rule that is wrong by a constant shows as a
+constant ratio; one that duplicates work across layers (the residual stream re-added in every
+later layer's kernels, before ``ir.fusion``'s ``kept_whole`` rule) shows as a ratio that grows
+with depth.
+
+    python benchmarks/hbm_depth.py                 # 2, 4, 8, 16 layers (~2 minutes)
+    python benchmarks/hbm_depth.py --quick         # 2 and 4 layers
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import _common  # noqa: F401  (sets XLA_FLAGS before jax is imported)
+from verify_matrix import HEADER, TINY, row
+
+from autopar.models import gpt
+
+
+def main(argv=None):
+    args = _common.parser(__doc__).parse_args(argv)
+    out = _common.out_dir(args)
+    rows = []
+    for layers in (2, 4) if args.quick else (2, 4, 8, 16):
+        model = gpt.concrete(dataclasses.replace(TINY, layers=layers), 16)
+        rows.append(row(f"GPT unrolled, {layers} layers", model, "1x8", "dp"))
+        print("  " + "  ".join(_common._cell(x) for x in rows[-1]), flush=True)
+    hbm = [r[9] for r in rows]
+    text = [
+        "# Predicted HBM bytes and memory against XLA, by depth",
+        "",
+        "`step.verify()` of the tiny GPT of `verify_matrix` (unrolled, data parallel, 8 emulated "
+        "CPU devices) at each depth; ratios are predicted / measured.",
+        "",
+        _common.md_table(HEADER, rows),
+        "",
+        f"HBM pred/XLA from {hbm[0]:.3f} ({rows[0][0]}) to {hbm[-1]:.3f} ({rows[-1][0]}).",
+        "",
+        f"Environment: {_common.environment()}.",
+    ]
+    _common.write_csv(out / "hbm_depth.csv", HEADER, rows)
+    (out / "hbm_depth.md").write_text("\n".join(text) + "\n")
+    print(f"wrote {out / 'hbm_depth.md'}")
+
+
+if __name__ == "__main__":
+    main()
