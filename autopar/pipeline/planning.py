@@ -1,12 +1,14 @@
 """Planning a pipeline: stage costs from the intra-op planner, schedules priced, choices searched.
 
 Costs are analytic, never profiled. The ops of one layer, of the embedding and of the head are
-traced at one microbatch and planned by the existing ILP on the *submesh* (the mesh without the
-pipeline axis), forward and backward (the backward recomputes the forward: ``jax.vjp``, as the
+traced at one data shard's rows of a microbatch and planned by the existing ILP on the tensor
+axis alone (the runtime's data axes are manual: a device runs its rows with no data-axis
+collective), forward and backward (the backward recomputes the forward: ``jax.vjp``, as the
 runtime does). A chunk's action costs its layers' sums; the schedule's lockstep ticks
 (``schedules.price``) add the collective-permute of each tick's activations and cotangents on
-the pipeline axis' link. The step adds the stage-axis all-reduce of the embedding and head
-gradients and the optimizer's pass over the stage's parameters.
+the pipeline axis' link. The step adds the gradient reductions the runtime makes once, after
+the tick loop (the embedding's and head's over stage and data axes, the layers' over the data
+axes) and the optimizer's pass over the stage's parameters.
 
 Per-device memory of stage ``s``: its parameters, gradient accumulators and Adam moments
 (``4 x`` its parameter bytes), the step's new state (``3 x``, no donation), the buffers its
@@ -88,8 +90,15 @@ def parse(pipeline, sizes: dict, model: StagedModel, rows: int) -> Pins:
     return pins
 
 
+TENSOR_AXIS = "model"      # the runtime's tensor-parallel axis inside a stage
+
+
+def _data_axes(sizes: dict, axis: str) -> tuple[str, ...]:
+    return tuple(a for a in sizes if a not in (axis, TENSOR_AXIS))
+
+
 def _data_shards(sizes: dict, axis: str) -> int:
-    return math.prod(n for a, n in sizes.items() if a not in (axis, "model"))
+    return math.prod(sizes[a] for a in _data_axes(sizes, axis))
 
 
 def _check_rows(rows: int, m: int, sizes: dict, axis: str) -> None:
@@ -132,13 +141,17 @@ def _sub_plan(fn, args, submesh: dict, hardware, time_limit_s: float, strategy="
 
 def stage_costs(model: StagedModel, params, batch, rows: int, sizes: dict, axis: str,
                 hardware, time_limit_s: float = 10.0, strategy="auto") -> Costs:
-    """Per-microbatch costs of ``rows`` rows, planned on the mesh without ``axis`` by the ILP
-    (``strategy="auto"``) or under a hand-written strategy."""
+    """Per-microbatch costs of ``rows`` rows (the whole microbatch, over every data shard), as
+    one device of a stage runs them: the data axes are manual in the runtime's shard_map, so a
+    device computes its data shard's ``rows / shards`` rows with no data-axis collective (the
+    gradients are reduced once per step, after the tick loop: ``price``), planned by the ILP
+    (``strategy="auto"``) or a hand-written strategy on the tensor axis alone."""
     layers, rest = model.split(params)
     layer = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), layers)
-    mb = jax.tree_util.tree_map(lambda a: _spec(a, rows), batch)
+    shard_rows = _shard_rows(rows, sizes, axis)
+    mb = jax.tree_util.tree_map(lambda a: _spec(a, shard_rows), batch)
     x = jax.eval_shape(model.embed, rest, mb)
-    sub = {a: n for a, n in sizes.items() if a != axis} or {"data": 1}
+    sub = {a: n for a, n in sizes.items() if a == TENSOR_AXIS} or {"data": 1}
     plan = functools.partial(_sub_plan, submesh=sub, hardware=hardware,
                              time_limit_s=time_limit_s, strategy=strategy)
     lf = plan(model.layer, (layer, x))
@@ -148,9 +161,18 @@ def stage_costs(model: StagedModel, params, batch, rows: int, sizes: dict, axis:
     hf = plan(model.head_loss, (rest, x, mb))
     hb = plan(jax.grad(model.head_loss, argnums=(0, 1)), (rest, x, mb))
     plans = (lf, lb, ef, eb, hf, hb)
-    act = x.size * x.dtype.itemsize / _data_shards(sizes, axis)
+    act = x.size * x.dtype.itemsize
     return Costs(*(p.cost.step_time_s for p in plans), lb.cost.peak_memory_bytes, act,
                  sum(p.solver.solve_s + p.solver.build_s for p in plans))
+
+
+def _shard_rows(rows: int, sizes: dict, axis: str) -> int:
+    shards = _data_shards(sizes, axis)
+    if rows % shards:
+        raise AutoparError(f"a microbatch of {rows} rows does not split over the {shards} data "
+                           f"shards of the mesh {sizes}; use fewer microbatches or a batch whose "
+                           f"microbatches are a multiple of {shards} rows")
+    return rows // shards
 
 
 # ---- a candidate priced -----------------------------------------------------------------------
@@ -179,7 +201,8 @@ def price(model: StagedModel, params, costs: Costs, sizes: dict, axis: str, hw,
     timeline = S.price(sch, duration, lambda t, f, b: hop * (f + b))
     layer_bytes, rest_bytes = _param_bytes(model, params, sizes)
     on = [[length[c] for c in range(s, k, p)] for s in range(p)]     # chunk lengths of stage s
-    sync = cm.collective_time_s("all-reduce", rest_bytes, axis)
+    sync = _gradient_sync_s(cm, sizes, axis, rest_bytes,
+                            layer_bytes * max(sum(n) for n in on))
     move_s, pad = _unequal_overheads(cm, ranges, p, layer_bytes, axis, model.num_layers)
     optimizer = 12 * max(layer_bytes * sum(n) + rest_bytes for n in on) / hw.hbm_bytes_per_s
     slots = _buffer_slots(sch)[0]
@@ -190,6 +213,14 @@ def price(model: StagedModel, params, costs: Costs, sizes: dict, axis: str, hw,
                         timeline.bubble_fraction, timeline.busy_s, memory, S.in_flight(sch),
                         timeline.makespan_s + sync + optimizer + move_s, costs.act_bytes,
                         costs.layer_f, costs.layer_b)
+
+
+def _gradient_sync_s(cm, sizes: dict, axis: str, rest_bytes: float, stage_layer_bytes: float):
+    """The runtime's gradient reductions after the tick loop: the embedding's and head's over
+    the stage and data axes, each stage's layers' over the data axes."""
+    data = _data_axes(sizes, axis)
+    t = cm.collective_time_s("all-reduce", rest_bytes, (axis, *data))
+    return t + (cm.collective_time_s("all-reduce", stage_layer_bytes, data) if data else 0.0)
 
 
 def _unequal_overheads(cm, ranges, p: int, layer_bytes: float, axis: str, layers: int):
