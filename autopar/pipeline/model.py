@@ -78,6 +78,13 @@ def _put(tree: dict, path: tuple[str, ...], value) -> dict:
     return {**tree, head: _put(tree[head], tuple(tail), value) if tail else value}
 
 
+def tensor_dim(tensor_dims: Mapping[str, int], keys) -> int | None:
+    """The dim ``tensor_dims`` names for a parameter at path ``keys``: by its last three keys
+    first ("mlp/c_proj/kernel"), then its last two ("fc1/kernel")."""
+    keys = tuple(keys)
+    return tensor_dims.get("/".join(keys[-3:]), tensor_dims.get("/".join(keys[-2:])))
+
+
 def staged_model_of(step: Callable) -> StagedModel:
     """The ``StagedModel`` a step declares, or an ``AutoparError`` naming how to get one."""
     model = getattr(step, ATTRIBUTE, None)

@@ -40,6 +40,7 @@ from autopar.pipeline import dp
 from autopar.pipeline import schedules as S
 from autopar.pipeline.model import StagedModel
 from autopar.pipeline.record import PipelinePlan
+from autopar.pipeline.runtime import TENSOR_AXIS, data_axes, equal_ranges
 
 OPTIONS = ("axis", "stages", "microbatches", "schedule", "virtual_stages")
 ADAM_STATE = 4          # parameters + gradient accumulator + two moments
@@ -90,15 +91,8 @@ def parse(pipeline, sizes: dict, model: StagedModel, rows: int) -> Pins:
     return pins
 
 
-TENSOR_AXIS = "model"      # the runtime's tensor-parallel axis inside a stage
-
-
-def _data_axes(sizes: dict, axis: str) -> tuple[str, ...]:
-    return tuple(a for a in sizes if a not in (axis, TENSOR_AXIS))
-
-
 def _data_shards(sizes: dict, axis: str) -> int:
-    return math.prod(sizes[a] for a in _data_axes(sizes, axis))
+    return math.prod(sizes[a] for a in data_axes(sizes, axis))
 
 
 def _check_rows(rows: int, m: int, sizes: dict, axis: str) -> None:
@@ -218,7 +212,7 @@ def price(model: StagedModel, params, costs: Costs, sizes: dict, axis: str, hw,
 def _gradient_sync_s(cm, sizes: dict, axis: str, rest_bytes: float, stage_layer_bytes: float):
     """The runtime's gradient reductions after the tick loop: the embedding's and head's over
     the stage and data axes, each stage's layers' over the data axes."""
-    data = _data_axes(sizes, axis)
+    data = data_axes(sizes, axis)
     t = cm.collective_time_s("all-reduce", rest_bytes, (axis, *data))
     return t + (cm.collective_time_s("all-reduce", stage_layer_bytes, data) if data else 0.0)
 
@@ -238,15 +232,10 @@ def _unequal_overheads(cm, ranges, p: int, layer_bytes: float, axis: str, layers
     return move, 2 * layer_bytes * max(lengths) * len(ranges) / p + stack
 
 
-def equal_ranges(layers: int, chunks: int) -> tuple[tuple[int, int], ...]:
-    lc = layers // chunks
-    return tuple((c * lc, (c + 1) * lc) for c in range(chunks))
-
-
 def _param_bytes(model: StagedModel, params, sizes: dict) -> tuple[float, float]:
     """(bytes of one layer's parameters per device of a stage, bytes of the rest)."""
     layers, rest = model.split(params)
-    return _bytes(layers) / model.num_layers / sizes.get("model", 1), _bytes(rest)
+    return _bytes(layers) / model.num_layers / sizes.get(TENSOR_AXIS, 1), _bytes(rest)
 
 
 def stage_bytes(n_layers, longest, layer_bytes: float, rest_bytes: float, slots: int,
@@ -452,7 +441,7 @@ def _assemble(model, graph, state, batch, pp: PipelinePlan, sizes, hw, budget, s
     from autopar.pipeline.runtime import batch_spec, state_specs
     from autopar.plan import Collective, CostBreakdown, Plan, SolverStats
 
-    tensor = "model" if "model" in sizes else None
+    tensor = TENSOR_AXIS if TENSOR_AXIS in sizes else None
     specs = (state_specs(model, state, pp.axis, tensor, pp.stages),
              jax.tree_util.tree_map(lambda a: batch_spec(a.ndim, sizes, pp.axis), batch))
     ins = tuple(_sharding(s, len(v.shape)) for s, v in zip(

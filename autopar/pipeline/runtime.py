@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from autopar.errors import AutoparError
 from autopar.pipeline import schedules as S
-from autopar.pipeline.model import StagedModel
+from autopar.pipeline.model import StagedModel, tensor_dim
 
 NONE, FWD, BWD = 0, 1, 2
 FIELDS = ("kind", "mb", "virtual", "chunk", "in_slot", "stash_slot")
@@ -104,8 +104,7 @@ def state_specs(model: StagedModel, state, axis: str, tensor_axis: str | None,
         if model.layers_key not in names or not getattr(leaf, "ndim", 0):
             return P()
         dims = [axis if leaf.shape[0] % stages == 0 else None] + [None] * (leaf.ndim - 1)
-        d = model.tensor_dims.get("/".join(names[-3:]),   # "mlp/c_proj/kernel" first
-                                  model.tensor_dims.get("/".join(names[-2:])))
+        d = tensor_dim(model.tensor_dims, names)
         if tensor_axis is not None and d is not None:
             dims[1 + d] = tensor_axis
         return P(*dims)
@@ -113,10 +112,23 @@ def state_specs(model: StagedModel, state, axis: str, tensor_axis: str | None,
     return jax.tree_util.tree_map_with_path(spec, state)
 
 
-def batch_spec(rank: int, sizes: dict, axis: str, tensor_axis: str | None = "model"):
+TENSOR_AXIS = "model"      # the axis a stage's Megatron layouts split (build_step's default)
+
+
+def data_axes(names, axis: str, tensor_axis: str | None = TENSOR_AXIS) -> tuple[str, ...]:
+    """The mesh axes (of ``names``) a batch's rows are split over: all but the pipeline and
+    tensor axes."""
+    return tuple(a for a in names if a not in (axis, tensor_axis))
+
+
+def batch_spec(rank: int, sizes: dict, axis: str, tensor_axis: str | None = TENSOR_AXIS):
     """Batch inputs: rows over every axis but the pipeline and tensor axes."""
-    data = tuple(a for a in sizes if a not in (axis, tensor_axis))
-    return P(data or None) if rank else P()
+    return P(data_axes(sizes, axis, tensor_axis) or None) if rank else P()
+
+
+def equal_ranges(layers: int, chunks: int) -> tuple[tuple[int, int], ...]:
+    lc = layers // chunks
+    return tuple((c * lc, (c + 1) * lc) for c in range(chunks))
 
 
 # ---- chunks of the layer stack -----------------------------------------------------------------
@@ -136,8 +148,7 @@ class ChunkLayout:
     @staticmethod
     def of(layers: int, sch: S.Schedule, ranges=None) -> ChunkLayout:
         p, v, k = sch.stages, sch.virtual, sch.chunks
-        if ranges is None:
-            ranges = [(c * (layers // k), (c + 1) * (layers // k)) for c in range(k)]
+        ranges = equal_ranges(layers, k) if ranges is None else ranges
         longest = max(max(b - a for a, b in ranges), 1)
         index = np.zeros((p, v, longest), np.int32)
         valid = np.zeros((p, v, longest), bool)
@@ -165,22 +176,21 @@ class ChunkLayout:
 
 # ---- the step ---------------------------------------------------------------------------------
 def build_step(model: StagedModel, mesh, schedule: S.Schedule, axis: str = "stage",
-               tensor_axis: str | None = "model", donate: bool = False, ranges=None):
+               tensor_axis: str | None = TENSOR_AXIS, donate: bool = False, ranges=None):
     """A jitted ``step(state, batch) -> (state, loss)`` running ``schedule`` over ``axis``;
     ``ranges``: the layers ``[start, end)`` of each chunk (default equal chunks)."""
     _check(model, mesh, schedule, axis, ranges)
     lay = ChunkLayout.of(model.num_layers, schedule, ranges)
     tensor_axis = tensor_axis if tensor_axis in mesh.axis_names else None
-    data_axes = tuple(a for a in mesh.axis_names if a not in (axis, tensor_axis))
     sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
-    grads = _grads_fn(model, mesh, schedule, axis, {a: sizes[a] for a in data_axes},
-                      tables(schedule), lay)
+    data = {a: sizes[a] for a in data_axes(sizes, axis, tensor_axis)}
+    grads = _grads_fn(model, mesh, schedule, axis, data, tables(schedule), lay)
 
     def loss_and_grads(params, batch):
-        _check_rows(batch, schedule.microbatches, {a: sizes[a] for a in data_axes})
+        _check_rows(batch, schedule.microbatches, data)
         layers, rest = model.split(params)
         micro = jax.tree_util.tree_map(
-            lambda x: _microbatches(x, schedule.microbatches, mesh, data_axes), batch)
+            lambda x: _microbatches(x, schedule.microbatches, mesh, tuple(data)), batch)
         g_layers, g_rest, loss = grads(jax.tree_util.tree_map(lay.to_stages, layers), rest,
                                        micro)
         return loss, model.join(jax.tree_util.tree_map(lay.from_stages, g_layers), g_rest)
@@ -194,7 +204,6 @@ def build_step(model: StagedModel, mesh, schedule: S.Schedule, axis: str = "stag
     def shardings(state, batch):
         st = jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), state_specs(
             model, state, axis, tensor_axis, schedule.stages))
-        sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
         bt = jax.tree_util.tree_map(
             lambda x: NamedSharding(mesh, batch_spec(x.ndim, sizes, axis, tensor_axis)), batch)
         return st, bt
@@ -255,11 +264,11 @@ class PipelinedStep:
         return state if self.stacking is None else jax.jit(self.stacking.unstack_state)(state)
 
 
-def _microbatches(x, m: int, mesh, data_axes):
+def _microbatches(x, m: int, mesh, axes):
     """(B, ...) -> (M, B / M, ...), row ``i`` to microbatch ``i % M``; rows stay on their data
     shards."""
     x = jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1)
-    spec = P(None, data_axes or None, *([None] * (x.ndim - 2)))
+    spec = P(None, axes or None, *([None] * (x.ndim - 2)))
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 

@@ -24,35 +24,32 @@ from collections.abc import Mapping
 import jax
 
 from autopar.errors import ShardingError
+from autopar.pipeline.model import tensor_dim
+from autopar.pipeline.runtime import data_axes
 from autopar.strategies.roles import path_keys
 
 
 @dataclasses.dataclass(frozen=True)
 class StageLayouts:
     """Input layouts of one stage's sub-plans (a layer, the embedding, the head): the layer
-    kernels ``tensor_dims`` names split over ``tensor_axis``, other parameters (argument 0)
-    replicated, activations and batch rows over the remaining axes."""
+    kernels ``tensor_dims`` names split over ``tensor_axis``, everything else replicated: the
+    sub-plans are one data shard's rows on the tensor axis alone (``planning.stage_costs``)."""
 
     tensor_dims: Mapping[str, int]
     tensor_axis: str = "model"
     name: str = "megatron_3d stage"
 
     def fix_inputs(self, graph, mesh: Mapping[str, int]) -> dict[int, tuple]:
-        data = tuple(a for a in mesh if a != self.tensor_axis and mesh[a] > 1)
-        rows = math.prod(mesh[a] for a in data)
         out = {}
         for k, path in enumerate(graph.input_paths):
             shape = graph.values[graph.inputs[k]].shape
             dims: list[tuple] = [()] * len(shape)
             keys = path_keys(path)
             if keys[:1] == ("0",):
-                d = self.tensor_dims.get("/".join(keys[-3:]),       # as the runtime looks up
-                                         self.tensor_dims.get("/".join(keys[-2:])))
+                d = tensor_dim(self.tensor_dims, keys)     # as the runtime looks it up
                 t = mesh.get(self.tensor_axis, 1)
                 if d is not None and t > 1 and d < len(shape) and shape[d] % t == 0:
                     dims[d] = (self.tensor_axis,)
-            elif shape and data and shape[0] % rows == 0:
-                dims[0] = data
             out[k] = tuple(dims)
         return out
 
@@ -80,7 +77,7 @@ class Megatron3D:
             raise ShardingError(f"megatron_3d pipelines over mesh axis {self.stage_axis!r}, which"
                                 f" the mesh {dict(sizes)} lacks; add it (e.g. {{'stage': 2, "
                                 f"**mesh}}) or pass stage_axis= naming one of {list(sizes)}")
-        shards = math.prod(n for a, n in sizes.items() if a not in (self.stage_axis, "model"))
+        shards = math.prod(sizes[a] for a in data_axes(sizes, self.stage_axis))
         m = self.microbatches or max(rows // shards, 1)
         return {"axis": self.stage_axis, "stages": sizes[self.stage_axis], "microbatches": m,
                 "schedule": self.schedule, "virtual_stages": self.virtual_stages}
