@@ -187,13 +187,6 @@ def test_op_without_a_rule_is_listed_with_its_source_line():
     assert again.replicated_fallbacks == plan.replicated_fallbacks
 
 
-def test_fallback_marker_is_the_planners():
-    plan_module = importlib.import_module("autopar.plan")   # autopar.plan is also a function
-    assert plan_module.FALLBACK == rules.FALLBACK
-    assert all(name.startswith(rules.FALLBACK) for name in (rules.NO_RULE, rules.OPAQUE,
-                                                            rules.LATE))
-
-
 def test_while_loop_is_listed_as_opaque():
     def f(x):
         return jax.lax.while_loop(lambda y: y.sum() < 1e3, lambda y: y * 2.0, x).sum()
