@@ -149,11 +149,19 @@ class _Kernels:
             op_id = self.kernel[op_id]
         return op_id
 
+    def kernels_of(self, op_id: int) -> set[int]:
+        """The kernels ``op_id`` runs in: each of its copies', else its own."""
+        return self.copies.get(op_id) or {self.find(op_id)}
+
+    def reduces(self, kernels) -> bool:
+        """Some kernel of ``kernels`` (ids of this list's ops) is a reduction's."""
+        return any(self.by_id[t].prim in REDUCTIONS for t in kernels)
+
     def user_kernels(self, v: int) -> set[int]:
         """Kernels that read value ``v`` (a duplicated reader counts as each of its copies)."""
         out: set[int] = set()
         for u in self.consumers.get(v, ()):
-            out |= self.copies.get(u.id) or {self.find(u.id)}
+            out |= self.kernels_of(u.id)
         return out
 
     def fuse(self) -> None:
@@ -203,7 +211,7 @@ class _Kernels:
         if op.prim != "broadcast_in_dim" or self.values[op.outs[0]].nbytes <= sum(
                 self.values[v].nbytes for v in op.ins):
             return False
-        return any(self.by_id[t].prim in REDUCTIONS for t in targets if t in self.by_id)
+        return self.reduces(targets)
 
     def broadcast_buffers(self) -> list[tuple[int, tuple[int, ...]]]:
         """Operands an elementwise op broadcasts implicitly (a dim of size 1 where its result's
@@ -230,14 +238,13 @@ class _Kernels:
 
     def in_reduction(self, op: Op) -> bool:
         """Some kernel ``op`` runs in (a duplicated op runs in several) is a reduction's."""
-        return any(self.by_id[t].prim in REDUCTIONS
-                   for t in self.copies.get(op.id) or {self.find(op.id)} if t in self.by_id)
+        return self.reduces(self.kernels_of(op.id))
 
     def members(self) -> dict[int, list[Op]]:
         """kernel id -> its ops in order, duplicated producers included in each copy."""
         out: dict[int, list[Op]] = defaultdict(list)
         for op in self.ops:
-            for k in self.copies.get(op.id) or {self.find(op.id)}:
+            for k in self.kernels_of(op.id):
                 out[k].append(op)
         return out
 
