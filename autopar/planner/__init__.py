@@ -182,11 +182,11 @@ def make_plan(graph: Graph, mesh: Mapping[str, int], cost_model,
     build_s = time.perf_counter() - t0
     sol = ilp.solve(prob, cost_model, options.memory_budget, options.time_limit_s, allowed, hint,
                     clock=clock, hint_name=hint_name, seeds=seeds)
-    sol = _within_budget(prob, sol, cost_model, options, allowed, clock)
+    sol, peak = _within_budget(prob, sol, cost_model, options, allowed, clock)
     stats = SolverStats(sol.status, sol.gap, sol.solve_s, build_s, trace_s, prob.num_decisions,
                         sol.num_vars, sol.num_constraints, sol.candidates)
     plan = assemble(prob, sol.choice, cost_model, cost_model.hw.name, options.strategy,
-                    options.memory_budget, stats)
+                    options.memory_budget, stats, peak)
     plan = kernel_choice.finish(plan, prob, sol.choice, cost_model)
     _warn_over_budget(plan, options.memory_budget)
     return plan
@@ -195,20 +195,22 @@ def make_plan(graph: Graph, mesh: Mapping[str, int], cost_model,
 def _within_budget(prob, sol, cost_model, options, allowed, clock):
     """The solver's memory constraint does not see resharded copies (``planner.memory``). When
     the chosen plan's full estimate exceeds the budget, solve once more with the budget lowered
-    by the overshoot and keep that plan if it fits; otherwise keep the first (and warn)."""
+    by the overshoot and keep that plan if it fits; otherwise keep the first (and warn).
+    Returns (the solution, its estimated peak; None when no budget asked for one)."""
     budget = options.memory_budget
     if budget is None:
-        return sol
-    over = memory.estimate(prob, sol.choice).peak - budget
-    if over <= 0 or clock.spent(SEARCH_BEFORE):
-        return sol
+        return sol, None
+    peak = memory.estimate(prob, sol.choice).peak
+    if peak <= budget or clock.spent(SEARCH_BEFORE):
+        return sol, peak
     try:
         hint = sol.choice if isinstance(sol.choice, Mapping) else dict(enumerate(sol.choice))
-        again = ilp.solve(prob, cost_model, budget - over, options.time_limit_s, allowed, hint,
-                          clock=clock, hint_name="FIRST SOLUTION")
+        again = ilp.solve(prob, cost_model, budget - (peak - budget), options.time_limit_s,
+                          allowed, hint, clock=clock, hint_name="FIRST SOLUTION")
     except PlanError:
-        return sol
-    return again if memory.estimate(prob, again.choice).peak <= budget else sol
+        return sol, peak
+    peak_again = memory.estimate(prob, again.choice).peak
+    return (again, peak_again) if peak_again <= budget else (sol, peak)
 
 
 def _warn_over_budget(plan: Plan, budget: float | None) -> None:
@@ -333,7 +335,8 @@ def _top_level_reduces(g, colls) -> list[tuple[int, tuple[str, ...]]]:
 
 
 def assemble(prob: problem.Problem, choice, cm, hardware_name: str, strategy: str,
-             memory_budget: float | None, stats: SolverStats) -> Plan:
+             memory_budget: float | None, stats: SolverStats, peak: float | None = None) -> Plan:
+    """The ``Plan`` of ``choice``; ``peak``: its estimated peak memory when the caller has it."""
     g = prob.graph
     tally = _collectives(prob, choice, cm)
     colls = tally.collectives
@@ -349,7 +352,8 @@ def assemble(prob: problem.Problem, choice, cm, hardware_name: str, strategy: st
     if refund:
         by_kind["all-reduce"] = max(by_kind.get("all-reduce", 0.0) - refund, 0.0)
     cost = CostBreakdown(compute + comm + transition + dispatch, compute, comm, transition,
-                         memory.estimate(prob, choice).peak, memory_budget,
+                         memory.estimate(prob, choice).peak if peak is None else peak,
+                         memory_budget,
                          tuple(sorted(by_kind.items(), key=lambda kv: -kv[1])), dispatch,
                          _bytes_by_kind(colls), _hbm_bytes(prob, choice, tally))
     in_layout = tuple(prob.groups[prob.input_group[k]].shard[v][choice[prob.input_group[k]]]

@@ -56,16 +56,7 @@ class MemoryEstimate:
 
 
 def estimate(prob: Problem, choice) -> MemoryEstimate:
-    """The per-device memory of ``prob`` under ``choice`` (group id -> strategy index). The
-    last answer is kept: the planner checks the budget and then reports the same plan."""
-    key = tuple(choice[g.id] for g in prob.groups)
-    last = prob.__dict__.get("_last_estimate")
-    if last is None or last[0] != key:
-        last = prob.__dict__["_last_estimate"] = (key, _estimate(prob, choice))
-    return last[1]
-
-
-def _estimate(prob: Problem, choice) -> MemoryEstimate:
+    """The per-device memory of ``prob`` under ``choice`` (group id -> strategy index)."""
     g = prob.graph
     nbytes = _sizer(prob, choice)
     resident = sum(nbytes(v) for v in prob.const_values)
