@@ -394,10 +394,7 @@ class _Pipelined:
         return self._last
 
     def __call__(self, *args, **kwargs):
-        from autopar.pipeline.planning import stacked_args
-
         _no_kwargs(self, kwargs)
-        stacked_args(self.fn, args, run=True)     # an unrolled model's state: stack_state first
         return self._step(args, run=True)(*args)
 
     def lower(self, *args, **kwargs):
@@ -429,6 +426,8 @@ class _Pipelined:
 
         key = validate.signature(args, validate.leaf_types(args, run=run))
         if key not in self._runs:
+            if run:     # an unrolled model's own layout is refused before planning it
+                planning.stacked_args(self.fn, args, run=True)
             made = self._given or plan(self.fn, *args, mesh=self.mesh, pipeline=self.pipeline,
                                        **self._options)
             self._runs[key] = (made, planning.executable(made, self.fn, self.mesh))

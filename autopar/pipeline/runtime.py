@@ -38,6 +38,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from autopar import validate
 from autopar.errors import AutoparError
 from autopar.pipeline import schedules as S
 from autopar.pipeline.model import StagedModel, tensor_dim
@@ -231,9 +232,7 @@ class PipelinedStep:
         from autopar.pipeline.unrolled import require_stacked
 
         require_stacked(self.stacking, state)
-        leaves, tree = jax.tree_util.tree_flatten((state, batch))
-        key = (tree, tuple((tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x))))
-                           for x in leaves))
+        key = validate.signature((state, batch), jax.tree_util.tree_leaves((state, batch)))
         if key not in self.built:
             st, bt = self.in_shardings_of(state, batch)
             self.built[key] = (st, bt), jax.jit(
