@@ -40,7 +40,7 @@ from autopar.pipeline import dp
 from autopar.pipeline import schedules as S
 from autopar.pipeline.model import StagedModel
 from autopar.pipeline.record import PipelinePlan
-from autopar.pipeline.runtime import TENSOR_AXIS, data_axes, equal_ranges
+from autopar.pipeline.runtime import TENSOR_AXIS, data_axes, equal_ranges, rows_split
 
 OPTIONS = ("axis", "stages", "microbatches", "schedule", "virtual_stages")
 ADAM_STATE = 4          # parameters + gradient accumulator + two moments
@@ -97,7 +97,7 @@ def _data_shards(sizes: dict, axis: str) -> int:
 
 def _check_rows(rows: int, m: int, sizes: dict, axis: str) -> None:
     shards = _data_shards(sizes, axis)
-    if rows % m or (rows // m) % shards:
+    if not rows_split(rows, m, shards):
         raise AutoparError(f"a batch of {rows} rows does not split into microbatches={m} of "
                            f"whole rows on each of {shards} data shards; choose microbatches "
                            f"dividing {rows // shards if rows % shards == 0 else rows}")
@@ -162,7 +162,7 @@ def stage_costs(model: StagedModel, params, batch, rows: int, sizes: dict, axis:
 
 def _shard_rows(rows: int, sizes: dict, axis: str) -> int:
     shards = _data_shards(sizes, axis)
-    if rows % shards:
+    if not rows_split(rows, 1, shards):
         raise AutoparError(f"a microbatch of {rows} rows does not split over the {shards} data "
                            f"shards of the mesh {sizes}; use fewer microbatches or a batch whose "
                            f"microbatches are a multiple of {shards} rows")
@@ -302,7 +302,7 @@ def candidates(pins: Pins, model: StagedModel, rows: int, sizes: dict):
     p = pins.stages
     shards = _data_shards(sizes, pins.axis)
     ms = [pins.microbatches] if pins.microbatches else [
-        m for m in (p, 2 * p, 4 * p, 8 * p) if rows % m == 0 and (rows // m) % shards == 0]
+        m for m in (p, 2 * p, 4 * p, 8 * p) if rows_split(rows, m, shards)]
     vs = [pins.virtual_stages] if pins.virtual_stages else [
         v for v in (1, 2, 4) if model.num_layers % (p * v) == 0]
     names = [S.check(pins.schedule, p, 1, p)] if pins.schedule else list(S.SCHEDULES)

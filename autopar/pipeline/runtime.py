@@ -299,11 +299,16 @@ def _check_ranges(ranges: tuple, layers: int, chunks: int) -> None:
                            f"{layers}, e.g. {[(0, layers - 1), (layers - 1, layers)]} for two")
 
 
+def rows_split(rows: int, m: int, shards: int) -> bool:
+    """``rows`` split into ``m`` microbatches of whole rows on each of ``shards`` data shards."""
+    return rows % m == 0 and (rows // m) % shards == 0
+
+
 def _check_rows(batch, m: int, data: dict) -> None:
     shards = math.prod(data.values())
     for path, x in jax.tree_util.tree_leaves_with_path(batch):
         rows = x.shape[0] if x.ndim else 0
-        if x.ndim and (rows % m or rows // m % shards):
+        if x.ndim and not rows_split(rows, m, shards):
             raise AutoparError(
                 f"batch{jax.tree_util.keystr(path)} has {rows} rows, which do not split into "
                 f"microbatches={m} of equal row counts on each of the {shards} data shards "
