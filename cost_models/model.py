@@ -174,7 +174,11 @@ class CostModel:
         n = self.group_size(axes_t) if axes_t else 1
         if n <= 1:
             return 0.0
-        link = self.group_link(axes_t)
+        return self.collective_on_link_s(kind, nbytes, n, self.group_link(axes_t))
+
+    def collective_on_link_s(self, kind: str, nbytes: float, n: int, link) -> float:
+        """``collective_time_s`` of a group of ``n`` devices on a given ``link`` (``Link``), for
+        callers that know which link a group crosses (a pipeline's stage boundaries)."""
         bw = (
             link.bandwidth_bytes_per_s
             * self.hw.collective_efficiency

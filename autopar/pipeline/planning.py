@@ -259,17 +259,13 @@ def boundary_hops_s(sizes: dict, axis: str, hw, nbytes: float) -> tuple[float, .
     """Per boundary between stages ``k`` and ``k + 1``: one activation forward and one cotangent
     back on the link that boundary crosses (inter-node when a device of stage ``k`` and its
     partner in stage ``k + 1`` sit in different nodes, devices numbered in mesh order)."""
-    from cost_models.collectives import COLLECTIVE_RULES
-
     ids = np.arange(math.prod(sizes.values())).reshape(tuple(sizes.values()))
     nodes = np.moveaxis(ids, list(sizes).index(axis), 0) // hw.devices_per_node
-    eff = hw.collective_efficiency * hw.kind_efficiency("collective-permute")
+    cm = cost_models.CostModel(hw, sizes)
     out = []
     for k in range(sizes[axis] - 1):
         link = hw.inter_node if np.any(nodes[k] != nodes[k + 1]) else hw.intra_node
-        one = COLLECTIVE_RULES["collective-permute"](nbytes, 2, link.bandwidth_bytes_per_s * eff,
-                                                     link.latency_s)
-        out.append(2 * (one + hw.collective_launch_s))
+        out.append(2 * cm.collective_on_link_s("collective-permute", nbytes, 2, link))
     return tuple(out)
 
 
