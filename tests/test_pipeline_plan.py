@@ -62,19 +62,10 @@ def test_pipeline_plan_json_round_trip(pinned):
         autopar.Plan.from_json(json.dumps(d))
 
 
-def test_pinned_plan_runs_as_planned(gpt_step, pinned):
-    step, state, batch = gpt_step
-    ref_state, ref_loss = jax.jit(step)(state, batch)
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("stage", "data"))
-    new, loss = PL.executable(pinned, step, mesh)(state, batch)
-    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
-    layout = new["params"]["layers"]["attn"]["qkv"]["kernel"].sharding.spec
-    assert tuple(layout)[:1] == ("stage",)
-
-
 def test_autoparallel_runs_a_pipelined_plan(gpt_step, pinned):
     """``@autoparallel(pipeline=...)`` plans once per signature and runs the pipelined step; a
-    saved pipelined plan runs through ``plan=`` alike. Both equal the unsharded step."""
+    saved pipelined plan runs through ``plan=`` alike (``planning.executable``). Both equal the
+    unsharded step; the stacked layers live on their stages."""
     step, state, batch = gpt_step
     ref_state, ref_loss = jax.jit(step)(state, batch)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("stage", "data"))
@@ -89,6 +80,8 @@ def test_autoparallel_runs_a_pipelined_plan(gpt_step, pinned):
         for a, b in zip(jax.tree.leaves(new["params"]), jax.tree.leaves(ref_state["params"])):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=5e-5)
         assert run.plan.pipeline.schedule == "1f1b" and run.plan.pipeline.stages == 4
+        layout = new["params"]["layers"]["attn"]["qkv"]["kernel"].sharding.spec
+        assert tuple(layout)[:1] == ("stage",)
     first = auto.plan
     auto(state, batch)
     assert auto.plan is first          # same signature: planned once
