@@ -1,6 +1,8 @@
 """Pipelining unrolled models (autopar's GPT with scan=False, HF's Flax GPT-2): their numbered
 layers found and stacked, and the pipelined step equal to the user's own unsharded step."""
 import dataclasses
+import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -26,12 +28,18 @@ def _gpt():
     return step, init(jax.random.PRNGKey(0), 8), gpt.make_batch(CFG, 8)
 
 
-def _hf_gpt2():
+def _hf_config():
     pytest.importorskip("transformers", reason="the dev extra installs transformers 4.x")
+    from autopar.models import hf
+
+    return hf.tiny("gpt2", layers=4, width=32)          # 4 heads of 8, MLP 64 wide
+
+
+def _hf_gpt2():
     from autopar.models import hf
     from autopar.pipeline import hf as PH
 
-    config = hf.tiny("gpt2", layers=4, width=32)
+    config = _hf_config()
     step, init = PH.gpt2_train_step(config, LR)
     return step, init(jax.random.PRNGKey(0)), hf.make_batch("gpt2", config, 8, seq=8)
 
@@ -68,7 +76,9 @@ def _close(a, b, rel: float = 0.0, atol: float = 0.0):
 # ---- the layers found and stacked -------------------------------------------------------------
 @pytest.mark.parametrize("name,want", [
     ("gpt", U.Stacking((), "layer_", 4, "layer", False)),
-    ("hf_gpt2", U.Stacking(("transformer", "h"), "", 4, "layers", True))])
+    ("hf_gpt2", U.Stacking(("transformer", "h"), "", 4, "layers", True, (
+        ("attn/c_attn/kernel", (96, 32), (3, 4, 8, 32)), ("attn/c_attn/bias", (96,), (3, 4, 8)),
+        ("attn/c_proj/kernel", (32, 32), (32, 4, 8)))))])
 def test_layers_are_found_and_stack_back_exactly(models, name, want):
     step, state, *_ = models(name)
     sm = PM.staged_model_of(step)
@@ -76,6 +86,12 @@ def test_layers_are_found_and_stack_back_exactly(models, name, want):
     stacked = sm.stacking.stack_state(state)
     layers, rest = sm.split(stacked["params"])
     assert all(x.shape[0] == 4 for x in jax.tree_util.tree_leaves(layers))
+    for path, own, view in want.views:      # row-major reshapes of each layer's leaf
+        keys = path.split("/")
+        got = functools.reduce(operator.getitem, keys, layers)[1]
+        user = functools.reduce(operator.getitem, keys, state["params"]["transformer"]["h"]["1"])
+        assert got.shape == view and user.shape == own
+        np.testing.assert_array_equal(got.reshape(own), user)
     n = len(jax.tree_util.tree_leaves(state["params"]))      # 4 layers' leaves and the rest's
     assert n == 4 * len(jax.tree_util.tree_leaves(layers)) + len(jax.tree_util.tree_leaves(rest))
     adam = stacked["opt_state"][0]        # Adam's moments stacked like the parameters
@@ -95,6 +111,11 @@ def test_layer_finding_errors_name_what_was_found():
     with pytest.raises(AutoparError, match="2 stacks of numbered layers.*where="):
         U.find(two)
     assert U.find(two, where="dec").parent == ("dec",)
+    model = PM.gpt_staged(dataclasses.replace(CFG, scan=True))
+    with pytest.raises(AutoparError, match=r"view of w has shape \(2, 3\).*parameter: \(3,\)"):
+        U.unrolled(model, two, where="enc", views={"w": (2, 3)})
+    with pytest.raises(AutoparError, match=r"view of v .*no such leaf.*\['w'\]"):
+        U.unrolled(model, two, where="enc", views={"v": (3,)})
 
 
 # ---- numerics ---------------------------------------------------------------------------------
@@ -115,9 +136,10 @@ def test_step_equals_the_users_unsharded_step(models, name, shape, schedule, vir
     run = R.build_step(sm, _mesh(shape), S.build(schedule, shape["stage"], virtual, 4))
     stacked = run.stack_state(state)
     kernel = [x for p, x in jax.tree_util.tree_flatten_with_path(stacked["params"])[0]
-              if "fc" in jax.tree_util.keystr(p) and x.ndim == 3]
-    assert kernel and all(k.sharding.spec[0] == "stage" for k in kernel)   # a stage its layers
-    if "model" in shape:                                # the MLP split inside a stage
+              if ("fc" in jax.tree_util.keystr(p) or "attn" in jax.tree_util.keystr(p))
+              and x.ndim >= 3]
+    assert len(kernel) == 4 and all(k.sharding.spec[0] == "stage" for k in kernel)
+    if "model" in shape:                # the MLP and the attention split inside a stage
         assert all("model" in tuple(k.sharding.spec) for k in kernel)
     new, loss = run(stacked, batch)
     new = run.unstack_state(new)
@@ -126,6 +148,48 @@ def test_step_equals_the_users_unsharded_step(models, name, shape, schedule, vir
     _close(adam.mu, ref_adam.mu, rel=1e-5)
     _close(adam.nu, ref_adam.nu, rel=2e-5)
     _close(new["params"], ref_state["params"], atol=0.3 * LR)   # see test_pipeline_runtime
+
+
+def test_hf_gpt2_stage_runs_megatron_with_all_reduces_only(models):
+    """Inside the tick loop, the only collectives of HF GPT-2 on {stage: 2, data: 2, model: 2}
+    are the stage ppermutes (activations on, cotangents back) and all-reduces over the model
+    axis: per layer, one after each row-split projection (attention's and the MLP's c_proj) in
+    a forward, and in a backward those two again (the chunk is recomputed under vjp) plus one
+    for the input gradient of each column-split one (c_attn, c_fc); two action places per
+    tick. No collective-permute realigns q, k, v: each device holds whole heads."""
+    from autopar import hlo
+
+    step, state, batch, *_ = models("hf_gpt2")
+    sch = S.build("gpipe", 2, 1, 4)
+    run = R.build_step(PM.staged_model_of(step), _mesh(MESH_A), sch)
+    stacked = run.stack_state(state)
+    module = hlo.parse(run.jitted(stacked, batch).lower(stacked, batch).compile().as_text())
+    attrs = {i.name: i.attrs for body in module.computations.values() for i in body}
+    ticks, per_chunk = len(sch.ticks), 2
+    looped = [c for c in hlo.collectives(module) if c.count > 1]
+    permutes = [c for c in looped if c.kind == "collective-permute"]
+    assert [c.count for c in permutes] == [ticks, ticks]
+    reduced = [c for c in looped if c.kind != "collective-permute"]
+    assert {(c.kind, c.group_size, c.count) for c in reduced} == {
+        ("all-reduce", 2, ticks * per_chunk)}           # in the chunk's loop over its layers
+    assert len(reduced) == 2 * (2 + 2 + 2)
+    # groups of 2 consecutive devices: the model axis (the mesh's minor one), not data's
+    assert all("replica_groups=[4,2]<=[8]" in attrs[c.name] for c in reduced)
+
+
+def test_hf_gpt2_staged_layer_is_hf_block(models):
+    """The staged layer on the stacked (head-major) layout computes HF's FlaxGPT2Block."""
+    from transformers.models.gpt2.modeling_flax_gpt2 import FlaxGPT2Block
+
+    step, state, *_ = models("hf_gpt2")
+    sm = PM.staged_model_of(step)
+    layers, _ = sm.split(sm.stacking.stack(state["params"]))
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, 8, 32))
+    got = sm.layer(jax.tree_util.tree_map(lambda a: a[2], layers), x)
+    own = state["params"]["transformer"]["h"]["2"]
+    want = FlaxGPT2Block(_hf_config()).apply({"params": own}, x,
+                                             attention_mask=jnp.ones((2, 8), "i4"))[0]
+    _close(got, want, atol=1e-6)
 
 
 def test_the_users_layout_is_refused_with_the_conversion(models):
@@ -147,6 +211,8 @@ def test_autoparallel_pipelines_hf_gpt2(models):
     assert plan.pipeline.layer_ranges == ((0, 2), (2, 4))
     spec = plan.spec_of("['params']['transformer']['h']['mlp']['c_fc']['kernel']")
     assert tuple(spec)[:2] == ("stage", "model")
+    spec = plan.spec_of("['params']['transformer']['h']['attn']['c_attn']['kernel']")
+    assert tuple(spec)[:3] == ("stage", None, "model")         # (L, 3, H, Dh, D): heads
     run = autopar.autoparallel(step, mesh=_mesh(MESH_A), plan=plan)
     with pytest.raises(AutoparError, match="stack_state"):
         run(state, batch)

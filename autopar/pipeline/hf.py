@@ -2,20 +2,24 @@
 
 ``gpt2_train_step(model_or_config)`` is ``autopar.models.hf``'s training step of
 ``FlaxGPT2LMHeadModel`` (called as its documentation shows, ``train=False``: no dropout) with a
-``StagedModel`` attached: embed = ``wte`` + ``wpe``; layer = HF's own ``FlaxGPT2Block`` applied
-to one layer's parameters (deterministic, the all-ones attention mask HF builds when none is
-given, plus its causal mask); head = ``ln_f`` and the LM head tied to ``wte``; loss = the
-step's next-token cross-entropy. The layers ``transformer/h/0 .. L-1`` are found in the params
-and stacked (``autopar.pipeline.unrolled``): the pipelined step runs on the stacked layout.
+``StagedModel`` attached: embed = ``wte`` + ``wpe``; layer = the computation of HF's
+``FlaxGPT2Block`` (deterministic, the all-ones attention mask HF builds when none is given,
+plus its causal mask) on the stacked layout below; head = ``ln_f`` and the LM head tied to
+``wte``; loss = the step's next-token cross-entropy. The layers ``transformer/h/0 .. L-1`` are
+found in the params and stacked (``autopar.pipeline.unrolled``): the pipelined step runs on the
+stacked layout.
 
-Megatron-LM inside a stage (``tensor_dims``): HF's ``Conv1D`` stores kernels ``(out, in)``, so
-the MLP's ``c_fc`` splits dim 0 and its ``c_proj`` dim 1. Attention stays whole inside a stage:
-``c_attn`` fuses q, k and v on one ``3 D`` dim, and any split of attention (of that dim, or of
-``attn/c_proj``'s input, which GSPMD propagates back to it) is not head-aligned in contiguous
-pieces, so GSPMD reshards q, k, v with collective-permutes; inside the runtime's per-stage
-``lax.switch`` branches those deadlock the CPU runtime when the stages take different branches
-(observed on ``{stage: 2, data: 2, model: 2}``). Splitting attention needs a head-aligned
-layout of ``c_attn`` (not done).
+Megatron-LM inside a stage (``tensor_dims``, split over the tensor axis): each device holds
+whole heads and a slice of the MLP's hidden units, so the stage's only tensor-axis collectives
+are one all-reduce after each row-split projection (and one per column-split projection's input
+gradient). HF's ``Conv1D`` stores kernels ``(out, in)`` and ``c_attn`` fuses q, k and v on one
+``3 D`` dim: a contiguous split of it is not head-aligned (GSPMD then realigns q, k and v with
+collective-permutes, which inside the runtime's per-stage ``lax.switch`` branches hung the CPU
+runtime). So the stacked layout holds ``c_attn``'s kernel as ``(3, H, Dh, D)``, its bias as
+``(3, H, Dh)`` and ``attn/c_proj``'s kernel as ``(D, H, Dh)`` (row-major reshapes, undone by
+``unstack_state``), the staged layer computes attention from those shapes, and ``H`` is the
+split dim; the MLP's ``c_fc`` splits its hidden dim 0, its ``c_proj`` dim 1. ``H`` and the MLP's
+hidden width must divide by the tensor axis's size.
 """
 from __future__ import annotations
 
@@ -29,7 +33,16 @@ from autopar.models import hf
 from autopar.pipeline.model import StagedModel, declare
 from autopar.pipeline.unrolled import unrolled
 
-MEGATRON_GPT2 = {"mlp/c_fc/kernel": 0, "mlp/c_fc/bias": 0, "mlp/c_proj/kernel": 1}
+# The dim (after the layer axis, in the stacked layout's shapes) the tensor axis splits.
+MEGATRON_GPT2 = {"attn/c_attn/kernel": 1, "attn/c_attn/bias": 1, "attn/c_proj/kernel": 1,
+                 "mlp/c_fc/kernel": 0, "mlp/c_fc/bias": 0, "mlp/c_proj/kernel": 1}
+
+
+def stacked_views(cfg) -> dict:
+    """The attention parameters' shapes in the stacked layout: heads their own dim."""
+    d, h = cfg.hidden_size, cfg.num_attention_heads
+    return {"attn/c_attn/kernel": (3, h, d // h, d), "attn/c_attn/bias": (3, h, d // h),
+            "attn/c_proj/kernel": (d, h, d // h)}
 
 
 def _model(model_or_config) -> Any:
@@ -49,11 +62,9 @@ def gpt2_staged(model_or_config, lr: float = 1e-3) -> StagedModel:
     """The ``StagedModel`` of HF's ``FlaxGPT2LMHeadModel`` (a model or its ``GPT2Config``)."""
     import flax.linen as nn
     import optax
-    from transformers.models.gpt2.modeling_flax_gpt2 import FlaxGPT2Block
 
     model = _model(model_or_config)
     cfg, dtype = model.config, model.dtype
-    block = FlaxGPT2Block(cfg, dtype=dtype)
     wte = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
     wpe = nn.Embed(cfg.max_position_embeddings, cfg.hidden_size, dtype=dtype)
     ln_f = nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, dtype=dtype)
@@ -65,10 +76,6 @@ def gpt2_staged(model_or_config, lr: float = 1e-3) -> StagedModel:
         t = rest["transformer"]
         return (wte.apply({"params": t["wte"]}, ids)
                 + wpe.apply({"params": t["wpe"]}, pos.astype("i4")))          # (b, S, D)
-
-    def layer(p, x):
-        mask = jnp.ones(x.shape[:2], "i4")            # what HF builds for attention_mask=None
-        return block.apply({"params": p}, x, attention_mask=mask, deterministic=True)[0]
 
     def head_loss(rest, x, batch):
         t = rest["transformer"]
@@ -82,10 +89,48 @@ def gpt2_staged(model_or_config, lr: float = 1e-3) -> StagedModel:
         return -jnp.take_along_axis(logp, batch["labels"][..., None], axis=-1).mean()
 
     tx = optax.adamw(lr, weight_decay=0.01)
-    staged = StagedModel(embed, layer, head_loss, "h", cfg.n_layer, tx, name="hf-gpt2",
-                         tensor_dims=MEGATRON_GPT2)
+    staged = StagedModel(embed, staged_layer(cfg, dtype), head_loss, "h", cfg.n_layer, tx,
+                         name="hf-gpt2", tensor_dims=MEGATRON_GPT2)
     params = jax.eval_shape(lambda: model.init_weights(jax.random.PRNGKey(0), model.input_shape))
-    return unrolled(staged, params)
+    return unrolled(staged, params, views=stacked_views(cfg))
+
+
+def staged_layer(cfg, dtype):
+    """``layer(p, x)``: ``FlaxGPT2Block`` (deterministic, no padding) on one layer's parameters
+    in the stacked layout (``stacked_views``): the same operations as HF's modules, with q, k
+    and v taken from the head-major ``c_attn`` without a reshape of the fused dim."""
+    import flax.linen as nn
+    from transformers.models.gpt2.modeling_flax_gpt2 import FlaxGPT2MLP
+
+    inner = cfg.n_inner if cfg.n_inner is not None else 4 * cfg.hidden_size
+    ln_1 = nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, dtype=dtype)
+    ln_2 = nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, dtype=dtype)
+    mlp = FlaxGPT2MLP(cfg, inner, dtype=dtype)
+
+    def layer(p, x):
+        x = x + _attention(p["attn"], ln_1.apply({"params": p["ln_1"]}, x), dtype)
+        h = ln_2.apply({"params": p["ln_2"]}, x)
+        return x + mlp.apply({"params": p["mlp"]}, h, deterministic=True)
+
+    return layer
+
+
+def _attention(p, x, dtype):
+    """HF's causal self-attention of ``x`` (b, S, D), kernels ``(3, H, Dh, D)`` and
+    ``(D, H, Dh)``: each head's q, k, v and output rows are whole on the device holding it."""
+    from flax.linen.attention import dot_product_attention_weights
+
+    x = jnp.asarray(x, dtype)
+    w_qkv, b_qkv = (jnp.asarray(p["c_attn"][k], dtype) for k in ("kernel", "bias"))
+    qkv = jnp.einsum("bsd,thed->tbshe", x, w_qkv) + b_qkv[:, None, None]     # (3, b, S, H, Dh)
+    s = x.shape[1]
+    causal = jnp.tril(jnp.ones((s, s), bool))[None, None]                     # (1, 1, S, S)
+    bias = jnp.where(causal, jnp.zeros((), dtype), jnp.finfo(dtype).min).astype(dtype)
+    weights = dot_product_attention_weights(qkv[0], qkv[1], bias=bias, deterministic=True,
+                                            dtype=dtype)                      # (b, H, S, S)
+    heads = jnp.einsum("...hqk,...khd->...qhd", weights, qkv[2])               # (b, S, H, Dh)
+    w_out = jnp.asarray(p["c_proj"]["kernel"], dtype)
+    return jnp.einsum("bshe,ohe->bso", heads, w_out) + jnp.asarray(p["c_proj"]["bias"], dtype)
 
 
 def gpt2_train_step(model_or_config, lr: float = 1e-3):

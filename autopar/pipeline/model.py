@@ -78,6 +78,11 @@ def _put(tree: dict, path: tuple[str, ...], value) -> dict:
     return {**tree, head: _put(tree[head], tuple(tail), value) if tail else value}
 
 
+def key_names(path) -> tuple[str, ...]:
+    """A jax key path (dict keys, attributes, indices) as strings."""
+    return tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+
+
 def tensor_dim(tensor_dims: Mapping[str, int], keys) -> int | None:
     """The dim ``tensor_dims`` names for a parameter at path ``keys``: by its last three keys
     first ("mlp/c_proj/kernel"), then its last two ("fc1/kernel")."""

@@ -41,7 +41,7 @@ from jax.sharding import PartitionSpec as P
 from autopar import validate
 from autopar.errors import AutoparError
 from autopar.pipeline import schedules as S
-from autopar.pipeline.model import StagedModel, tensor_dim
+from autopar.pipeline.model import StagedModel, key_names, tensor_dim
 
 NONE, FWD, BWD = 0, 1, 2
 FIELDS = ("kind", "mb", "virtual", "chunk", "in_slot", "stash_slot")
@@ -90,10 +90,6 @@ def tables(sch: S.Schedule) -> Tables:
 
 
 # ---- layouts ----------------------------------------------------------------------------------
-def _names(path) -> tuple[str, ...]:
-    return tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
-
-
 def state_specs(model: StagedModel, state, axis: str, tensor_axis: str | None,
                 stages: int = 1):
     """PartitionSpecs of the state: the stacked layers (and their optimizer moments) split over
@@ -101,7 +97,7 @@ def state_specs(model: StagedModel, state, axis: str, tensor_axis: str | None,
     layer count), and the dim ``model.tensor_dims`` names (by the leaf's last three or two path
     keys) over the tensor axis; everything else replicated."""
     def spec(path, leaf):
-        names = _names(path)
+        names = key_names(path)
         if model.layers_key not in names or not getattr(leaf, "ndim", 0):
             return P()
         dims = [axis if leaf.shape[0] % stages == 0 else None] + [None] * (leaf.ndim - 1)

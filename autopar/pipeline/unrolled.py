@@ -15,11 +15,14 @@ evaluation; the step refuses the user's layout with an error naming the conversi
 (``autopar.plan(..., pipeline=...)``) takes either layout: it converts shapes, which is free.
 
 ``find(params)`` locates the layers generically: sibling subtrees whose keys are one prefix and
-the numbers ``0 .. L-1`` and whose leaves have identical shapes and dtypes.
+the numbers ``0 .. L-1`` and whose leaves have identical shapes and dtypes. A model may have
+the stacked layout hold some leaves reshaped (``unrolled(..., views=...)``), e.g. to give a fused
+dim's heads a dim of their own that a tensor axis can split.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Mapping
 
@@ -27,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from autopar.errors import AutoparError
+from autopar.pipeline.model import key_names
 
 _NUMBERED = re.compile(r"^(.*?)(\d+)$")
 
@@ -35,13 +39,19 @@ _NUMBERED = re.compile(r"^(.*?)(\d+)$")
 class Stacking:
     """Numbered layers ``{prefix}0 .. {prefix}{count-1}`` in the dict at ``parent`` (a key
     path). Stacked, they become one tree at ``layers_path``: the dict itself when it holds only
-    the layers (``whole``, HF's ``h``), else the key ``key`` beside the other entries."""
+    the layers (``whole``, HF's ``h``), else the key ``key`` beside the other entries.
+
+    ``views``: ``(path in a layer, the layer's shape, the stacked layout's shape)`` of leaves
+    the stacked layout holds reshaped (row-major, no data reordered), so that a dim the model
+    fuses becomes its own: HF GPT-2's ``attn/c_attn/kernel`` ``(3 D, D)`` as ``(3, H, Dh, D)``,
+    whose head dim a tensor axis splits into whole heads (``autopar.pipeline.hf``)."""
 
     parent: tuple[str, ...]
     prefix: str
     count: int
     key: str
     whole: bool
+    views: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...] = ()
 
     @property
     def layers_path(self) -> tuple[str, ...]:
@@ -59,13 +69,14 @@ class Stacking:
         node = _get(params, self.parent)
         stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *(node[n] for n in
                                                                       self.names()))
+        stacked = self._reshaped(stacked, stacked=True)
         if self.whole:
             return _set(params, self.parent, stacked)
         kept = {k: v for k, v in node.items() if k not in set(self.names())}
         return _set(params, self.parent, _like(node, {**kept, self.key: stacked}))
 
     def unstack(self, params):
-        stacked = _get(params, self.layers_path)
+        stacked = self._reshaped(_get(params, self.layers_path), stacked=False)
         layers = {n: jax.tree_util.tree_map(lambda x, i=i: x[i], stacked)
                   for i, n in enumerate(self.names())}
         if self.whole:
@@ -73,6 +84,19 @@ class Stacking:
         node = _get(params, self.parent)
         kept = {k: v for k, v in node.items() if k != self.key}
         return _set(params, self.parent, _like(node, {**kept, **layers}))
+
+    def _reshaped(self, layers, *, stacked: bool):
+        """The stacked ``(L, ...)`` leaves ``views`` names in the stacked layout's shapes
+        (``stacked``) or back in the layer's own."""
+        if not self.views:
+            return layers
+        shapes = {path: view if stacked else own for path, own, view in self.views}
+
+        def one(path, x):
+            shape = shapes.get("/".join(key_names(path)))
+            return x if shape is None else x.reshape(x.shape[0], *shape)
+
+        return jax.tree_util.tree_map_with_path(one, layers)
 
     def layout(self, params) -> str | None:
         """``"user"``, ``"stacked"`` or ``None`` (neither) of a params tree."""
@@ -238,9 +262,29 @@ def stacked_step(stacking: Stacking, fn):
     return step
 
 
-def unrolled(model, params, where: str | None = None):
-    """``model`` (a ``StagedModel`` whose functions take one layer's parameters) for the
-    unrolled ``params``: its layer path and stacking found in them."""
+def unrolled(model, params, where: str | None = None, views: dict | None = None):
+    """``model`` (a ``StagedModel`` whose functions take one layer's parameters, in the stacked
+    layout's shapes) for the unrolled ``params``: its layer path and stacking found in them.
+    ``views``: ``{path in a layer: shape}`` of leaves the stacked layout reshapes
+    (``Stacking.views``)."""
     st = find(params, where)
+    if views:
+        st = dataclasses.replace(st, views=_views(st, params, views))
     return dataclasses.replace(model, layers_key=st.layers_path[-1], layers_path=st.layers_path,
                                num_layers=st.count, stacking=st)
+
+
+def _views(st: Stacking, params, views: dict) -> tuple:
+    """``Stacking.views`` of ``{path: shape}``, checked against the first layer's leaves."""
+    first = _get(params, st.parent)[st.names()[0]]
+    own = {"/".join(key_names(p)): tuple(x.shape)
+           for p, x in jax.tree_util.tree_flatten_with_path(first)[0]}
+    out = []
+    for path, shape in views.items():
+        if path not in own or math.prod(own[path]) != math.prod(shape):
+            got = own.get(path, f"no such leaf (a layer has {sorted(own)})")
+            raise AutoparError(f"the stacked view of {path} has shape {tuple(shape)}, which does "
+                               f"not reshape that layer parameter: {got}; give a shape of the "
+                               f"same size for a leaf of the layer")
+        out.append((path, own[path], tuple(shape)))
+    return tuple(out)
