@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import autopar
 from autopar.errors import AutoparError
@@ -175,6 +176,32 @@ def test_hf_gpt2_stage_runs_megatron_with_all_reduces_only(models):
     assert len(reduced) == 2 * (2 + 2 + 2)
     # groups of 2 consecutive devices: the model axis (the mesh's minor one), not data's
     assert all("replica_groups=[4,2]<=[8]" in attrs[c.name] for c in reduced)
+
+
+def test_heads_the_tensor_axis_does_not_divide_stay_whole():
+    """3 heads on model=2: attention whole on each device of a stage, the MLP (48 wide) split;
+    the plan states the layouts the runtime places (no raw jax error on an uneven split)."""
+    from transformers import GPT2Config
+
+    from autopar.models import hf
+    from autopar.pipeline import hf as PH
+
+    config = GPT2Config(vocab_size=64, n_layer=2, n_embd=24, n_head=3, n_positions=16,
+                        n_inner=48)
+    step, init = PH.gpt2_train_step(config, LR)
+    state = jax.eval_shape(init, jax.random.PRNGKey(0))
+    batch = jax.eval_shape(lambda: hf.make_batch("gpt2", config, 8, seq=8))
+    sm = PM.staged_model_of(step)
+    run = R.build_step(sm, _mesh(MESH_A), S.build("gpipe", 2, 1, 2))
+    stacked = jax.eval_shape(sm.stacking.stack_state, state)
+    h = run.in_shardings_of(stacked, batch)[0]["params"]["transformer"]["h"]
+    assert h["attn"]["c_attn"]["kernel"].spec == P("stage", None, None, None, None)
+    assert h["mlp"]["c_fc"]["kernel"].spec == P("stage", "model", None)
+    plan = autopar.plan(step, state, batch, mesh=MESH_A, hardware="cpu",
+                        pipeline={"schedule": "gpipe", "microbatches": 2})
+    h = "['params']['transformer']['h']"
+    assert tuple(plan.spec_of(f"{h}['attn']['c_attn']['kernel']")) == ("stage",)
+    assert tuple(plan.spec_of(f"{h}['mlp']['c_fc']['kernel']")) == ("stage", "model")
 
 
 def test_hf_gpt2_staged_layer_is_hf_block(models):

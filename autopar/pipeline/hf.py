@@ -14,12 +14,15 @@ whole heads and a slice of the MLP's hidden units, so the stage's only tensor-ax
 are one all-reduce after each row-split projection (and one per column-split projection's input
 gradient). HF's ``Conv1D`` stores kernels ``(out, in)`` and ``c_attn`` fuses q, k and v on one
 ``3 D`` dim: a contiguous split of it is not head-aligned (GSPMD then realigns q, k and v with
-collective-permutes, which inside the runtime's per-stage ``lax.switch`` branches hung the CPU
-runtime). So the stacked layout holds ``c_attn``'s kernel as ``(3, H, Dh, D)``, its bias as
-``(3, H, Dh)`` and ``attn/c_proj``'s kernel as ``(D, H, Dh)`` (row-major reshapes, undone by
-``unstack_state``), the staged layer computes attention from those shapes, and ``H`` is the
-split dim; the MLP's ``c_fc`` splits its hidden dim 0, its ``c_proj`` dim 1. ``H`` and the MLP's
-hidden width must divide by the tensor axis's size.
+collective-permutes, which inside the runtime's per-stage ``lax.switch`` branches hang: on
+XLA:CPU (jax 0.10) one collective-permute instruction carries the pairs of every group and its
+rendezvous waits for every device named in them, including those of stages that took another
+branch, whereas an all-reduce meets per replica group, here one stage's model group). So the
+stacked layout holds ``c_attn``'s kernel as ``(3, H, Dh, D)``, its bias as ``(3, H, Dh)`` and
+``attn/c_proj``'s kernel as ``(D, H, Dh)`` (row-major reshapes, undone by ``unstack_state``),
+the staged layer computes attention from those shapes, and ``H`` is the split dim; the MLP's
+``c_fc`` splits its hidden dim 0, its ``c_proj`` dim 1. Where the tensor axis's size does not
+divide ``H`` (or the MLP's width), those parameters stay whole on each device of the stage.
 """
 from __future__ import annotations
 

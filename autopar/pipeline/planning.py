@@ -438,7 +438,7 @@ def _assemble(model, graph, state, batch, pp: PipelinePlan, sizes, hw, budget, s
     from autopar.plan import Collective, CostBreakdown, Plan, SolverStats
 
     tensor = TENSOR_AXIS if TENSOR_AXIS in sizes else None
-    specs = (state_specs(model, state, pp.axis, tensor, pp.stages),
+    specs = (state_specs(model, state, pp.axis, tensor, pp.stages, sizes.get(tensor, 1)),
              jax.tree_util.tree_map(lambda a: batch_spec(a.ndim, sizes, pp.axis), batch))
     ins = tuple(_sharding(s, len(v.shape)) for s, v in zip(
         jax.tree_util.tree_leaves(specs, is_leaf=_is_spec),

@@ -91,18 +91,19 @@ def tables(sch: S.Schedule) -> Tables:
 
 # ---- layouts ----------------------------------------------------------------------------------
 def state_specs(model: StagedModel, state, axis: str, tensor_axis: str | None,
-                stages: int = 1):
+                stages: int = 1, tensor_size: int = 1):
     """PartitionSpecs of the state: the stacked layers (and their optimizer moments) split over
     the stage axis on the layer dim (whole on every stage when ``stages`` does not divide the
     layer count), and the dim ``model.tensor_dims`` names (by the leaf's last three or two path
-    keys) over the tensor axis; everything else replicated."""
+    keys) over the tensor axis when its ``tensor_size`` divides it (else whole, as the stage
+    costs price it: ``megatron_3d.StageLayouts``); everything else replicated."""
     def spec(path, leaf):
         names = key_names(path)
         if model.layers_key not in names or not getattr(leaf, "ndim", 0):
             return P()
         dims = [axis if leaf.shape[0] % stages == 0 else None] + [None] * (leaf.ndim - 1)
         d = tensor_dim(model.tensor_dims, names)
-        if tensor_axis is not None and d is not None:
+        if tensor_axis is not None and d is not None and leaf.shape[1 + d] % tensor_size == 0:
             dims[1 + d] = tensor_axis
         return P(*dims)
 
@@ -200,7 +201,7 @@ def build_step(model: StagedModel, mesh, schedule: S.Schedule, axis: str = "stag
 
     def shardings(state, batch):
         st = jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), state_specs(
-            model, state, axis, tensor_axis, schedule.stages))
+            model, state, axis, tensor_axis, schedule.stages, sizes.get(tensor_axis, 1)))
         bt = jax.tree_util.tree_map(
             lambda x: NamedSharding(mesh, batch_spec(x.ndim, sizes, axis, tensor_axis)), batch)
         return st, bt
