@@ -36,7 +36,7 @@ from autopar.planner.budget import SEARCH_BEFORE
 from autopar.planner.reshard import reshard_s
 from autopar.planner.rules import Choices, Follow, RuleContext, Strategy
 from autopar.sharding import Sharding, replicated, shard_factor
-from cost_models.compute import MATMUL_PRIMS
+from cost_models.compute import CONV_PRIMS, MATMUL_PRIMS
 from ir import Graph, Op
 from ir.fusion import Fusion, fuse
 from ir.layers import _walk as walk_ops
@@ -316,13 +316,15 @@ class _Builder:
         """Each strategy's compute (a roofline of the op's FLOPs and the bytes its kernel moves
         for it, ``ir.fusion``; the kernel's launch on its last op) and collectives."""
         dtype = self.compute_dtype(op)
-        launch = 0.0 if op.id in self.fusion.roots else self.cm.hw.kernel_launch_s
+        root = op.id in self.fusion.roots
         matmul = op.prim in MATMUL_PRIMS
         io = None if op.regions or op.prim == "alias" else kernel_io(self.fusion, op)
         for i, st in enumerate(per_i):
             nbytes = self.fused_bytes(op, st, io)
             if op.flops or nbytes:
-                t = self.cm.compute_time_s(op.flops / st.compute_div, nbytes, dtype, matmul)
+                t = self.cm.compute_time_s(op.flops / st.compute_div, nbytes, dtype, matmul,
+                                           op.prim in CONV_PRIMS)
+                launch = 0.0 if root else self.cm.hw.launch_s(nbytes)
                 grp.compute_s[i] += mult * max(t - launch, 0.0)
                 grp.hbm_bytes[i] += mult * nbytes
             for c in st.comms:
