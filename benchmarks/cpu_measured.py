@@ -449,12 +449,15 @@ def report(rows, ok, args, runs, time_limit_s, meter, elapsed, hw) -> list[str]:
         "## Method", "",
         "- Profile: " + ("fitted by `cost_models.profile()` on this machine just before the "
                          "timings (micro-benchmarks of matmuls, a streaming op, collectives and "
-                         "chains of kernels and all-reduces; no training step), saved as "
+                         "chains of kernels, all-reduces, step-sized memory-bound kernels and "
+                         "small convolutions; no training step), saved as "
                          "`cpu_measured_profile.json`" if args.calibrate else
                          "the shipped `cost_models/profiles/cpu.json`") + ": "
         f"float32 peak {hw.peak_flops_per_s() / 1e9:.1f} GFLOP/s and memory "
         f"{hw.hbm_bytes_per_s / 1e9:.2f} GB/s per device, kernel launch "
-        f"{hw.kernel_launch_s * 1e6:.1f} us, collective launch "
+        f"{hw.kernel_launch_s * 1e6:.1f} us (plus a floor of {hw.kernel_floor_s * 1e6:.0f} us "
+        f"from {hw.kernel_floor_bytes / 1024:.1f} KiB per kernel up), convolutions at "
+        f"{hw.conv_efficiency:.2f} x the matmul rate, collective launch "
         f"{hw.collective_launch_s * 1e6:.0f} us, program dispatch {hw.dispatch_s * 1e6:.0f} us.",
         "- `autopar.compare(train_step, state, batch, mesh=..., hardware=profile, "
         f"strategies=..., measure=True, runs=1, time_limit_s={time_limit_s:g})` plans and "

@@ -10,6 +10,9 @@ A ``Hardware`` describes one kind of device and how devices are wired:
   * ``conv_efficiency``: a convolution's rate as a factor of the matmul rate of its dtype
     (``peak * matmul_efficiency``); 1.0, the default, prices convolutions as matmuls. Small
     convolutions on CPU devices run below a matmul's rate (``profile()`` measures the ratio).
+  * ``transcendental_s``: seconds one device takes per transcendental evaluation (exp, log,
+    tanh, sqrt, ...; ``ir.Op.transcendentals``) on top of the op's FLOPs; 0, the default,
+    prices them as free (GPU profiles: the special-function units keep pace with memory).
   * ``dispatch_s``: launching one whole compiled program on every device (paid once per step);
   * ``kernel_launch_s``: fixed cost of one kernel inside a program; ``kernel_floor_s``: what a
     kernel that moves at least ``kernel_floor_bytes`` per device pays on top of it (0 by
@@ -100,6 +103,7 @@ class Hardware:
     collective_efficiency: float = 0.8
     collective_kind_efficiency: tuple[tuple[str, float], ...] = ()
     conv_efficiency: float = 1.0     # convolution rate / matmul rate
+    transcendental_s: float = 0.0    # seconds per exp/log/tanh/sqrt/... on one device
     kernel_launch_s: float = 5e-6
     kernel_floor_s: float = 0.0      # extra fixed cost of a kernel of >= kernel_floor_bytes
     kernel_floor_bytes: float = 0.0
@@ -224,7 +228,8 @@ def hardware(spec: str | os.PathLike[str] | Hardware) -> Hardware:
 # times, a zero bandwidth divide by zero and a NaN peak poison every comparison the planner makes.
 _RATES = ("hbm_bytes_per_s",)
 _FRACTIONS = ("matmul_efficiency", "memory_efficiency", "collective_efficiency")
-_FLOORS = ("kernel_launch_s", "kernel_floor_s", "collective_launch_s", "dispatch_s")
+_FLOORS = ("kernel_launch_s", "kernel_floor_s", "collective_launch_s", "dispatch_s",
+           "transcendental_s")
 _COUNTS = ("memory_bytes", "devices_per_node")
 _SIZES = ("kernel_floor_bytes",)
 # Plausibility bounds: figures outside them are unit mistakes, and would push predicted times past

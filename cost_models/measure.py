@@ -397,3 +397,35 @@ def measure_collective_in_step(devices: Sequence[jax.Device], rows: int,
     t = round_robin_times_s(programs, repeats, warmup)
     extra = steps[1] - steps[0]
     return max(((t[3] - t[2]) - (t[1] - t[0])) / extra, 0.0)
+
+
+# Transcendental functions a training step evaluates (softmax, GELU, layer norm, Adam), each
+# wrapped so that repeated application stays finite.
+TRANSCENDENTAL_FNS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "exp": lambda x: jnp.exp(x * -1e-3),
+    "log": lambda x: jnp.log(x + 2.0),
+    "tanh": jnp.tanh,
+    "rsqrt": lambda x: jax.lax.rsqrt(x + 2.0),
+}
+
+
+def measure_transcendentals(devices: Sequence[jax.Device], elements: int = 1 << 16,
+                            steps: tuple[int, int] = (2, 18), repeats: int = 7,
+                            warmup: int = 2) -> list[Measurement]:
+    """Seconds one device takes per evaluation of each of ``TRANSCENDENTAL_FNS``, every device
+    busy at once: ``steps`` applications in a row, which XLA fuses into one elementwise kernel
+    over a float32 vector of ``elements`` per device, timed round robin; the slope of time
+    against the count, per element (``time_s``; ``nbytes`` holds ``elements``)."""
+    programs = []
+    for f in TRANSCENDENTAL_FNS.values():
+        for n in steps:
+            def body(x, n=n, f=f):
+                for _ in range(n):
+                    x = f(x)
+                return x
+            programs.append(_on_every_device(body, list(devices), ((elements,), jnp.float32)))
+    t = round_robin_times_s(programs, repeats, warmup)
+    extra = (steps[1] - steps[0]) * elements
+    return [Measurement("transcendental", "float32", 0.0, float(elements), 1,
+                        (t[2 * i + 1] - t[2 * i]) / extra, name)
+            for i, name in enumerate(TRANSCENDENTAL_FNS)]

@@ -23,10 +23,14 @@ full sweep also groups of 4 and 2, all groups running at once) (``cost_models.me
     top of that launch inside a program, and from which size (``kernel_floor``: chains of
     memory-bound kernels of 2 KiB to 256 KiB per device);
   * ``conv_efficiency``: chained small convolutions' FLOP rate over chained matmuls'
-    (``conv_efficiency``).
+    (``conv_efficiency``);
+  * ``transcendental_s``: the median over exp, log, tanh and rsqrt of the seconds one device
+    takes per evaluation inside one fused kernel, every device busy
+    (``measure_transcendentals``). The IR counts them apart from FLOPs, which priced them free.
 
 Each in-program term is measured by its own micro-benchmark and can be switched off in a
-profile (``kernel_floor_s=0``, ``conv_efficiency=1``) to see what it changes.
+profile (``kernel_floor_s=0``, ``conv_efficiency=1``, ``transcendental_s=0``) to see what it
+changes.
 """
 from __future__ import annotations
 
@@ -59,6 +63,7 @@ from cost_models.measure import (
     measure_kernel_chain,
     measure_matmul,
     measure_memory,
+    measure_transcendentals,
     slope_s,
     stream_kernel_spec,
 )
@@ -82,6 +87,7 @@ class Sweep:
     # (batch, side, channels) of chained 3x3 convolutions, against chained square matmuls
     conv_shapes: tuple[tuple[int, int, int], ...] = ((4, 16, 16), (4, 8, 32), (8, 16, 32))
     conv_matmuls: tuple[int, ...] = (128, 256)
+    transcendental_elements: int = 1 << 16   # float32 per device, for ``transcendental_s``
 
 
 # Powers of two (and 4x steps for collectives): calibrate_cost_model.py checks the fit on sizes
@@ -110,6 +116,7 @@ QUICK_SWEEP = Sweep(
     stream_rows=(4, 64, 256),
     conv_shapes=((4, 8, 16),),
     conv_matmuls=(128,),
+    transcendental_elements=1 << 12,
 )
 
 
@@ -169,11 +176,14 @@ def profile(
     cfit = dataclasses.replace(cfit, kernel_launch_s=kernel_s)
     floor_s, floor_bytes = kernel_floor(devs, sweep, cfit)
     conv = conv_efficiency(devs, sweep)
+    trans = statistics.median(m.time_s for m in measure_transcendentals(
+        devs, sweep.transcendental_elements, repeats=sweep.repeats, warmup=sweep.warmup))
     if kfit is not None:
         kfit = dataclasses.replace(kfit, collective_launch_s=coll_s)
     hw = hardware_from_fits(name or devs[0].platform, devs, cfit, kfit, ref)
     return dataclasses.replace(hw, dispatch_s=dispatch, kernel_floor_s=floor_s,
-                               kernel_floor_bytes=floor_bytes, conv_efficiency=conv)
+                               kernel_floor_bytes=floor_bytes, conv_efficiency=conv,
+                               transcendental_s=max(trans, 0.0))
 
 
 def conv_efficiency(devices: Sequence[jax.Device], sweep: Sweep) -> float:
@@ -211,8 +221,8 @@ def kernel_floor(devices: Sequence[jax.Device], sweep: Sweep,
     the thread pool all devices share) tens of us more. (0, 0) when the fit shows no floor.
     """
     reps = dict(repeats=sweep.repeats, warmup=sweep.warmup)
-    ms = sorted(measure_chains(devices, [stream_kernel_spec(r) for r in sweep.stream_rows],
-                               **reps), key=lambda m: m.nbytes)
+    specs = [stream_kernel_spec(r, steps=(4, 36)) for r in sweep.stream_rows]
+    ms = sorted(measure_chains(devices, specs, **reps), key=lambda m: m.nbytes)
     upper = ms[len(ms) // 2:]
     design = np.array([[1.0, m.nbytes] for m in upper])
     intercept = float(relative_nnls(design, np.array([m.time_s for m in upper]))[0])

@@ -159,6 +159,18 @@ def test_conv_efficiency_slows_convolutions_only() -> None:
         toy_hw(conv_efficiency=0.0)
 
 
+def test_transcendentals_add_to_the_flop_term() -> None:
+    cm = CostModel(toy_hw(transcendental_s=1e-9), {"data": 4})
+    tanh = Op(0, "tanh", (0,), (1,), transcendentals=4e6, bytes_accessed=8.0)
+    assert cm.op_time_s(tanh) == pytest.approx(4e6 * 1e-9 + 1e-6)
+    assert cm.op_time_s(tanh, shard_factor=4) == pytest.approx(1e6 * 1e-9 + 1e-6)
+    assert cm.compute_time_s(0, 0, transcendentals=1e3) == pytest.approx(1e-6 + 1e-6)
+    # memory-bound still wins when the bytes take longer
+    assert cm.compute_time_s(0, 1e9, is_matmul=False, transcendentals=1e3) == pytest.approx(
+        1e9 / 0.5e12 + 1e-6)
+    assert CostModel(toy_hw(), {}).op_time_s(tanh) == pytest.approx(8.0 / 0.5e12 + 1e-6)
+
+
 def test_unknown_dtype_falls_back_to_float32() -> None:
     assert toy_hw().peak_flops_per_s("int4") == 100e12
     with pytest.raises(CostModelError, match="float32"):
@@ -239,6 +251,7 @@ def test_profile_quick_is_positive_finite_and_round_trips() -> None:
     if hw.kernel_floor_s == 0:   # no floor measured: no threshold either
         assert hw.kernel_floor_bytes == 0
     assert 0 < hw.conv_efficiency < 1e6
+    assert 0 <= hw.transcendental_s < 1e-3
 
 
 def test_profile_with_reference_keeps_datasheet_peaks() -> None:

@@ -321,9 +321,10 @@ class _Builder:
         io = None if op.regions or op.prim == "alias" else kernel_io(self.fusion, op)
         for i, st in enumerate(per_i):
             nbytes = self.fused_bytes(op, st, io)
-            if op.flops or nbytes:
+            if op.flops or op.transcendentals or nbytes:
                 t = self.cm.compute_time_s(op.flops / st.compute_div, nbytes, dtype, matmul,
-                                           op.prim in CONV_PRIMS)
+                                           op.prim in CONV_PRIMS,
+                                           op.transcendentals / st.compute_div)
                 launch = 0.0 if root else self.cm.hw.launch_s(nbytes)
                 grp.compute_s[i] += mult * max(t - launch, 0.0)
                 grp.hbm_bytes[i] += mult * nbytes
