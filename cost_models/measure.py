@@ -369,36 +369,6 @@ def conv_chain_spec(batch: int, side: int, channels: int, window: int = 3,
     return ChainSpec(_conv_steps, shapes, steps, finish)
 
 
-def measure_collective_in_step(devices: Sequence[jax.Device], rows: int,
-                               steps: tuple[int, int] = (4, 16), repeats: int = 7,
-                               warmup: int = 2) -> float:
-    """Seconds one tiny all-reduce over all ``devices`` adds to a chain of step-sized kernels
-    (``measure_stream_kernel``'s, on a ``(rows, 128)`` shard): each step runs the kernels, then
-    the all-reduce of a slice of their result; less the same chain without it. Between
-    collectives the devices drift apart (on CPU devices sharing cores, by how the threads were
-    scheduled), so an all-reduce in a step waits longer than in a chain of bare all-reduces."""
-    mesh, axes = line_mesh(devices)
-    spec = PartitionSpec(tuple(mesh.axis_names))
-    programs = []
-    for reduce in (False, True):
-        for n in steps:
-            def body(x, s, n=n, reduce=reduce):
-                for _ in range(n):
-                    x = _norm_steps(1, x)
-                    if reduce:
-                        s = jax.lax.psum(s + x[0, :8], axes) * (1.0 / len(devices))
-                return x + s[0]
-            fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=spec))
-            args = (jax.device_put(jnp.ones((mesh.size * rows, 128), jnp.float32),
-                                   NamedSharding(mesh, spec)),
-                    jax.device_put(jnp.ones((mesh.size * 8,), jnp.float32),
-                                   NamedSharding(mesh, spec)))
-            programs.append((fn, args))
-    t = round_robin_times_s(programs, repeats, warmup)
-    extra = steps[1] - steps[0]
-    return max(((t[3] - t[2]) - (t[1] - t[0])) / extra, 0.0)
-
-
 # Transcendental functions a training step evaluates (softmax, GELU, layer norm, Adam), each
 # wrapped so that repeated application stays finite.
 TRANSCENDENTAL_FNS: dict[str, Callable[[jax.Array], jax.Array]] = {
