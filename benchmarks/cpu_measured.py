@@ -358,6 +358,9 @@ def main(argv=None):
                    help="plan only (no compile, no timing) under PROFILE (a name or a JSON file) "
                         "and price the measured steps of the CSV in the output directory: "
                         "writes cpu_measured_repriced_<PROFILE>.md and .csv beside it")
+    p.add_argument("--without", default="",
+                   help="with --reprice: comma-separated CPU terms set neutral in PROFILE first "
+                        f"(of {', '.join(NEUTRAL)}), to see what each one changes")
     args = p.parse_args(argv)
     out = _common.out_dir(args)
     if args.reprice:
@@ -397,15 +400,25 @@ def main(argv=None):
     return err, rho
 
 
+# The profile terms --without can switch off, and the values that make them neutral.
+NEUTRAL = {"kernel_floor_s": 0.0, "conv_efficiency": 1.0, "transcendental_s": 0.0}
+
+
 def _reprice_main(args, out):
-    hw = cost_models.hardware(args.reprice)
+    off = [t for t in args.without.split(",") if t]
+    unknown = [t for t in off if t not in NEUTRAL]
+    if unknown:
+        raise SystemExit(f"--without {unknown}: not a term; use some of {list(NEUTRAL)}")
+    hw = dataclasses.replace(cost_models.hardware(args.reprice), **{t: NEUTRAL[t] for t in off})
+    name = args.reprice + "".join(f" without {t}" for t in off)
     chosen = [s for s in setups(args.quick)
               if args.models is None or s.label in args.models.split(",")]
     rows = reprice(chosen, hw, out, 3.0 if args.quick else 8.0)
     base = [r for r in load_rows(out / "cpu_measured.csv")
             if r["measured_ms"] == r["measured_ms"] and r["predicted_ms"] == r["predicted_ms"]]
-    md = reprice_report(rows, args.reprice, base)
-    stem = "cpu_measured_repriced_" + os.path.basename(args.reprice).removesuffix(".json")
+    md = reprice_report(rows, name, base)
+    stem = ("cpu_measured_repriced_" + os.path.basename(args.reprice).removesuffix(".json")
+            + "".join(f"_no_{t}" for t in off))
     (out / f"{stem}.md").write_text("\n".join(md))
     _common.write_csv(out / f"{stem}.csv", COLS + ("same_plan",),
                       [[r[c] for c in COLS + ("same_plan",)] for r in rows])
@@ -449,15 +462,16 @@ def report(rows, ok, args, runs, time_limit_s, meter, elapsed, hw) -> list[str]:
         "## Method", "",
         "- Profile: " + ("fitted by `cost_models.profile()` on this machine just before the "
                          "timings (micro-benchmarks of matmuls, a streaming op, collectives and "
-                         "chains of kernels, all-reduces, step-sized memory-bound kernels and "
-                         "small convolutions; no training step), saved as "
+                         "chains of kernels, all-reduces, step-sized memory-bound kernels, "
+                         "small convolutions and transcendentals; no training step), saved as "
                          "`cpu_measured_profile.json`" if args.calibrate else
                          "the shipped `cost_models/profiles/cpu.json`") + ": "
         f"float32 peak {hw.peak_flops_per_s() / 1e9:.1f} GFLOP/s and memory "
         f"{hw.hbm_bytes_per_s / 1e9:.2f} GB/s per device, kernel launch "
         f"{hw.kernel_launch_s * 1e6:.1f} us (plus a floor of {hw.kernel_floor_s * 1e6:.0f} us "
         f"from {hw.kernel_floor_bytes / 1024:.1f} KiB per kernel up), convolutions at "
-        f"{hw.conv_efficiency:.2f} x the matmul rate, collective launch "
+        f"{hw.conv_efficiency:.2f} x the matmul rate, {hw.transcendental_s * 1e9:.1f} ns per "
+        f"transcendental, collective launch "
         f"{hw.collective_launch_s * 1e6:.0f} us, program dispatch {hw.dispatch_s * 1e6:.0f} us.",
         "- `autopar.compare(train_step, state, batch, mesh=..., hardware=profile, "
         f"strategies=..., measure=True, runs=1, time_limit_s={time_limit_s:g})` plans and "
