@@ -22,6 +22,11 @@ Writes ``benchmarks/results/cpu_measured.md``, ``cpu_measured.csv`` and ``cpu_me
 
     python benchmarks/cpu_measured.py          # the matrix, about 10 minutes on 2 idle cores
     python benchmarks/cpu_measured.py --quick  # one tiny GPT, 1-D mesh, 3 strategies
+
+What each CPU term of the profile changes, on the same measured steps (plans only, no timing):
+
+    python benchmarks/cpu_measured.py --reprice benchmarks/results/cpu_measured_profile.json \
+        --without kernel_floor_s          # or conv_efficiency, transcendental_s, or several
 """
 from __future__ import annotations
 
