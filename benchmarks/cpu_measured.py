@@ -22,10 +22,16 @@ Writes ``benchmarks/results/cpu_measured.md``, ``cpu_measured.csv`` and ``cpu_me
 
     python benchmarks/cpu_measured.py          # the matrix, about 10 minutes on 2 idle cores
     python benchmarks/cpu_measured.py --quick  # one tiny GPT, 1-D mesh, 3 strategies
+
+What each CPU term of the profile changes, on the same measured steps (plans only, no timing):
+
+    python benchmarks/cpu_measured.py --reprice benchmarks/results/cpu_measured_profile.json \
+        --without kernel_floor_s          # or conv_efficiency, transcendental_s, or several
 """
 from __future__ import annotations
 
 import dataclasses  # noqa: E402
+import hashlib  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
@@ -113,7 +119,7 @@ def _gpt_text(c) -> str:
 
 COLS = ("model", "batch", "mesh", "strategy", "predicted_ms", "measured_ms", "rel_error",
         "spread", "compute_ms", "collectives_ms", "resharding_ms", "dispatch_ms",
-        "n_collectives", "hlo_kernels", "hlo_collectives", "hlo_loops", "error")
+        "n_collectives", "hlo_kernels", "hlo_collectives", "hlo_loops", "plan_id", "error")
 
 
 def load_rows(path) -> list[dict]:
@@ -122,8 +128,9 @@ def load_rows(path) -> list[dict]:
     with open(path) as f:
         rows = list(csv.DictReader(f))
     for r in rows:
-        for c in COLS[4:-1]:
+        for c in COLS[4:-2]:
             r[c] = math.nan if r[c] in ("-", "") else float(r[c])
+        r.setdefault("plan_id", "")
     return rows
 
 
@@ -250,7 +257,71 @@ def to_row(c: Case) -> dict:
                 dispatch_ms=ms(cost.dispatch_s) if cost else math.nan,
                 n_collectives=float(sum(x.count for x in plan.collectives)) if plan else math.nan,
                 hlo_kernels=float(kernels), hlo_collectives=float(colls), hlo_loops=float(loops),
+                plan_id=plan_id(plan),
                 error=(r.error or "").splitlines()[0][:120] if r.error else "")
+
+
+def plan_id(plan) -> str:
+    """A short fingerprint of a plan's layouts (inputs, outputs, pins, op choices): two runs
+    that price the same plan give it the same id."""
+    if plan is None:
+        return ""
+    key = repr((plan.input_shardings, plan.output_shardings, plan.pins, plan.choices))
+    return hashlib.sha1(key.encode()).hexdigest()[:10]
+
+
+# ---- re-pricing measured plans under another profile ----------------------------------------
+def reprice(chosen: list[Setup], hw, out, time_limit_s: float) -> list[dict]:
+    """The rows of ``out/cpu_measured.csv`` (a measured run) with ``predicted_ms`` and its
+    parts replaced by the plans made under ``hw`` (planned, not compiled or timed): the same
+    measured steps priced by two profiles. ``same_plan`` says whether the plan under ``hw``
+    is the one measured (``auto``, seeded by the hand-written plans, can change)."""
+    measured = {(r["model"], r["mesh"], r["strategy"]): r
+                for r in load_rows(out / "cpu_measured.csv")}
+    rows = []
+    for s in chosen:
+        fn, state, batch = s.build()
+        for mesh_name, names in s.meshes:
+            cmp = compare(fn, state, batch, mesh=MESHES[mesh_name], hardware=hw,
+                          strategies=names, measure=False, time_limit_s=time_limit_s,
+                          progress=False)
+            for r in cmp.rows:
+                old = measured.get((s.label, mesh_name, r.strategy))
+                if old is None or r.plan is None:
+                    continue
+                cost = r.plan.cost
+                new = dict(old, predicted_ms=cost.step_time_s * 1e3,
+                           compute_ms=cost.compute_s * 1e3, collectives_ms=cost.comm_s * 1e3,
+                           resharding_ms=cost.transition_s * 1e3,
+                           dispatch_ms=cost.dispatch_s * 1e3, plan_id=plan_id(r.plan))
+                new["rel_error"] = abs(new["predicted_ms"] - old["measured_ms"]) / old[
+                    "measured_ms"]
+                new["same_plan"] = new["plan_id"] == old["plan_id"] or not old["plan_id"]
+                rows.append(new)
+            print(f"  repriced {s.label} {mesh_name}", flush=True)
+    return rows
+
+
+def reprice_report(rows: list[dict], hw_name: str, base: list[dict]) -> list[str]:
+    """Before (the run's own predictions) and after (``hw``) on the same measured steps."""
+    same = [r for r in rows if r["same_plan"]]
+    keys = {(r["model"], r["mesh"], r["strategy"]) for r in same}
+    base_same = [r for r in base if (r["model"], r["mesh"], r["strategy"]) in keys]
+    lines = [f"# Measured steps re-priced under {hw_name}", "",
+             f"{len(rows)} plans re-planned, {len(same)} the same plan as measured.", ""]
+    table = []
+    hand = [r for r in same if r["strategy"] != "auto"]
+    base_hand = [r for r in base_same if r["strategy"] != "auto"]
+    for label, rs in (("run's profile", base_same), (hw_name, same),
+                      ("run's profile, hand-written only", base_hand),
+                      (f"{hw_name}, hand-written only", hand)):
+        err, rho, ratio = summarise(rs)
+        fam = "; ".join(f"{g[0]} {g[4]:.2f}" for g in group_table(rs, lambda r: r["model"]))
+        table.append((label, len(rs), err, rho, ratio, fam))
+    lines.append(_common.md_table(("profile", "plans", "median rel. error", "Spearman",
+                                   "measured / predicted", "measured / predicted by model"),
+                                  table))
+    return lines + [""]
 
 
 # ---- report ---------------------------------------------------------------------------------
@@ -288,8 +359,17 @@ def main(argv=None):
                         "cpu_measured_profile.json; default: the shipped 'cpu' profile")
     p.add_argument("--models", default=None,
                    help="comma-separated subset of: GPT unrolled, GPT scan, MoE, conv net")
+    p.add_argument("--reprice", default=None, metavar="PROFILE",
+                   help="plan only (no compile, no timing) under PROFILE (a name or a JSON file) "
+                        "and price the measured steps of the CSV in the output directory: "
+                        "writes cpu_measured_repriced_<PROFILE>.md and .csv beside it")
+    p.add_argument("--without", default="",
+                   help="with --reprice: comma-separated CPU terms set neutral in PROFILE first "
+                        f"(of {', '.join(NEUTRAL)}), to see what each one changes")
     args = p.parse_args(argv)
     out = _common.out_dir(args)
+    if args.reprice:
+        return _reprice_main(args, out)
     runs = args.runs or (3 if args.quick else 9)
     time_limit_s = 3.0 if args.quick else 8.0
     hw = cost_models.hardware("cpu")
@@ -322,6 +402,33 @@ def main(argv=None):
     print(f"wrote {out / 'cpu_measured.md'}: median rel. error {err:.1%}, Spearman {rho:.3f} "
           f"over {len(ok)} plans ({elapsed:.0f} s); "
           + (meter.text() if meter else "report rebuilt"))
+    return err, rho
+
+
+# The profile terms --without can switch off, and the values that make them neutral.
+NEUTRAL = {"kernel_floor_s": 0.0, "conv_efficiency": 1.0, "transcendental_s": 0.0}
+
+
+def _reprice_main(args, out):
+    off = [t for t in args.without.split(",") if t]
+    unknown = [t for t in off if t not in NEUTRAL]
+    if unknown:
+        raise SystemExit(f"--without {unknown}: not a term; use some of {list(NEUTRAL)}")
+    hw = dataclasses.replace(cost_models.hardware(args.reprice), **{t: NEUTRAL[t] for t in off})
+    name = args.reprice + "".join(f" without {t}" for t in off)
+    chosen = [s for s in setups(args.quick)
+              if args.models is None or s.label in args.models.split(",")]
+    rows = reprice(chosen, hw, out, 3.0 if args.quick else 8.0)
+    base = [r for r in load_rows(out / "cpu_measured.csv")
+            if r["measured_ms"] == r["measured_ms"] and r["predicted_ms"] == r["predicted_ms"]]
+    md = reprice_report(rows, name, base)
+    stem = ("cpu_measured_repriced_" + os.path.basename(args.reprice).removesuffix(".json")
+            + "".join(f"_no_{t}" for t in off))
+    (out / f"{stem}.md").write_text("\n".join(md))
+    _common.write_csv(out / f"{stem}.csv", COLS + ("same_plan",),
+                      [[r[c] for c in COLS + ("same_plan",)] for r in rows])
+    print("\n".join(md))
+    err, rho, _ = summarise([r for r in rows if r["same_plan"]])
     return err, rho
 
 
@@ -360,12 +467,16 @@ def report(rows, ok, args, runs, time_limit_s, meter, elapsed, hw) -> list[str]:
         "## Method", "",
         "- Profile: " + ("fitted by `cost_models.profile()` on this machine just before the "
                          "timings (micro-benchmarks of matmuls, a streaming op, collectives and "
-                         "chains of kernels and all-reduces; no training step), saved as "
+                         "chains of kernels, all-reduces, step-sized memory-bound kernels, "
+                         "small convolutions and transcendentals; no training step), saved as "
                          "`cpu_measured_profile.json`" if args.calibrate else
                          "the shipped `cost_models/profiles/cpu.json`") + ": "
         f"float32 peak {hw.peak_flops_per_s() / 1e9:.1f} GFLOP/s and memory "
         f"{hw.hbm_bytes_per_s / 1e9:.2f} GB/s per device, kernel launch "
-        f"{hw.kernel_launch_s * 1e6:.1f} us, collective launch "
+        f"{hw.kernel_launch_s * 1e6:.1f} us (plus a floor of {hw.kernel_floor_s * 1e6:.0f} us "
+        f"from {hw.kernel_floor_bytes / 1024:.1f} KiB per kernel up), convolutions at "
+        f"{hw.conv_efficiency:.2f} x the matmul rate, {hw.transcendental_s * 1e9:.1f} ns per "
+        f"transcendental, collective launch "
         f"{hw.collective_launch_s * 1e6:.0f} us, program dispatch {hw.dispatch_s * 1e6:.0f} us.",
         "- `autopar.compare(train_step, state, batch, mesh=..., hardware=profile, "
         f"strategies=..., measure=True, runs=1, time_limit_s={time_limit_s:g})` plans and "

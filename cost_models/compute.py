@@ -1,10 +1,15 @@
 """Roofline model of one kernel on one device.
 
 Variables: ``F`` FLOPs, ``M`` bytes read plus written, ``P`` peak FLOP/s of the dtype, ``W`` memory
-bandwidth, ``e_f`` the matmul (or vector) efficiency, ``e_m`` the memory efficiency, ``L`` the
-kernel launch floor:
+bandwidth, ``e_f`` the matmul (or vector) efficiency, ``e_c`` the convolution factor
+(``conv_efficiency``, for ``CONV_PRIMS``; 1 for other ops), ``e_m`` the memory efficiency, ``L`` the
+kernel's fixed cost (``Hardware.launch_s``: the launch, plus ``kernel_floor_s`` when the kernel
+moves at least ``kernel_floor_bytes``):
 
-    t = max(F / (P e_f), M / (W e_m)) + L
+    t = max(F / (P e_f e_c) + T s_T, M / (W e_m)) + L
+
+with ``T`` the op's transcendental evaluations (exp, log, tanh, sqrt, ...) and ``s_T`` the
+profile's ``transcendental_s`` (0 in the GPU profiles).
 
 A kernel is compute-bound when the first term wins. Matmul-like primitives (``MATMUL_PRIMS``) use
 the dtype's peak (tensor cores on GPUs); other primitives run on the vector units, modelled by
@@ -17,12 +22,18 @@ from cost_models.hardware import FALLBACK_DTYPE, Hardware
 
 # Primitives that run on matrix units (tensor cores / MXU / BLAS gemm).
 MATMUL_PRIMS: frozenset[str] = frozenset({"dot_general", "conv_general_dilated"})
+# Matmul-like primitives priced at the profile's ``conv_efficiency`` of the matmul rate.
+CONV_PRIMS: frozenset[str] = frozenset({"conv_general_dilated"})
 
 
-def compute_bound_time_s(flops: float, hw: Hardware, dtype: str, is_matmul: bool) -> float:
-    """F / (P e_f): vector (non-matmul) ops use the float32 peak whatever their dtype."""
+def compute_bound_time_s(flops: float, hw: Hardware, dtype: str, is_matmul: bool,
+                         conv: bool = False, transcendentals: float = 0.0) -> float:
+    """F / (P e_f e_c) + T s_T: vector (non-matmul) ops use the float32 peak whatever their
+    dtype; a convolution (``conv``) runs at ``hw.conv_efficiency`` of the matmul rate; each
+    transcendental evaluation costs ``hw.transcendental_s``."""
     peak = hw.peak_flops_per_s(dtype if is_matmul else FALLBACK_DTYPE)
-    return flops / (peak * hw.matmul_efficiency)
+    factor = hw.conv_efficiency if conv else 1.0
+    return flops / (peak * hw.matmul_efficiency * factor) + transcendentals * hw.transcendental_s
 
 
 def memory_bound_time_s(bytes_accessed: float, hw: Hardware) -> float:
@@ -31,16 +42,17 @@ def memory_bound_time_s(bytes_accessed: float, hw: Hardware) -> float:
 
 
 def roofline_time_s(
-    flops: float, bytes_accessed: float, hw: Hardware, dtype: str, is_matmul: bool
+    flops: float, bytes_accessed: float, hw: Hardware, dtype: str, is_matmul: bool,
+    conv: bool = False, transcendentals: float = 0.0,
 ) -> float:
-    """max(compute-bound, memory-bound) time plus the launch floor; 0 for an empty op."""
-    if flops <= 0 and bytes_accessed <= 0:
+    """max(compute-bound, memory-bound) time plus the kernel's fixed cost; 0 for an empty op."""
+    if flops <= 0 and bytes_accessed <= 0 and transcendentals <= 0:
         return 0.0
     body = max(
-        compute_bound_time_s(flops, hw, dtype, is_matmul),
+        compute_bound_time_s(flops, hw, dtype, is_matmul, conv, transcendentals),
         memory_bound_time_s(bytes_accessed, hw),
     )
-    return body + hw.kernel_launch_s
+    return body + hw.launch_s(bytes_accessed)
 
 
 def is_compute_bound(

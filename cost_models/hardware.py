@@ -7,8 +7,18 @@ A ``Hardware`` describes one kind of device and how devices are wired:
   * ``devices_per_node``: devices joined by the fast ``intra_node`` link; groups that span
     several nodes pay the ``inter_node`` link.
   * ``*_efficiency``: the fraction of a peak reached in practice (fitted by ``profile()``).
+  * ``conv_efficiency``: a convolution's rate as a factor of the matmul rate of its dtype
+    (``peak * matmul_efficiency``); 1.0, the default, prices convolutions as matmuls. Small
+    convolutions on CPU devices run below a matmul's rate (``profile()`` measures the ratio).
+  * ``transcendental_s``: seconds one device takes per transcendental evaluation (exp, log,
+    tanh, sqrt, ...; ``ir.Op.transcendentals``) on top of the op's FLOPs; 0, the default,
+    prices them as free (GPU profiles: the special-function units keep pace with memory).
   * ``dispatch_s``: launching one whole compiled program on every device (paid once per step);
-  * ``kernel_launch_s``: fixed cost of one kernel inside a program; ``collective_launch_s``:
+  * ``kernel_launch_s``: fixed cost of one kernel inside a program; ``kernel_floor_s``: what a
+    kernel that moves at least ``kernel_floor_bytes`` per device pays on top of it (0 by
+    default: the GPU profiles have no such step; on CPU devices XLA runs kernels of a training
+    step's size as tasks on a thread pool shared by all devices, see ``cost_models.profile``);
+    ``collective_launch_s``:
     fixed cost of one collective inside a program on top of its per-ring-step ``latency_s``
     (host-side synchronisation dominates it on CPU devices; near 0 on GPUs, where NCCL's
     per-step latency is the whole alpha term).
@@ -92,7 +102,11 @@ class Hardware:
     memory_efficiency: float = 0.85
     collective_efficiency: float = 0.8
     collective_kind_efficiency: tuple[tuple[str, float], ...] = ()
+    conv_efficiency: float = 1.0     # convolution rate / matmul rate
+    transcendental_s: float = 0.0    # seconds per exp/log/tanh/sqrt/... on one device
     kernel_launch_s: float = 5e-6
+    kernel_floor_s: float = 0.0      # extra fixed cost of a kernel of >= kernel_floor_bytes
+    kernel_floor_bytes: float = 0.0
     collective_launch_s: float = 0.0
     dispatch_s: float = 0.0          # launching one compiled program (once per step, not per op)
     source: str = ""
@@ -111,6 +125,12 @@ class Hardware:
         """Dense peak FLOP/s for ``dtype``; an unlisted dtype gets the float32 figure."""
         table = dict(self.peak_flops_by_dtype)
         return table.get(dtype, table[FALLBACK_DTYPE])
+
+    def launch_s(self, bytes_accessed: float) -> float:
+        """Fixed cost of one kernel that moves ``bytes_accessed`` per device:
+        ``kernel_launch_s``, plus ``kernel_floor_s`` from ``kernel_floor_bytes`` up."""
+        floor = self.kernel_floor_s if bytes_accessed >= self.kernel_floor_bytes else 0.0
+        return self.kernel_launch_s + floor
 
     def kind_efficiency(self, kind: str) -> float:
         """Extra bandwidth factor of one collective kind (1.0 when not profiled)."""
@@ -208,8 +228,10 @@ def hardware(spec: str | os.PathLike[str] | Hardware) -> Hardware:
 # times, a zero bandwidth divide by zero and a NaN peak poison every comparison the planner makes.
 _RATES = ("hbm_bytes_per_s",)
 _FRACTIONS = ("matmul_efficiency", "memory_efficiency", "collective_efficiency")
-_FLOORS = ("kernel_launch_s", "collective_launch_s", "dispatch_s")
+_FLOORS = ("kernel_launch_s", "kernel_floor_s", "collective_launch_s", "dispatch_s",
+           "transcendental_s")
 _COUNTS = ("memory_bytes", "devices_per_node")
+_SIZES = ("kernel_floor_bytes",)
 # Plausibility bounds: figures outside them are unit mistakes, and would push predicted times past
 # what a float (or the ILP's integer nanoseconds) can hold.
 MIN_RATE = 1.0
@@ -227,6 +249,7 @@ def _validate(hw: Hardware) -> None:
         _check_rate(where, f"peak_flops_by_dtype[{dtype!r}]", peak)
     for kind, eff in hw.collective_kind_efficiency:
         _check_factor(where, f"collective_kind_efficiency[{kind!r}]", eff)
+    _check_factor(where, "conv_efficiency", hw.conv_efficiency)
     for field in _RATES:
         _check_rate(where, field, getattr(hw, field))
     for field in _FRACTIONS:
@@ -235,6 +258,9 @@ def _validate(hw: Hardware) -> None:
         _check_floor(where, field, getattr(hw, field))
     for field in _COUNTS:
         object.__setattr__(hw, field, _check_count(where, field, getattr(hw, field)))
+    for field in _SIZES:
+        if _number(where, field, getattr(hw, field), ">= 0") < 0:
+            raise CostModelError(f"{where}: {field}={getattr(hw, field)!r} must be >= 0 bytes.")
     for field in ("intra_node", "inter_node"):
         if not isinstance(getattr(hw, field), Link):
             raise CostModelError(f"{where}: {field}={getattr(hw, field)!r} must be a "

@@ -243,3 +243,159 @@ def slope_s(samples: Sequence[Measurement]) -> float:
     t = np.array([s.time_s for s in samples])
     slope = np.polyfit(x, t, 1)[0] if len(set(x.tolist())) > 1 else 0.0
     return max(float(slope), 0.0)
+# ---- kernels of a step's size, inside one program -----------------------------------------------
+# A training step's kernels read and write tensors of tens of KiB to a few MiB per device and run
+# among hundreds of others. Timed the way the step pays them: the slope of time against the kernel
+# count of a chain of such kernels in one program, on every device at once (measured on 8 CPU
+# devices: these kernels cost several times the launch of a tiny one, and run at in-cache rather
+# than DRAM rates; small convolutions run well below a matmul's rate).
+def round_robin_times_s(programs: Sequence[tuple[Callable, Sequence[Any]]], repeats: int,
+                        warmup: int) -> list[float]:
+    """Median wall time of each ``(fn, args)``, timed round robin (repeat r of every program
+    before repeat r + 1 of any), so drift in the machine's load hits all of them alike."""
+    for fn, args in programs:
+        for _ in range(warmup):
+            jax.block_until_ready(fn(*args))
+    times: list[list[float]] = [[] for _ in programs]
+    for _ in range(repeats):
+        for i, (fn, args) in enumerate(programs):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[i].append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainSpec:
+    """A chain benchmark: ``body(steps, *xs)`` on per-device inputs ``shapes_dtypes``, compiled
+    at two chain lengths ``steps``; ``finish(seconds, kernels)`` (what one more step adds)
+    returns the per-kernel ``Measurement``."""
+
+    body: Callable
+    shapes_dtypes: tuple
+    steps: tuple[int, int]
+    finish: Callable[[float, float], Measurement]
+
+
+def measure_chains(devices: Sequence[jax.Device], specs: Sequence[ChainSpec], repeats: int = 7,
+                   warmup: int = 2) -> list[Measurement]:
+    """Compiles every spec at both lengths, times all the programs round robin on every device
+    at once (so drift in the machine's load hits every size alike), and returns each spec's
+    ``finish`` of the time and kernel count one more step adds."""
+    programs, kernels = [], []
+    for spec in specs:
+        for n in spec.steps:
+            fn, args = _on_every_device(lambda *xs, n=n, body=spec.body: body(n, *xs),
+                                        list(devices), *spec.shapes_dtypes)
+            compiled = fn.lower(*args).compile()
+            programs.append((compiled, args))
+            kernels.append(count_hlo_kernels(compiled))
+    t = round_robin_times_s(programs, repeats, warmup)
+    out = []
+    for i, spec in enumerate(specs):
+        extra = spec.steps[1] - spec.steps[0]
+        per_step = (t[2 * i + 1] - t[2 * i]) / extra
+        out.append(spec.finish(per_step, max(kernels[2 * i + 1] - kernels[2 * i], 1) / extra))
+    return out
+
+
+def _norm_steps(steps: int, x: jax.Array) -> jax.Array:
+    for _ in range(steps):  # a row reduction and an elementwise kernel per step, each reading x
+        x = x - jnp.mean(x, axis=-1, keepdims=True) * 0.5
+    return x
+
+
+def stream_kernel_spec(rows: int, cols: int = 128, steps: tuple[int, int] = (4, 16)) -> ChainSpec:
+    """Memory-bound kernels of a step's size: chains of ``x - mean(x, -1) / 2`` on a float32
+    ``(rows, cols)`` per device (each step reads x twice and writes it once); ``time_s`` and
+    ``nbytes`` per kernel (a step's over its kernels)."""
+    step_bytes = 3.0 * rows * cols * 4
+
+    def finish(per_step: float, kernels: float) -> Measurement:
+        return Measurement("memory", "float32", 0.0, step_bytes / kernels, 1,
+                           per_step / kernels, f"{rows}x{cols} in program")
+
+    return ChainSpec(_norm_steps, (((rows, cols), jnp.float32),), steps, finish)
+
+
+def _matmul_steps(steps: int, x: jax.Array, w1: jax.Array, w2: jax.Array) -> jax.Array:
+    w1 = w1 / w1.shape[0]  # keeps the values bounded along the chain
+    w2 = w2 / w2.shape[0]
+    for _ in range(steps):
+        x = (x @ w1) @ w2
+    return x
+
+
+def matmul_chain_spec(m: int, k: int, n: int, dtype: str,
+                      steps: tuple[int, int] = (1, 3)) -> ChainSpec:
+    """``(m, k) @ (k, n)`` then ``@ (n, k)``, chained; ``time_s``, ``flops`` and ``nbytes`` per
+    kernel."""
+    itemsize = jnp.dtype(dtype).itemsize
+
+    def finish(per_step: float, kernels: float) -> Measurement:
+        return Measurement("matmul", dtype, 4.0 * m * k * n / kernels,
+                           2.0 * (m * k + k * n + m * n) * itemsize / kernels, 1,
+                           per_step / kernels, f"{m}x{k}x{n} in program")
+
+    shapes = (((m, k), dtype), ((k, n), dtype), ((n, k), dtype))
+    return ChainSpec(_matmul_steps, shapes, steps, finish)
+
+
+def _conv(x: jax.Array, w: jax.Array) -> jax.Array:
+    return jax.lax.conv_general_dilated(x, w, (1, 1), "SAME",
+                                        dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+
+def _conv_steps(steps: int, x: jax.Array, w: jax.Array) -> jax.Array:
+    w = w / (w.shape[0] * w.shape[1] * w.shape[2])
+    for _ in range(steps):
+        x = _conv(x, w)
+    return x
+
+
+def conv_chain_spec(batch: int, side: int, channels: int, window: int = 3,
+                    steps: tuple[int, int] = (2, 6)) -> ChainSpec:
+    """Same-padded ``window x window`` convolutions of a float32 ``(batch, side, side,
+    channels)`` per device, channels in = out, chained; per kernel figures."""
+    flops = 2.0 * batch * side * side * channels * channels * window * window
+    nbytes = 4.0 * (2 * batch * side * side * channels + window * window * channels**2)
+
+    def finish(per_step: float, kernels: float) -> Measurement:
+        return Measurement("conv", "float32", flops / kernels, nbytes / kernels, 1,
+                           per_step / kernels, f"{batch}x{side}x{side}x{channels} w{window}")
+
+    shapes = (((batch, side, side, channels), jnp.float32),
+              ((window, window, channels, channels), jnp.float32))
+    return ChainSpec(_conv_steps, shapes, steps, finish)
+
+
+# Transcendental functions a training step evaluates (softmax, GELU, layer norm, Adam), each
+# wrapped so that repeated application stays finite.
+TRANSCENDENTAL_FNS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "exp": lambda x: jnp.exp(x * -1e-3),
+    "log": lambda x: jnp.log(x + 2.0),
+    "tanh": jnp.tanh,
+    "rsqrt": lambda x: jax.lax.rsqrt(x + 2.0),
+}
+
+
+def measure_transcendentals(devices: Sequence[jax.Device], elements: int = 1 << 16,
+                            steps: tuple[int, int] = (2, 18), repeats: int = 7,
+                            warmup: int = 2) -> list[Measurement]:
+    """Seconds one device takes per evaluation of each of ``TRANSCENDENTAL_FNS``, every device
+    busy at once: ``steps`` applications in a row, which XLA fuses into one elementwise kernel
+    over a float32 vector of ``elements`` per device, timed round robin; the slope of time
+    against the count, per element (``time_s``; ``nbytes`` holds ``elements``)."""
+    programs = []
+    for f in TRANSCENDENTAL_FNS.values():
+        for n in steps:
+            def body(x, n=n, f=f):
+                for _ in range(n):
+                    x = f(x)
+                return x
+            programs.append(_on_every_device(body, list(devices), ((elements,), jnp.float32)))
+    t = round_robin_times_s(programs, repeats, warmup)
+    extra = (steps[1] - steps[0]) * elements
+    return [Measurement("transcendental", "float32", 0.0, float(elements), 1,
+                        (t[2 * i + 1] - t[2 * i]) / extra, name)
+            for i, name in enumerate(TRANSCENDENTAL_FNS)]

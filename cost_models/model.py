@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from cost_models.collectives import COLLECTIVE_RULES
-from cost_models.compute import MATMUL_PRIMS, roofline_time_s
+from cost_models.compute import CONV_PRIMS, MATMUL_PRIMS, roofline_time_s
 from cost_models.hardware import FALLBACK_DTYPE, CostModelError, Hardware, Link, hardware
 from ir.graph import Op, TensorType
 
@@ -121,13 +121,19 @@ class CostModel:
         bytes_accessed: float,
         dtype: str = FALLBACK_DTYPE,
         is_matmul: bool = True,
+        conv: bool = False,
+        transcendentals: float = 0.0,
     ) -> float:
         """Roofline time of one kernel on one device.
 
-        ``max(flops / (peak(dtype) * matmul_efficiency), bytes / (hbm * memory_efficiency))``
-        plus ``kernel_launch_s``; 0 when both counts are 0.
+        ``max(flops / (peak(dtype) * matmul_efficiency * c), bytes / (hbm * memory_efficiency))``,
+        ``c`` being ``conv_efficiency`` for a convolution (``conv``), else 1, and
+        ``transcendentals * transcendental_s`` added to the FLOP term,
+        plus the kernel's fixed cost ``hw.launch_s(bytes_accessed)`` (``kernel_launch_s``, and
+        ``kernel_floor_s`` from ``kernel_floor_bytes`` up); 0 when both counts are 0.
         """
-        return roofline_time_s(flops, bytes_accessed, self.hw, dtype, is_matmul)
+        return roofline_time_s(flops, bytes_accessed, self.hw, dtype, is_matmul, conv,
+                               transcendentals)
 
     def op_time_s(self, op: Op, shard_factor: float = 1, dtype: str | None = None) -> float:
         """Time of one execution of ``op`` when its work is split ``shard_factor`` ways.
@@ -148,6 +154,8 @@ class CostModel:
             op.bytes_accessed / shard_factor,
             dtype=dt,
             is_matmul=op.prim in MATMUL_PRIMS,
+            conv=op.prim in CONV_PRIMS,
+            transcendentals=op.transcendentals / shard_factor,
         )
 
     # ---- communication ----------------------------------------------------------------------

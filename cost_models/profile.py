@@ -18,7 +18,19 @@ full sweep also groups of 4 and 2, all groups running at once) (``cost_models.me
     *inside* a program (``in_program_launches``: the slope of time against the count in chains
     of dependent tiny kernels and all-reduces), not the intercept of single-op programs: on CPU
     devices a lone op pays thread wake-ups that a step's hundreds of kernels do not (the
-    intercept was ~200 us per kernel, the in-program slope a few us).
+    intercept was ~200 us per kernel, the in-program slope a few us);
+  * ``kernel_floor_s`` / ``kernel_floor_bytes``: what a kernel of a training step's size pays on
+    top of that launch inside a program, and from which size (``kernel_floor``: chains of
+    memory-bound kernels of 2 KiB to 256 KiB per device);
+  * ``conv_efficiency``: chained small convolutions' FLOP rate over chained matmuls'
+    (``conv_efficiency``);
+  * ``transcendental_s``: the median over exp, log, tanh and rsqrt of the seconds one device
+    takes per evaluation inside one fused kernel, every device busy
+    (``measure_transcendentals``). The IR counts them apart from FLOPs, which priced them free.
+
+Each in-program term is measured by its own micro-benchmark and can be switched off in a
+profile (``kernel_floor_s=0``, ``conv_efficiency=1``, ``transcendental_s=0``) to see what it
+changes.
 """
 from __future__ import annotations
 
@@ -28,20 +40,32 @@ import statistics
 from collections.abc import Sequence
 
 import jax
+import numpy as np
 
 from cost_models.collectives import COLLECTIVE_TERMS, KINDS
-from cost_models.fit import CollectiveFit, ComputeFit, fit_collectives, fit_compute
+from cost_models.fit import (
+    CollectiveFit,
+    ComputeFit,
+    fit_collectives,
+    fit_compute,
+    relative_nnls,
+)
 from cost_models.hardware import FALLBACK_DTYPE, Hardware, Link, hardware
 from cost_models.measure import (
     Measurement,
+    conv_chain_spec,
     line_mesh,
+    matmul_chain_spec,
+    measure_chains,
     measure_collective,
     measure_collective_chain,
     measure_dispatch,
     measure_kernel_chain,
     measure_matmul,
     measure_memory,
+    measure_transcendentals,
     slope_s,
+    stream_kernel_spec,
 )
 
 
@@ -58,6 +82,12 @@ class Sweep:
     warmup: int
     chain_steps: tuple[int, ...] = (4, 16, 64)   # kernel chains: launch cost inside a program
     collective_chain: tuple[int, ...] = (1, 4, 16)  # dependent all-reduces in one program
+    # float32 (rows, 128) shards of chained memory-bound kernels: the per-kernel floor
+    stream_rows: tuple[int, ...] = (4, 8, 16, 32, 64, 128, 256, 512)
+    # (batch, side, channels) of chained 3x3 convolutions, against chained square matmuls
+    conv_shapes: tuple[tuple[int, int, int], ...] = ((4, 16, 16), (4, 8, 32), (8, 16, 32))
+    conv_matmuls: tuple[int, ...] = (128, 256)
+    transcendental_elements: int = 1 << 16   # float32 per device, for ``transcendental_s``
 
 
 # Powers of two (and 4x steps for collectives): calibrate_cost_model.py checks the fit on sizes
@@ -83,6 +113,10 @@ QUICK_SWEEP = Sweep(
     warmup=1,
     chain_steps=(4, 32),
     collective_chain=(1, 8),
+    stream_rows=(4, 64, 256),
+    conv_shapes=((4, 8, 16),),
+    conv_matmuls=(128,),
+    transcendental_elements=1 << 12,
 )
 
 
@@ -140,10 +174,64 @@ def profile(
     kfit = fit_collectives(comms) if comms else None
     kernel_s, coll_s = in_program_launches(devs, sweep, kfit)
     cfit = dataclasses.replace(cfit, kernel_launch_s=kernel_s)
+    floor_s, floor_bytes = kernel_floor(devs, sweep, cfit)
+    conv = conv_efficiency(devs, sweep)
+    trans = statistics.median(m.time_s for m in measure_transcendentals(
+        devs, sweep.transcendental_elements, repeats=sweep.repeats, warmup=sweep.warmup))
     if kfit is not None:
         kfit = dataclasses.replace(kfit, collective_launch_s=coll_s)
     hw = hardware_from_fits(name or devs[0].platform, devs, cfit, kfit, ref)
-    return dataclasses.replace(hw, dispatch_s=dispatch)
+    return dataclasses.replace(hw, dispatch_s=dispatch, kernel_floor_s=floor_s,
+                               kernel_floor_bytes=floor_bytes, conv_efficiency=conv,
+                               transcendental_s=max(trans, 0.0))
+
+
+def conv_efficiency(devices: Sequence[jax.Device], sweep: Sweep) -> float:
+    """A convolution's FLOP rate over a matmul's, both inside one program: the median rate of
+    chained same-padded 3x3 float32 convolutions of a small step's shapes
+    (``sweep.conv_shapes``) over the median rate of chained square matmuls
+    (``sweep.conv_matmuls``), all timed round robin on every device at once
+    (``measure_chains``). On CPU devices small convolutions run at about half a matmul's rate."""
+    reps = dict(repeats=sweep.repeats, warmup=sweep.warmup)
+    specs = [conv_chain_spec(b, side, c) for b, side, c in sweep.conv_shapes]
+    specs += [matmul_chain_spec(n, n, n, FALLBACK_DTYPE) for n in sweep.conv_matmuls]
+    ms = measure_chains(devices, specs, **reps)
+    k = len(sweep.conv_shapes)
+    conv = [m.flops / m.time_s for m in ms[:k] if m.time_s > 0]
+    mm = [m.flops / m.time_s for m in ms[k:] if m.time_s > 0]
+    if not conv or not mm:   # no usable timing (noise ate the chains' slope): as matmuls
+        return 1.0
+    return statistics.median(conv) / statistics.median(mm)
+
+
+def kernel_floor(devices: Sequence[jax.Device], sweep: Sweep,
+                 cfit: ComputeFit) -> tuple[float, float]:
+    """(``kernel_floor_s``, ``kernel_floor_bytes``): the fixed cost a memory-bound kernel of a
+    training step's size pays inside a program on top of the tiny-kernel launch, and the size
+    from which it pays it.
+
+    Chains of ``x - mean(x, -1) / 2`` on float32 ``(rows, 128)`` shards (``sweep.stream_rows``),
+    every device at once, give each size's per-kernel time ``t`` and bytes ``M``
+    (``measure_chains``). The larger half of the sizes is fitted as ``t = L0 + M / W'``
+    (``relative_nnls``); the floor is ``L0`` less the launch ``cfit.kernel_launch_s``, and the
+    threshold the smallest size from which every ``t`` is at least ``L0 / 2``. The bandwidth
+    ``W'`` of these in-cache kernels is not used: the roofline keeps the profile's bandwidth.
+    On 8 CPU devices sharing 2 cores, kernels of a few KiB cost about the launch, and from a
+    few KiB up (where XLA runs reductions as library fusions and splits loops into tasks on
+    the thread pool all devices share) tens of us more. (0, 0) when the fit shows no floor.
+    """
+    reps = dict(repeats=sweep.repeats, warmup=sweep.warmup)
+    specs = [stream_kernel_spec(r, steps=(4, 36)) for r in sweep.stream_rows]
+    ms = sorted(measure_chains(devices, specs, **reps), key=lambda m: m.nbytes)
+    upper = ms[len(ms) // 2:]
+    design = np.array([[1.0, m.nbytes] for m in upper])
+    intercept = float(relative_nnls(design, np.array([m.time_s for m in upper]))[0])
+    floor = intercept - cfit.kernel_launch_s
+    if floor <= 0.0:
+        return 0.0, 0.0
+    start = next((m.nbytes for i, m in enumerate(ms)
+                  if all(n.time_s >= intercept / 2 for n in ms[i:])), ms[-1].nbytes)
+    return floor, float(start)
 
 
 def in_program_launches(devices: Sequence[jax.Device], sweep: Sweep,

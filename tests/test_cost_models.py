@@ -136,6 +136,41 @@ def test_op_time_uses_matmul_peak_and_shard_factor() -> None:
     assert cm.op_time_s(add, dtype="bfloat16") == pytest.approx(1e12 / 50e12 + 1e-6)
 
 
+def test_kernel_floor_applies_from_its_size() -> None:
+    cm = CostModel(toy_hw(kernel_floor_s=40e-6, kernel_floor_bytes=16e3), {})
+    small, big = 8e3, 64e3
+    assert cm.compute_time_s(0, small, is_matmul=False) == pytest.approx(small / 0.5e12 + 1e-6)
+    assert cm.compute_time_s(0, big, is_matmul=False) == pytest.approx(big / 0.5e12 + 41e-6)
+    assert cm.hw.launch_s(16e3) == pytest.approx(41e-6)  # the threshold itself pays it
+    assert CostModel(toy_hw(), {}).hw.launch_s(1e9) == 1e-6  # default: no floor
+    with pytest.raises(CostModelError, match="kernel_floor_s"):
+        toy_hw(kernel_floor_s=-1.0)
+    with pytest.raises(CostModelError, match="kernel_floor_bytes"):
+        toy_hw(kernel_floor_bytes=-1.0)
+
+
+def test_conv_efficiency_slows_convolutions_only() -> None:
+    cm = CostModel(toy_hw(conv_efficiency=0.25), {})
+    conv = Op(0, "conv_general_dilated", (0, 1), (2,), flops=1e12, bytes_accessed=1.0)
+    dot = Op(1, "dot_general", (0, 1), (2,), flops=1e12, bytes_accessed=1.0)
+    assert cm.op_time_s(conv) == pytest.approx(1e12 / (50e12 * 0.25) + 1e-6)
+    assert cm.op_time_s(dot) == pytest.approx(1e12 / 50e12 + 1e-6)
+    with pytest.raises(CostModelError, match="conv_efficiency"):
+        toy_hw(conv_efficiency=0.0)
+
+
+def test_transcendentals_add_to_the_flop_term() -> None:
+    cm = CostModel(toy_hw(transcendental_s=1e-9), {"data": 4})
+    tanh = Op(0, "tanh", (0,), (1,), transcendentals=4e6, bytes_accessed=8.0)
+    assert cm.op_time_s(tanh) == pytest.approx(4e6 * 1e-9 + 1e-6)
+    assert cm.op_time_s(tanh, shard_factor=4) == pytest.approx(1e6 * 1e-9 + 1e-6)
+    assert cm.compute_time_s(0, 0, transcendentals=1e3) == pytest.approx(1e-6 + 1e-6)
+    # memory-bound still wins when the bytes take longer
+    assert cm.compute_time_s(0, 1e9, is_matmul=False, transcendentals=1e3) == pytest.approx(
+        1e9 / 0.5e12 + 1e-6)
+    assert CostModel(toy_hw(), {}).op_time_s(tanh) == pytest.approx(8.0 / 0.5e12 + 1e-6)
+
+
 def test_unknown_dtype_falls_back_to_float32() -> None:
     assert toy_hw().peak_flops_per_s("int4") == 100e12
     with pytest.raises(CostModelError, match="float32"):
@@ -211,6 +246,12 @@ def test_profile_quick_is_positive_finite_and_round_trips() -> None:
     cm = CostModel(hw, {"data": 2, "model": 4})
     assert cm.collective_time_s("all-reduce", 1e6, ("model",)) > 0
     assert cm.compute_time_s(2 * 256**3, 3 * 256**2 * 4) > 0
+    # the in-program terms: measured, finite, in range (their values depend on the machine)
+    assert hw.kernel_floor_s >= 0 and hw.kernel_floor_bytes >= 0
+    if hw.kernel_floor_s == 0:   # no floor measured: no threshold either
+        assert hw.kernel_floor_bytes == 0
+    assert 0 < hw.conv_efficiency < 1e6
+    assert 0 <= hw.transcendental_s < 1e-3
 
 
 def test_profile_with_reference_keeps_datasheet_peaks() -> None:

@@ -36,7 +36,7 @@ from autopar.planner.budget import SEARCH_BEFORE
 from autopar.planner.reshard import reshard_s
 from autopar.planner.rules import Choices, Follow, RuleContext, Strategy
 from autopar.sharding import Sharding, replicated, shard_factor
-from cost_models.compute import MATMUL_PRIMS
+from cost_models.compute import CONV_PRIMS, MATMUL_PRIMS
 from ir import Graph, Op
 from ir.fusion import Fusion, fuse
 from ir.layers import _walk as walk_ops
@@ -231,6 +231,7 @@ class _Builder:
         self.gop: dict[int, int] = {}
         self.reshard = ReshardCache(cost_model, mesh)
         self.fusion = fuse(graph) if fusion is None else fusion
+        self.kernel_bytes = _kernel_bytes(graph, self.fusion)
         self.memo: dict = {}        # op structure (+ operand layouts) -> rule / _Planned
         first = len(graph.inputs) + len(graph.consts)
         labels = node_graph(graph)[0]
@@ -262,7 +263,8 @@ class _Builder:
         """What the op's kernel reads (with how often), writes and copies, as positions among its
         operands and results (``kernel_io``), and whether it launches the kernel: its costs
         depend on them."""
-        return kernel_io(self.fusion, op) + (op.id in self.fusion.roots,)
+        return kernel_io(self.fusion, op) + (op.id in self.fusion.roots,
+                                             self.kernel_bytes.get(op.id, 0.0))
 
     def planned(self, op: Op, per_i: Sequence[Strategy], key) -> _Planned:
         """The op's contribution under ``per_i``, memoised under ``key`` (None: not memoised)."""
@@ -316,14 +318,19 @@ class _Builder:
         """Each strategy's compute (a roofline of the op's FLOPs and the bytes its kernel moves
         for it, ``ir.fusion``; the kernel's launch on its last op) and collectives."""
         dtype = self.compute_dtype(op)
-        launch = 0.0 if op.id in self.fusion.roots else self.cm.hw.kernel_launch_s
+        root = op.id in self.fusion.roots
         matmul = op.prim in MATMUL_PRIMS
         io = None if op.regions or op.prim == "alias" else kernel_io(self.fusion, op)
         for i, st in enumerate(per_i):
             nbytes = self.fused_bytes(op, st, io)
-            if op.flops or nbytes:
-                t = self.cm.compute_time_s(op.flops / st.compute_div, nbytes, dtype, matmul)
-                grp.compute_s[i] += mult * max(t - launch, 0.0)
+            if op.flops or op.transcendentals or nbytes:
+                t = self.cm.compute_time_s(op.flops / st.compute_div, nbytes, dtype, matmul,
+                                           op.prim in CONV_PRIMS,
+                                           op.transcendentals / st.compute_div)
+                t -= self.cm.hw.launch_s(nbytes)   # the body; the kernel's launch on its root:
+                if root:   # sized by the whole kernel's bytes, split as the root's work is
+                    t += self.cm.hw.launch_s(self.kernel_bytes[op.id] / st.compute_div)
+                grp.compute_s[i] += mult * max(t, 0.0)
                 grp.hbm_bytes[i] += mult * nbytes
             for c in st.comms:
                 grp.comm_s[i] += mult * self.cm.collective_time_s(c.kind, c.nbytes, c.axes)
@@ -495,6 +502,16 @@ class _Builder:
             derive = _alias_same if k < ncarry else _alias_add0
             self.follow(_alias_op(op, inner, outer), inner, derive, mult, (outer,))
         self.gop[op.id] = self.gv.get(op.outs[0], -1) if op.outs else -1
+
+
+def _kernel_bytes(graph: Graph, fusion: Fusion) -> dict[int, float]:
+    """Root op id -> bytes its whole kernel reads and writes, unsharded (what the kernel floor
+    of a CPU profile, ``Hardware.launch_s``, is judged by)."""
+    members: dict[int, list[int]] = {}
+    for op_id, k in fusion.kernel_of.items():
+        members.setdefault(k, []).append(op_id)
+    return {r: fusion.hbm_bytes(graph, members.get(fusion.kernel_of.get(r), [r]))
+            for r in fusion.roots}
 
 
 def kernel_io(fusion: Fusion, op: Op) -> tuple[tuple, tuple, tuple]:
