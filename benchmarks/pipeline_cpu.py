@@ -1,16 +1,25 @@
 """Pipeline schedules on CPU devices: measured step time, bubble and peak memory against prediction.
 
-A scanned GPT is pipelined over two CPU devices (``{"stage": 2}``; this machine has two cores,
-so the two stages really run side by side) with every schedule. For each:
+A scanned GPT is pipelined over two CPU devices (``{"stage": 2}``) with every schedule. The
+emulated devices share the host's cores: whether the two stages really run side by side is
+measured (``parallel``; on the shared 2-core machine they took turns, parallel ~1). For each:
 
 * **actions**: the forward and the backward (recompute + vjp, as the runtime runs it) of one
   chunk on one microbatch, jitted alone on one device and timed (medians): first chunk (with
   the embedding), last (with the head and loss), and middle ones when there are;
-* **predicted** step and bubble: the schedule's lockstep timeline (``schedules.price``) over
-  those measured action times, devices dedicated; the bubble is ``1 - busy / (P x makespan)``;
-* **measured** step: the median wall time of the pipelined step (one ``jax.jit``); the measured
-  bubble is ``1 - busy / (P x measured step)`` with the same busy time (so it also counts the
-  runtime's own overheads: switches, buffer copies, collective-permutes, the optimizer);
+* **calibration** (a separate staged model whose actions do next to nothing, never the
+  configurations below): the slope of its step time over the schedule's ticks, fitted as
+  ``pipeline_tick_s + copies x carry / hbm_bytes_per_s`` (the fixed cost of a tick and the
+  copies of the state it threads through its switches); the cpu profile's ``pipeline_tick_s``
+  comes from such a run;
+* **parallel**: how many stages this machine runs side by side at the speed of an action timed
+  alone (one matmul chain on one device against the same on both at once, in the same rounds);
+* **predicted** step and bubble: ``planning.loop_timeline`` over the measured action times
+  (each tick at least its stages' summed work / parallel, plus ``planning.tick_overhead_s``)
+  plus ``planning.after_loop_s``; ``timeline_only``: the bare timeline, the earlier prediction;
+* **measured** step: the median wall time of the pipelined step (one ``jax.jit``); the bubble
+  on both sides is ``1 - busy / (P x tick loop)``, the measured loop being the jitted
+  ``loss_and_grads`` (the loop and its gradient reductions; no optimizer);
 * **memory**: ``memory_analysis()`` of the compiled step (arguments + outputs + temporaries,
   per device) against the planner's predicted per-device peak of the busiest stage
   (``planning.price``; its working set comes from the intra-op ILP's sub-plans).

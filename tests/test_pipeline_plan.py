@@ -127,6 +127,25 @@ def test_price_follows_the_schedule():
     assert ob.in_flight == S.in_flight(S.build("1f1b", 4, 1, 8))
 
 
+def test_price_holds_the_runtime_tick_overhead():
+    """The profile's ``pipeline_tick_s`` is paid once per tick of the schedule, on top of the
+    carry copies and permute bytes ``tick_overhead_s`` prices; it raises the bubble."""
+    costs = PL.Costs(layer_f=1e-3, layer_b=2e-3, embed_f=0, embed_b=0, head_f=0, head_b=0,
+                     layer_peak_bytes=0, act_bytes=1e4, solve_s=0)
+    sm = PM.gpt_staged(CFG)
+    params = jax.eval_shape(lambda: PM.gpt_train_step(CFG)[1](jax.random.PRNGKey(0), 8))[
+        "params"]
+    hw = cost_models.hardware("cpu")
+    sizes = {"stage": 2, "data": 4}
+    free = PL.price(sm, params, costs, sizes, "stage",
+                    dataclasses.replace(hw, pipeline_tick_s=0.0), "gpipe", 1, 4)
+    paid = PL.price(sm, params, costs, sizes, "stage",
+                    dataclasses.replace(hw, pipeline_tick_s=1e-3), "gpipe", 1, 4)
+    ticks = len(S.build("gpipe", 2, 1, 4).ticks)
+    assert paid.step_time_s - free.step_time_s == pytest.approx(1e-3 * ticks)
+    assert paid.bubble_fraction > free.bubble_fraction > 0
+
+
 @pytest.mark.parametrize("pipeline,fix", [
     ({"axis": "pipe"}, "not an axis of the mesh"),
     ({"stages": 3}, "use stages=2"),
@@ -134,6 +153,7 @@ def test_price_follows_the_schedule():
     ({"virtual_stages": 3}, "divides 4"),
     ({"schedule": "zigzag"}, "use one of"),
     ({"chunks": 2}, "unknown keys"),
+    ({"layer_ranges": "greedy"}, "must be one of"),
     ("fast", "must be 'auto' or a dict"),
 ])
 def test_bad_pipeline_options(gpt_step, pipeline, fix):

@@ -45,7 +45,8 @@ from autopar.pipeline.model import StagedModel
 from autopar.pipeline.record import PipelinePlan
 from autopar.pipeline.runtime import TENSOR_AXIS, data_axes, equal_ranges, rows_split
 
-OPTIONS = ("axis", "stages", "microbatches", "schedule", "virtual_stages")
+OPTIONS = ("axis", "stages", "microbatches", "schedule", "virtual_stages", "layer_ranges")
+LAYER_RANGES = ("auto", "equal")     # equal chunks or the layer-range DP's split; equal only
 ADAM_STATE = 4          # parameters + gradient accumulator + two moments
 NEW_STATE = 3           # parameters + two moments returned
 
@@ -57,6 +58,7 @@ class Pins:
     microbatches: int | None
     schedule: str | None
     virtual_stages: int | None
+    layer_ranges: str = "auto"
 
 
 def parse(pipeline, sizes: dict, model: StagedModel, rows: int) -> Pins:
@@ -81,7 +83,7 @@ def parse(pipeline, sizes: dict, model: StagedModel, rows: int) -> Pins:
                            f"devices: each stage is one slice of that axis; use "
                            f"stages={sizes[axis]} or resize the axis")
     pins = Pins(axis, stages, pipeline.get("microbatches"), pipeline.get("schedule"),
-                pipeline.get("virtual_stages"))
+                pipeline.get("virtual_stages"), _layer_ranges(pipeline, model, stages))
     if pins.schedule is not None or pins.microbatches is not None:
         S.check(pins.schedule or "1f1b", stages, pins.virtual_stages or 1,
                 pins.microbatches or stages * (pins.virtual_stages or 1))
@@ -97,6 +99,19 @@ def parse(pipeline, sizes: dict, model: StagedModel, rows: int) -> Pins:
         raise AutoparError(f"{model.num_layers} layers cannot fill {stages} stages (each needs "
                            f"at least one); use a pipeline axis of at most {model.num_layers}")
     return pins
+
+
+def _layer_ranges(pipeline: dict, model: StagedModel, stages: int) -> str:
+    """``pipeline["layer_ranges"]`` checked: ``"auto"`` (equal chunks or the layer-range DP's
+    split, the faster) or ``"equal"`` (equal chunks only, which the layers must allow)."""
+    how = pipeline.get("layer_ranges", "auto")
+    if how not in LAYER_RANGES:
+        raise AutoparError(f"pipeline layer_ranges={how!r:.40} must be one of {LAYER_RANGES}")
+    if how == "equal" and model.num_layers % stages:
+        raise AutoparError(f"pipeline layer_ranges='equal' but {model.num_layers} layers do not "
+                           f"split into {stages} equal stages; use layer_ranges='auto' or a "
+                           f"stage count dividing {model.num_layers}")
+    return how
 
 
 def _data_shards(sizes: dict, axis: str) -> int:
@@ -215,9 +230,10 @@ def price(model: StagedModel, params, costs: Costs, sizes: dict, axis: str, hw,
                         costs.act_bytes, costs.layer_f, costs.layer_b)
 
 
-# Copies of the tick's carry (tick_carry_bytes) per tick at hbm_bytes_per_s: the calibration of
-# benchmarks/pipeline_cpu.py fits 0.87, 0.87 and 1.9 on the shared 2-core CPU (XLA copies the
-# state threaded through the per-tick lax.switch es); not measured on GPUs.
+# Copies of the tick's carry (tick_carry_bytes) per tick at hbm_bytes_per_s (XLA copies the
+# state threaded through the per-tick lax.switch es): benchmarks/pipeline_cpu.py's calibration
+# fitted 0.38 to 1.9 in five runs on the loaded, shared 2-core CPU (median 0.88); not measured on
+# GPUs, where the same one copy is assumed.
 TICK_CARRY_COPIES = 1.0
 
 
@@ -365,7 +381,8 @@ def candidates(pins: Pins, model: StagedModel, rows: int, sizes: dict):
     ms = [pins.microbatches] if pins.microbatches else [
         m for m in (p, 2 * p, 4 * p, 8 * p) if rows_split(rows, m, shards)]
     vs = [pins.virtual_stages] if pins.virtual_stages else [
-        v for v in (1, 2, 4) if v == 1 or model.num_layers % (p * v) == 0]
+        v for v in (1, 2, 4)
+        if (v == 1 and pins.layer_ranges == "auto") or model.num_layers % (p * v) == 0]
     names = [S.check(pins.schedule, p, 1, p)] if pins.schedule else list(S.SCHEDULES)
     out = [(n, v, m) for n in names for v in vs for m in ms
            if not (v > 1 and (m % p or n == "eager_1f1b"))]
@@ -400,7 +417,7 @@ def choose(model: StagedModel, params, batch, pins: Pins, sizes: dict, hw, budge
             costs_by_rows[rows // m] = stage_costs(model, params, batch, rows // m, sizes,
                                                    pins.axis, hw, each_s, stage_strategy)
         priced += _layer_choices(model, params, costs_by_rows[rows // m], sizes, pins.axis, hw,
-                                 name, v, m, budget)
+                                 name, v, m, budget, pins.layer_ranges == "auto")
     fits = [c for c in priced if max(c.stage_memory_bytes) <= budget]
     best = (min(fits, key=lambda c: (c.step_time_s, max(c.stage_memory_bytes))) if fits
             else min(priced, key=lambda c: (max(c.stage_memory_bytes), c.step_time_s)))
@@ -408,13 +425,14 @@ def choose(model: StagedModel, params, batch, pins: Pins, sizes: dict, hw, budge
 
 
 def _layer_choices(model, params, costs: Costs, sizes: dict, axis: str, hw, name: str,
-                   v: int, m: int, budget: float) -> list[PipelinePlan]:
+                   v: int, m: int, budget: float, split: bool = True) -> list[PipelinePlan]:
     """One candidate priced with its layer ranges: equal chunks when the layers split into
-    them, and (one chunk per stage) the layer-range DP's best split when it differs."""
+    them, and (one chunk per stage, ``split``) the layer-range DP's best split when it
+    differs."""
     out = []
     if model.num_layers % (sizes[axis] * v) == 0:
         out.append(price(model, params, costs, sizes, axis, hw, name, v, m))
-    if v == 1:
+    if v == 1 and split:
         free = (layer_split(model, params, costs, sizes, axis, hw, name, m, budget, equal=False)
                 or layer_split(model, params, costs, sizes, axis, hw, name, m, math.inf,
                                equal=False))
