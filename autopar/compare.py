@@ -284,16 +284,20 @@ def _runnable_mesh(mesh, args):
 
 
 def _compile(fn, args, mesh, plan: Plan):
-    """Lower and compile ``plan`` with the codegen ``autopar.autoparallel`` uses: (exe, seconds)."""
+    """Lower and compile ``plan`` with the codegen ``autopar.autoparallel`` uses: (exe, seconds,
+    the arguments it runs on: a pipelined unrolled model's state in its stacked layout)."""
     t0 = time.perf_counter()
-    compiled = autoparallel(fn, mesh=mesh, plan=plan).lower(*args).compile()
-    return compiled, time.perf_counter() - t0
+    step = autoparallel(fn, mesh=mesh, plan=plan)
+    if plan.pipeline is not None:
+        args = (step.stack_state(args[0]), *args[1:])
+    compiled = step.lower(*args).compile()
+    return compiled, time.perf_counter() - t0, args
 
 
 def _measure_row(row: Row, job: concurrent.futures.Future, args, runs: int) -> Row:
     """Wait for the compile, read XLA's memory peak and time ``runs`` steps (median)."""
     try:
-        compiled, compile_s = job.result()
+        compiled, compile_s, args = job.result()
         placed = jax.device_put(args, compiled.input_shardings[0])
         jax.block_until_ready(compiled(*placed))       # warm-up
         times = []

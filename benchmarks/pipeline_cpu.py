@@ -1,16 +1,25 @@
 """Pipeline schedules on CPU devices: measured step time, bubble and peak memory against prediction.
 
-A scanned GPT is pipelined over two CPU devices (``{"stage": 2}``; this machine has two cores,
-so the two stages really run side by side) with every schedule. For each:
+A scanned GPT is pipelined over two CPU devices (``{"stage": 2}``) with every schedule. The
+emulated devices share the host's cores: whether the two stages really run side by side is
+measured (``parallel``; on the shared 2-core machine they took turns, parallel ~1). For each:
 
 * **actions**: the forward and the backward (recompute + vjp, as the runtime runs it) of one
   chunk on one microbatch, jitted alone on one device and timed (medians): first chunk (with
   the embedding), last (with the head and loss), and middle ones when there are;
-* **predicted** step and bubble: the schedule's lockstep timeline (``schedules.price``) over
-  those measured action times, devices dedicated; the bubble is ``1 - busy / (P x makespan)``;
-* **measured** step: the median wall time of the pipelined step (one ``jax.jit``); the measured
-  bubble is ``1 - busy / (P x measured step)`` with the same busy time (so it also counts the
-  runtime's own overheads: switches, buffer copies, collective-permutes, the optimizer);
+* **calibration** (a separate staged model whose actions do next to nothing, never the
+  configurations below): the slope of its step time over the schedule's ticks, fitted as
+  ``pipeline_tick_s + copies x carry / hbm_bytes_per_s`` (the fixed cost of a tick and the
+  copies of the state it threads through its switches); the cpu profile's ``pipeline_tick_s``
+  comes from such a run;
+* **parallel**: how many stages this machine runs side by side at the speed of an action timed
+  alone (one matmul chain on one device against the same on both at once, in the same rounds);
+* **predicted** step and bubble: ``planning.loop_timeline`` over the measured action times
+  (each tick at least its stages' summed work / parallel, plus ``planning.tick_overhead_s``)
+  plus ``planning.after_loop_s``; ``timeline_only``: the bare timeline, the earlier prediction;
+* **measured** step: the median wall time of the pipelined step (one ``jax.jit``); the bubble
+  on both sides is ``1 - busy / (P x tick loop)``, the measured loop being the jitted
+  ``loss_and_grads`` (the loop and its gradient reductions; no optimizer);
 * **memory**: ``memory_analysis()`` of the compiled step (arguments + outputs + temporaries,
   per device) against the planner's predicted per-device peak of the busiest stage
   (``planning.price``; its working set comes from the intra-op ILP's sub-plans).
@@ -37,24 +46,30 @@ from autopar.pipeline import planning as PL
 from autopar.pipeline import runtime as R
 from autopar.pipeline import schedules as S
 
-HEADER = ("schedule", "virtual", "microbatches", "layers", "predicted_step_ms", "measured_step_ms",
-          "step_ratio", "predicted_bubble", "measured_bubble", "predicted_peak_MiB",
-          "measured_peak_MiB", "memory_ratio", "in_flight")
+HEADER = ("schedule", "virtual", "microbatches", "layers", "ticks", "parallel",
+          "timeline_only_ms",
+          "predicted_step_ms", "measured_step_ms", "step_ratio", "timeline_only_bubble",
+          "predicted_bubble", "measured_bubble", "predicted_peak_MiB", "measured_peak_MiB",
+          "memory_ratio", "in_flight")
 
 
-def _median_s(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+def _interleaved_medians(calls: dict, rounds: int) -> dict:
+    """name -> median seconds of ``calls[name] = (fn, args)``, timed in ``rounds`` rounds that
+    each call every one once (so a change of the machine's load touches them all alike)."""
+    for fn, args in calls.values():
         jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    times: dict = {k: [] for k in calls}
+    for _ in range(rounds):
+        for k, (fn, args) in calls.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
-def _action_times(model, params, micro, ranges, repeats: int) -> dict:
-    """(kind, first?, last?, layers) -> seconds of one chunk's action on one microbatch, one
-    device, for every distinct chunk of ``ranges``."""
+def _action_calls(model, params, micro, ranges) -> dict:
+    """(kind, first?, last?, layers) -> (jitted fn, args): one chunk's action on one
+    microbatch, one device, for every distinct chunk of ``ranges``."""
     layers, rest = model.split(params)
     x = jax.eval_shape(model.embed, rest, micro)
     x = jnp.zeros(x.shape, x.dtype)
@@ -74,9 +89,89 @@ def _action_times(model, params, micro, ranges, repeats: int) -> dict:
             _, vjp = jax.vjp(f, p, r, h)
             return vjp((jnp.ones_like(x), jnp.ones(())))
 
-        out[("F", first, last, b - a)] = _median_s(jax.jit(f), p_v, rest, x, repeats=repeats)
-        out[("B", first, last, b - a)] = _median_s(jax.jit(bwd), p_v, rest, x, repeats=repeats)
+        out[("F", first, last, b - a)] = (jax.jit(f), (p_v, rest, x))
+        out[("B", first, last, b - a)] = (jax.jit(bwd), (p_v, rest, x))
     return out
+
+
+# ---- the per-tick calibration (a separate model: never the plans evaluated below) ------------
+def _tick_model(width: int):
+    """A staged model whose actions do next to nothing: layer ``x * a + big[0]``, where the
+    dummy parameter ``big`` (``width`` floats per layer) only sizes the gradient accumulators
+    every tick carries."""
+    import optax
+
+    def layer(p, x):
+        return x * p["a"] + p["big"][0]
+
+    model = PM.StagedModel(lambda r, b: b["x"] * r["w"], layer,
+                           lambda r, x, b: jnp.mean(x * r["w"]), "layers", 2, optax.sgd(0.0))
+    params = {"w": jnp.ones((8,)), "layers": {"a": jnp.ones((2, 8)),
+                                              "big": jnp.zeros((2, width))}}
+    return model, {"params": params, "opt_state": model.tx.init(params)}
+
+
+def _calibration_runs(mesh, widths, counts, rounds: int):
+    """Step seconds (medians over ``rounds`` interleaved rounds) of the tick model per (width,
+    schedule, microbatches), with its tick count and per-stage carry bytes."""
+    runs = []
+    for width in widths:
+        for name in ("gpipe", "1f1b"):
+            for m in counts:
+                model, state = _tick_model(width)
+                sch = S.build(name, 2, 1, m)
+                step = R.build_step(model, mesh, sch)
+                batch = {"x": jnp.ones((m, 4, 8))}
+                placed = tuple(jax.device_put(x, s) for x, s in zip(
+                    (state, batch), step.in_shardings_of(state, batch)))
+                fn = step.jitted(*placed)
+                jax.block_until_ready(fn(*placed))
+                carry = PL.tick_carry_bytes(sch, 4 * (width + 8), 1, 8.0 * 4, 4 * 8 * 4)
+                runs.append(dict(width=width, name=name, m=m, ticks=len(sch.ticks),
+                                 carry=carry, fn=fn, args=placed, times=[]))
+    for _ in range(rounds):
+        for r in runs:
+            t0 = time.perf_counter()
+            jax.block_until_ready(r["fn"](*r["args"]))
+            r["times"].append(time.perf_counter() - t0)
+    return [(r["width"], r["name"], r["m"], r["ticks"], r["carry"],
+             statistics.median(r["times"])) for r in runs]
+
+
+def calibrate(mesh, widths=(8, 100_000, 400_000), counts=(4, 16), rounds: int = 9):
+    """(fixed seconds per tick, passes over the carry per tick, the runs): per (width,
+    schedule), the slope of step time over ticks between the two microbatch counts (the
+    step's fixed costs cancel), fitted by least squares as ``tick_s + passes x carry /
+    hbm_bytes_per_s``."""
+    runs = _calibration_runs(mesh, widths, counts, rounds)
+    hw = cost_models.hardware("cpu")
+    xs, ys = [], []
+    for (*_, t0, c0, s0), (*_, t1, c1, s1) in zip(runs[::2], runs[1::2]):
+        xs.append((c0 + c1) / 2 / hw.hbm_bytes_per_s)
+        ys.append((s1 - s0) / (t1 - t0))
+    (passes, tick_s), *_ = np.linalg.lstsq(np.stack([xs, np.ones(len(xs))], 1), np.array(ys),
+                                           rcond=None)
+    return float(tick_s), float(passes), runs, ys
+
+
+def _parallel_calls(mesh) -> dict:
+    """The same matmul chain on one device alone and on both devices at once (a separate
+    workload): ``2 x alone / pair`` is how many stages this machine runs side by side at the
+    speed an action timed alone has."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    def work(x, w):
+        for _ in range(4):
+            x = jnp.tanh(x @ w)
+        return x
+
+    w = jnp.full((512, 512), 1e-3)
+    pair = jax.shard_map(lambda x, w: work(x[0], w)[None], mesh=mesh,
+                         in_specs=(P("stage"), P()), out_specs=P("stage"))
+    both = jax.device_put(jnp.ones((2, 256, 512)), NamedSharding(mesh, P("stage")))
+    return {"alone": (jax.jit(work), (jnp.ones((256, 512)), w)),
+            "pair": (jax.jit(pair), (both, w))}
 
 
 def _measure(cfg, rows: int, name: str, virtual: int, m: int, repeats: int, ranges=None):
@@ -87,29 +182,57 @@ def _measure(cfg, rows: int, name: str, virtual: int, m: int, repeats: int, rang
     sch = S.build(name, 2, virtual, m)
     ranges = ranges or PL.equal_ranges(cfg.layers, sch.chunks)
     micro = jax.tree_util.tree_map(lambda a: a[: rows // m], batch)
-    acts = _action_times(model, state["params"], micro, ranges, repeats)
-    last = sch.chunks - 1
-    timeline = S.price(sch, lambda a: acts[(a.kind, a.chunk == 0, a.chunk == last,
-                                            ranges[a.chunk][1] - ranges[a.chunk][0])])
     pstep = R.build_step(model, mesh, sch, ranges=ranges)
     placed = tuple(jax.device_put(x, s) for x, s in zip((state, batch),
                                                         pstep.in_shardings_of(state, batch)))
     compiled = pstep.jitted(*placed).lower(*placed).compile()
+    loop = jax.jit(pstep.loss_and_grads)
+    calls = {**_action_calls(model, state["params"], micro, ranges), "step": (compiled, placed),
+             "loop": (loop, (placed[0]["params"], placed[1])), **_parallel_calls(mesh)}
+    t = _interleaved_medians(calls, repeats)
+    cores = 2 * t["alone"] / t["pair"]
+    last = sch.chunks - 1
+
+    def duration(a):
+        return t[(a.kind, a.chunk == 0, a.chunk == last, ranges[a.chunk][1] - ranges[a.chunk][0])]
+
+    sizes, hw = {"stage": 2}, cost_models.hardware("cpu")
+    costs = PL.stage_costs(model, state["params"], batch, rows // m, sizes, "stage", hw)
+    bare = S.price(sch, duration)                      # the timeline alone (the old prediction)
+    timeline = PL.loop_timeline(model, state["params"], sizes, "stage", hw, sch, ranges,
+                                duration, costs.act_bytes, cores)
+    after = PL.after_loop_s(model, state["params"], sizes, "stage", hw, ranges)
     ma = compiled.memory_analysis()
     measured_peak = (ma.argument_size_in_bytes + ma.output_size_in_bytes
                      + ma.temp_size_in_bytes - ma.alias_size_in_bytes)
-    measured = _median_s(compiled, *placed, repeats=repeats)
-    sizes = {"stage": 2}
-    hw = cost_models.hardware("cpu")
-    costs = PL.stage_costs(model, state["params"], batch, rows // m, sizes, "stage", hw)
     predicted = PL.price(model, state["params"], costs, sizes, "stage", hw, name, virtual, m,
                          ranges)
     busy = sum(timeline.busy_s)
+    pred_step = timeline.makespan_s + after
     pred_mib, meas_mib = max(predicted.stage_memory_bytes) / 2**20, measured_peak / 2**20
-    return (name, virtual, m, "+".join(str(b - a) for a, b in ranges),
-            timeline.makespan_s * 1e3, measured * 1e3,
-            measured / timeline.makespan_s, timeline.bubble_fraction, 1 - busy / (2 * measured),
+    return (name, virtual, m, "+".join(str(b - a) for a, b in ranges), len(sch.ticks), cores,
+            bare.makespan_s * 1e3, pred_step * 1e3, t["step"] * 1e3, t["step"] / pred_step,
+            bare.bubble_fraction, timeline.bubble_fraction, 1 - busy / (2 * t["loop"]),
             pred_mib, meas_mib, meas_mib / pred_mib, "/".join(map(str, S.in_flight(sch))))
+
+
+def _calibration_text(mesh, quick: bool) -> list[str]:
+    tick_s, passes, runs, slopes = (calibrate(mesh, (8, 100_000), (2, 4), 3) if quick
+                                    else calibrate(mesh))
+    hw = cost_models.hardware("cpu")
+    rows = [(w, n, m, t, c, s * 1e3) for w, n, m, t, c, s in runs]
+    return [
+        "## Per-tick calibration (a separate model)", "",
+        "A staged model whose actions do next to nothing (layer x * a + big[0]; the dummy "
+        "`big` sizes the gradient accumulators each tick carries), two microbatch counts per "
+        "schedule and size: the slope of step time over ticks "
+        f"({', '.join(f'{x * 1e3:.3f}' for x in slopes)} ms per tick) fitted as tick_s + "
+        f"copies x carry / hbm_bytes_per_s gives tick_s = {tick_s * 1e3:.3f} ms and copies = "
+        f"{passes:.2f} (the predictions use planning.TICK_CARRY_COPIES = "
+        f"{PL.TICK_CARRY_COPIES:g}). The predictions below use the "
+        f"cpu profile's pipeline_tick_s = {hw.pipeline_tick_s * 1e3:.3f} ms, from such a run.",
+        "", _common.md_table(("width", "schedule", "microbatches", "ticks", "carry_bytes",
+                              "step_ms"), rows), ""]
 
 
 def main() -> None:
@@ -126,24 +249,38 @@ def main() -> None:
         runs = [("gpipe", 1, 4, None), ("1f1b", 1, 4, None), ("eager_1f1b", 1, 4, None),
                 ("gpipe", 2, 4, None), ("1f1b", 2, 4, None), ("1f1b", 1, 8, None),
                 ("1f1b", 1, 4, ((0, 3), (3, 4)))]
+    calibration = _calibration_text(jax.sharding.Mesh(np.array(jax.devices()[:2]), ("stage",)),
+                                     args.quick)
     rows_out = [_measure(cfg, rows, name, v, m, repeats, r) for name, v, m, r in runs]
     _common.write_csv(out / "pipeline_cpu.csv", HEADER, rows_out)
     text = [
         "# Pipeline schedules on 2 CPU devices: predicted vs measured", "",
         f"GPT (scan) {cfg.layers} layers, d_model {cfg.d_model}, seq {cfg.seq}, vocab "
-        f"{cfg.vocab}, batch {rows} rows, mesh {{stage: 2}}; medians of {repeats} runs. "
-        "Predicted step/bubble: the schedule's lockstep timeline over action times measured "
-        "alone; measured bubble: 1 - (the same busy time) / (2 x measured step), so it also "
-        "holds the runtime's overheads. Memory: memory_analysis() (arguments + outputs + "
-        "temporaries - aliased) against the planner's predicted peak of the busiest stage. "
-        "layers: the layers of each chunk; 3+1 runs unequal ranges, padded to the longest "
-        "chunk (its predicted memory holds the padding and the layers moved to their stages; "
-        "its predicted step, the timeline alone, does not hold those moves).", "",
+        f"{cfg.vocab}, batch {rows} rows, mesh {{stage: 2}}; medians of {repeats} rounds, "
+        "each round timing every action, the step and its tick loop once (interleaved, so a "
+        "change of load touches them alike).", "",
+        "* timeline_only: the schedule's lockstep timeline over the action times measured "
+        "alone (the earlier prediction: no runtime overhead, nothing after the loop).",
+        "* parallel: how many of the two stages this machine runs side by side at the speed "
+        "of an action timed alone, measured in the same rounds (2 x one matmul chain alone / "
+        "the same chain on both devices at once; 1: the two emulated devices take turns).",
+        "* predicted_step: planning.loop_timeline over the same action times, its ticks "
+        "lasting at least their stages' summed work / parallel, each tick "
+        "adding planning.tick_overhead_s (the profile's pipeline_tick_s, the two "
+        "collective-permutes' bytes and the copies of the tick's carry), plus "
+        "planning.after_loop_s (gradient reductions, the optimizer, unequal ranges' moves).",
+        "* bubble, both columns the same quantity: 1 - busy / (2 x tick loop), busy the "
+        "summed measured action times; predicted over the predicted loop, measured over the "
+        "measured loop (jitted loss_and_grads: the loop and its gradient reductions, without "
+        "the optimizer).",
+        "* memory: memory_analysis() (arguments + outputs + temporaries - aliased) against the "
+        "planner's predicted peak of the busiest stage; 3+1 runs unequal ranges, padded to the "
+        "longest chunk.", "",
         "Caveat: the devices are emulated on a shared 2-core machine. When its load exceeds its "
         "cores (see the environment line) the same configuration's step and action times vary "
         "up to 2x between runs, so the step and bubble columns are not conclusive there; the "
         "memory columns do not depend on load.", "",
-        _common.md_table(HEADER, rows_out), "",
+        _common.md_table(HEADER, rows_out), "", *calibration,
         f"Wall time {time.perf_counter() - t0:.0f} s. Environment: {_common.environment()}.", ""]
     (out / "pipeline_cpu.md").write_text("\n".join(text))
     print("\n".join(text))

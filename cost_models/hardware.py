@@ -22,6 +22,10 @@ A ``Hardware`` describes one kind of device and how devices are wired:
     fixed cost of one collective inside a program on top of its per-ring-step ``latency_s``
     (host-side synchronisation dominates it on CPU devices; near 0 on GPUs, where NCCL's
     per-step latency is the whole alpha term).
+  * ``pipeline_tick_s``: the fixed cost of one tick of a pipelined step's schedule loop
+    (``autopar.pipeline``: dispatching its per-stage switches, launching its two
+    collective-permutes, its buffer bookkeeping), apart from the actions' work, the bytes sent
+    and the state each tick copies (priced from the bandwidths).
   * ``citations``: for each figure, the document (or measurement) it comes from.
 
 Shipped profiles live in ``cost_models/profiles/<name>.json``; ``hardware(name)`` loads one.
@@ -109,6 +113,7 @@ class Hardware:
     kernel_floor_bytes: float = 0.0
     collective_launch_s: float = 0.0
     dispatch_s: float = 0.0          # launching one compiled program (once per step, not per op)
+    pipeline_tick_s: float = 0.0     # one tick of a pipelined schedule's loop (autopar.pipeline)
     source: str = ""
     citations: tuple[tuple[str, str], ...] = ()
 
@@ -229,7 +234,7 @@ def hardware(spec: str | os.PathLike[str] | Hardware) -> Hardware:
 _RATES = ("hbm_bytes_per_s",)
 _FRACTIONS = ("matmul_efficiency", "memory_efficiency", "collective_efficiency")
 _FLOORS = ("kernel_launch_s", "kernel_floor_s", "collective_launch_s", "dispatch_s",
-           "transcendental_s")
+           "transcendental_s", "pipeline_tick_s")
 _COUNTS = ("memory_bytes", "devices_per_node")
 _SIZES = ("kernel_floor_bytes",)
 # Plausibility bounds: figures outside them are unit mistakes, and would push predicted times past

@@ -111,13 +111,13 @@ def test_layer_split_in_the_planner():
 
     model, state = _gpt(8)
     # The head costs two layers: the unrestricted DP gives the last stage fewer layers, and
-    # the schedule's own lockstep timeline agrees that it is faster; runnable ranges are equal.
+    # the schedule's own lockstep timeline agrees that it is faster; equal=True keeps equal chunks.
     costs = PL.Costs(layer_f=1.0, layer_b=2.0, embed_f=0, embed_b=0, head_f=2.0, head_b=4.0,
                      layer_peak_bytes=0, act_bytes=1.0, solve_s=0)
     hw, sizes = cost_models.hardware("cpu"), {"stage": 2, "data": 4}
     run = PL.layer_split(model, state["params"], costs, sizes, "stage", hw, "gpipe", 8, 1e12)
     free = PL.layer_split(model, state["params"], costs, sizes, "stage", hw, "gpipe", 8, 1e12,
-                          runnable=False)
+                          equal=False)
     assert run.ranges == PL.equal_ranges(8, 2) and free.ranges == ((0, 5), (5, 8))
     equal = PL.price(model, state["params"], costs, sizes, "stage", hw, "gpipe", 1, 8)
     moved = PL.price(model, state["params"], costs, sizes, "stage", hw, "gpipe", 1, 8,
@@ -138,7 +138,7 @@ def test_search_meshes_cover_the_devices():
     assert search.microbatch_counts(64, {"stage": 4, "data": 4}, (1, 2, 4)) == [16, 8, 4]
 
 
-def test_layers_that_do_not_split_equally_are_planned_not_run():
+def test_layers_that_do_not_split_equally_get_the_dps_split():
     import cost_models
     from autopar.pipeline import planning as PL
     from autopar.pipeline import search

@@ -127,6 +127,25 @@ def test_price_follows_the_schedule():
     assert ob.in_flight == S.in_flight(S.build("1f1b", 4, 1, 8))
 
 
+def test_price_holds_the_runtime_tick_overhead():
+    """The profile's ``pipeline_tick_s`` is paid once per tick of the schedule, on top of the
+    carry copies and permute bytes ``tick_overhead_s`` prices; it raises the bubble."""
+    costs = PL.Costs(layer_f=1e-3, layer_b=2e-3, embed_f=0, embed_b=0, head_f=0, head_b=0,
+                     layer_peak_bytes=0, act_bytes=1e4, solve_s=0)
+    sm = PM.gpt_staged(CFG)
+    params = jax.eval_shape(lambda: PM.gpt_train_step(CFG)[1](jax.random.PRNGKey(0), 8))[
+        "params"]
+    hw = cost_models.hardware("cpu")
+    sizes = {"stage": 2, "data": 4}
+    free = PL.price(sm, params, costs, sizes, "stage",
+                    dataclasses.replace(hw, pipeline_tick_s=0.0), "gpipe", 1, 4)
+    paid = PL.price(sm, params, costs, sizes, "stage",
+                    dataclasses.replace(hw, pipeline_tick_s=1e-3), "gpipe", 1, 4)
+    ticks = len(S.build("gpipe", 2, 1, 4).ticks)
+    assert paid.step_time_s - free.step_time_s == pytest.approx(1e-3 * ticks)
+    assert paid.bubble_fraction > free.bubble_fraction > 0
+
+
 @pytest.mark.parametrize("pipeline,fix", [
     ({"axis": "pipe"}, "not an axis of the mesh"),
     ({"stages": 3}, "use stages=2"),
@@ -134,6 +153,7 @@ def test_price_follows_the_schedule():
     ({"virtual_stages": 3}, "divides 4"),
     ({"schedule": "zigzag"}, "use one of"),
     ({"chunks": 2}, "unknown keys"),
+    ({"layer_ranges": "greedy"}, "must be one of"),
     ("fast", "must be 'auto' or a dict"),
 ])
 def test_bad_pipeline_options(gpt_step, pipeline, fix):
@@ -153,3 +173,28 @@ def test_a_step_without_layers_cannot_be_pipelined(gpt_step):
             autopar.plan(step, state, batch, mesh=MESH, pipeline="auto", **bad)
     with pytest.raises(AutoparError, match="does not combine with donate_argnums="):
         autopar.autoparallel(step, mesh=MESH, pipeline="auto", donate_argnums=0)
+
+
+def test_the_search_picks_unequal_ranges_when_they_win():
+    """A head as costly as several layers: the layer-range DP's split, which gives the last
+    stage fewer layers, is among the candidates, predicts a shorter step than equal chunks and
+    is chosen; the chosen plan runs padded and equals the unsharded step."""
+    cfg = dataclasses.replace(CFG, vocab=4096)
+    step, init = PM.gpt_train_step(cfg)
+    state, batch = init(jax.random.PRNGKey(0), 8), gpt.make_batch(cfg, 8)
+    pins = {"schedule": "gpipe", "microbatches": 2, "virtual_stages": 1}
+    plan = autopar.plan(step, state, batch, mesh={"stage": 2}, hardware="cpu", pipeline=pins)
+    pp = plan.pipeline
+    assert pp.layer_ranges == ((0, 3), (3, 4)), pp.why
+    assert "layers 2+2" in pp.why                # the equal chunks were priced and lost
+    sm, hw = PM.staged_model_of(step), cost_models.hardware("cpu")
+    costs = PL.stage_costs(sm, state["params"], batch, 4, {"stage": 2}, "stage", hw,
+                           PL.sub_plan_limit_s(30.0, [("gpipe", 1, 2)]))
+    equal = PL.price(sm, state["params"], costs, {"stage": 2}, "stage", hw, "gpipe", 1, 2)
+    assert pp.step_time_s < equal.step_time_s
+    ref_state, ref_loss = jax.jit(step)(state, batch)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("stage",))
+    new, loss = autopar.autoparallel(step, mesh=mesh, plan=plan)(state, batch)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(new["params"]), jax.tree.leaves(ref_state["params"])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=5e-5)

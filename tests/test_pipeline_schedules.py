@@ -82,6 +82,15 @@ def test_price_scales_with_cores_and_transfers():
     assert moved.makespan_s == pytest.approx(alone.makespan_s + 0.5 * hops)
 
 
+def test_every_tick_pays_the_runtime_overhead():
+    """``tick_s`` lengthens every tick, idle ones too, so it raises the bubble."""
+    sch = S.build("1f1b", 4, 1, 8)
+    bare, paid = S.price(sch, _unit), S.price(sch, _unit, tick_s=0.25)
+    assert paid.overhead_s == pytest.approx(0.25 * len(sch.ticks))
+    assert paid.makespan_s == pytest.approx(bare.makespan_s + 0.25 * len(sch.ticks))
+    assert paid.busy_s == bare.busy_s and paid.bubble_fraction > bare.bubble_fraction
+
+
 @pytest.mark.parametrize("name", S.SCHEDULES)
 def test_slots_never_overlap(name):
     sch = S.build(name, 4, 2, 8)

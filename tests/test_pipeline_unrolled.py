@@ -261,3 +261,16 @@ def test_scanned_and_unrolled_gpt_compute_the_same_loss(models):
     stacked = PM.staged_model_of(step).stacking.stack(state["params"])
     params = {**{k: v for k, v in stacked.items() if k != "layer"}, "layers": stacked["layer"]}
     np.testing.assert_allclose(float(scanned.loss(params, batch)), float(ref_loss), rtol=1e-6)
+
+
+def test_compare_measures_an_unrolled_pipelined_model(models):
+    """``autopar.compare`` plans megatron_3d on the user's unrolled layout and measures it on
+    the stacked layout the pipelined step runs on (converted from the given arrays)."""
+    step, state, batch, *_ = models("gpt")
+    cmp = autopar.compare(step, state, batch, mesh=MESH_A, hardware="cpu",
+                          strategies=("megatron_3d",), runs=1, progress=False,
+                          time_limit_s=5.0)
+    row = cmp["megatron_3d"]
+    assert row.ok, row.error
+    assert row.plan.pipeline is not None and row.measured_step_s is not None
+    assert row.measured_peak_bytes is not None

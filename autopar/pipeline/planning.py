@@ -16,12 +16,15 @@ schedule needs (stash and inboxes: ``slots x`` one microbatch's activation) and 
 set of one backward action (the intra-op plan's peak for one layer's vjp, times the chunk's
 layers, whose residuals the scan keeps).
 
-``pipeline="auto"`` enumerates schedules, virtual stages and microbatch counts with equal layer
-ranges and keeps the fastest that fits the memory budget; its ``why`` lists the runners-up and
-what the layer-range DP (``dp``, ``layer_split``) would predict for unequal ranges, which
-``price(..., ranges=...)`` prices on the same timeline with the runtime's padding overheads
-(``_unequal_overheads``); the runtime runs such ranges, the search does not pick them yet.
-Per-boundary links: ``boundary_hops_s``.
+The tick loop also pays the runtime's own cost of every tick (``tick_overhead_s``: the
+profile's ``pipeline_tick_s``, the collective-permutes' bytes and a copy of the state each tick
+threads through its switches), which the step and the bubble include.
+
+``pipeline="auto"`` enumerates schedules, virtual stages and microbatch counts, each with equal
+layer ranges (where the layers split so) and, with one chunk per stage, the layer-range DP's
+best split (``dp``, ``layer_split``), priced by ``price(..., ranges=...)`` on the same timeline
+with the runtime's padding overheads (``_unequal_overheads``), and keeps the fastest that fits
+the memory budget; its ``why`` lists the runners-up. Per-boundary links: ``boundary_hops_s``.
 """
 from __future__ import annotations
 
@@ -42,7 +45,8 @@ from autopar.pipeline.model import StagedModel
 from autopar.pipeline.record import PipelinePlan
 from autopar.pipeline.runtime import TENSOR_AXIS, data_axes, equal_ranges, rows_split
 
-OPTIONS = ("axis", "stages", "microbatches", "schedule", "virtual_stages")
+OPTIONS = ("axis", "stages", "microbatches", "schedule", "virtual_stages", "layer_ranges")
+LAYER_RANGES = ("auto", "equal")     # equal chunks or the layer-range DP's split; equal only
 ADAM_STATE = 4          # parameters + gradient accumulator + two moments
 NEW_STATE = 3           # parameters + two moments returned
 
@@ -54,6 +58,7 @@ class Pins:
     microbatches: int | None
     schedule: str | None
     virtual_stages: int | None
+    layer_ranges: str = "auto"
 
 
 def parse(pipeline, sizes: dict, model: StagedModel, rows: int) -> Pins:
@@ -78,17 +83,35 @@ def parse(pipeline, sizes: dict, model: StagedModel, rows: int) -> Pins:
                            f"devices: each stage is one slice of that axis; use "
                            f"stages={sizes[axis]} or resize the axis")
     pins = Pins(axis, stages, pipeline.get("microbatches"), pipeline.get("schedule"),
-                pipeline.get("virtual_stages"))
+                pipeline.get("virtual_stages"), _layer_ranges(pipeline, model, stages))
     if pins.schedule is not None or pins.microbatches is not None:
         S.check(pins.schedule or "1f1b", stages, pins.virtual_stages or 1,
                 pins.microbatches or stages * (pins.virtual_stages or 1))
     if pins.microbatches is not None:
         _check_rows(rows, pins.microbatches, sizes, axis)
-    if pins.virtual_stages is not None and model.num_layers % (stages * pins.virtual_stages):
+    v = pins.virtual_stages
+    if v is not None and v > 1 and model.num_layers % (stages * v):
         raise AutoparError(f"{model.num_layers} layers do not split into stages x virtual_stages"
-                           f" = {stages * pins.virtual_stages} equal chunks; choose "
-                           f"virtual_stages so that {stages} x it divides {model.num_layers}")
+                           f" = {stages * v} equal chunks (virtual stages need equal ones); "
+                           f"choose virtual_stages so that {stages} x it divides "
+                           f"{model.num_layers}, or virtual_stages=1 (unequal ranges)")
+    if model.num_layers < stages:
+        raise AutoparError(f"{model.num_layers} layers cannot fill {stages} stages (each needs "
+                           f"at least one); use a pipeline axis of at most {model.num_layers}")
     return pins
+
+
+def _layer_ranges(pipeline: dict, model: StagedModel, stages: int) -> str:
+    """``pipeline["layer_ranges"]`` checked: ``"auto"`` (equal chunks or the layer-range DP's
+    split, the faster) or ``"equal"`` (equal chunks only, which the layers must allow)."""
+    how = pipeline.get("layer_ranges", "auto")
+    if how not in LAYER_RANGES:
+        raise AutoparError(f"pipeline layer_ranges={how!r:.40} must be one of {LAYER_RANGES}")
+    if how == "equal" and model.num_layers % stages:
+        raise AutoparError(f"pipeline layer_ranges='equal' but {model.num_layers} layers do not "
+                           f"split into {stages} equal stages; use layer_ranges='auto' or a "
+                           f"stage count dividing {model.num_layers}")
+    return how
 
 
 def _data_shards(sizes: dict, axis: str) -> int:
@@ -184,29 +207,78 @@ def price(model: StagedModel, params, costs: Costs, sizes: dict, axis: str, hw,
     k = sch.chunks
     ranges = equal_ranges(model.num_layers, k) if ranges is None else tuple(map(tuple, ranges))
     length = [b - a for a, b in ranges]
-    cm = cost_models.CostModel(hw, sizes)
 
     def duration(a: S.Action) -> float:
         ends = ((costs.embed_f if a.kind == "F" else costs.embed_b) * (a.chunk == 0)
                 + (costs.head_f if a.kind == "F" else costs.head_b) * (a.chunk == k - 1))
         return length[a.chunk] * (costs.layer_f if a.kind == "F" else costs.layer_b) + ends
 
-    hop = cm.collective_time_s("collective-permute", costs.act_bytes, axis)
-    timeline = S.price(sch, duration, lambda t, f, b: hop * (f + b))
+    timeline = loop_timeline(model, params, sizes, axis, hw, sch, ranges, duration,
+                             costs.act_bytes)
     layer_bytes, rest_bytes = _param_bytes(model, params, sizes)
     on = [[length[c] for c in range(s, k, p)] for s in range(p)]     # chunk lengths of stage s
-    sync = _gradient_sync_s(cm, sizes, axis, rest_bytes,
-                            layer_bytes * max(sum(n) for n in on))
-    move_s, pad = _unequal_overheads(cm, ranges, p, layer_bytes, axis, model.num_layers)
-    optimizer = 12 * max(layer_bytes * sum(n) + rest_bytes for n in on) / hw.hbm_bytes_per_s
+    pad = _unequal_overheads(cost_models.CostModel(hw, sizes), ranges, p, layer_bytes, axis,
+                             model.num_layers)[1]
     slots = _buffer_slots(sch)[0]
     whole = model.num_layers % p != 0        # the runtime keeps the stack whole on each stage
     memory = tuple(stage_bytes(model.num_layers if whole else sum(n), max(n), layer_bytes,
                                rest_bytes, slots, costs) + pad for n in on)
     return PipelinePlan(axis, p, ranges, microbatches, sch.name, virtual,
                         timeline.bubble_fraction, timeline.busy_s, memory, S.in_flight(sch),
-                        timeline.makespan_s + sync + optimizer + move_s, costs.act_bytes,
-                        costs.layer_f, costs.layer_b)
+                        timeline.makespan_s + after_loop_s(model, params, sizes, axis, hw,
+                                                           ranges),
+                        costs.act_bytes, costs.layer_f, costs.layer_b)
+
+
+# Copies of the tick's carry (tick_carry_bytes) per tick at hbm_bytes_per_s (XLA copies the
+# state threaded through the per-tick lax.switch es): benchmarks/pipeline_cpu.py's calibration
+# fitted 0.38 to 1.9 in five runs on the loaded, shared 2-core CPU (median 0.88); not measured on
+# GPUs, where the same one copy is assumed.
+TICK_CARRY_COPIES = 1.0
+
+
+def loop_timeline(model: StagedModel, params, sizes: dict, axis: str, hw, sch: S.Schedule,
+                  ranges, duration, act_bytes: float, cores: float | None = None) -> S.Timeline:
+    """The tick loop of ``sch`` priced: ``duration(action)`` seconds per action on its stage,
+    and on every tick the runtime's overhead (``tick_overhead_s``) for the busiest stage's
+    state (the longest chunk's accumulators). ``cores``: how many stages compute at once at
+    the speed ``duration`` assumes (emulated CPU devices sharing a host's cores; ``None``:
+    each stage has its own device, what the planner assumes)."""
+    layer_bytes, rest_bytes = _param_bytes(model, params, sizes)
+    carry = tick_carry_bytes(sch, layer_bytes, max(b - a for a, b in ranges), rest_bytes,
+                             act_bytes)
+    return S.price(sch, duration, cores=cores,
+                   tick_s=tick_overhead_s(cost_models.CostModel(hw, sizes), axis, act_bytes,
+                                          carry))
+
+
+def tick_overhead_s(cm, axis: str, act_bytes: float, carry_bytes: float) -> float:
+    """Seconds each tick of the runtime costs beyond its actions' work, whatever runs in it:
+    the profile's fixed ``pipeline_tick_s`` (the switches' dispatch, the launch of the two
+    collective-permutes, measured by ``benchmarks/pipeline_cpu.py``'s calibration on CPU), the
+    bytes of those collective-permutes (an activation on, a cotangent back: the runtime sends
+    both every tick, zeros when a stage has nothing to send) and ``TICK_CARRY_COPIES`` copies
+    of the state the tick threads through its switches (``tick_carry_bytes``)."""
+    hw = cm.hw
+    permute = (cm.collective_time_s("collective-permute", act_bytes, axis)
+               - cm.collective_time_s("collective-permute", 1.0, axis))
+    return (hw.pipeline_tick_s + 2 * permute
+            + TICK_CARRY_COPIES * carry_bytes / hw.hbm_bytes_per_s)
+
+
+def after_loop_s(model: StagedModel, params, sizes: dict, axis: str, hw, ranges) -> float:
+    """Seconds the step spends after the tick loop: the gradient reductions, the optimizer's
+    pass over the busiest stage's parameters and, for unequal ranges, the layer moves."""
+    p = sizes[axis]
+    cm = cost_models.CostModel(hw, sizes)
+    length = [b - a for a, b in ranges]
+    on = [[length[c] for c in range(s, len(ranges), p)] for s in range(p)]
+    layer_bytes, rest_bytes = _param_bytes(model, params, sizes)
+    sync = _gradient_sync_s(cm, sizes, axis, rest_bytes,
+                            layer_bytes * max(sum(n) for n in on))
+    move_s = _unequal_overheads(cm, ranges, p, layer_bytes, axis, model.num_layers)[0]
+    optimizer = 12 * max(layer_bytes * sum(n) + rest_bytes for n in on) / hw.hbm_bytes_per_s
+    return sync + optimizer + move_s
 
 
 def _gradient_sync_s(cm, sizes: dict, axis: str, rest_bytes: float, stage_layer_bytes: float):
@@ -247,6 +319,15 @@ def stage_bytes(n_layers, longest, layer_bytes: float, rest_bytes: float, slots:
             + slots * costs.act_bytes + longest * costs.layer_peak_bytes)
 
 
+def tick_carry_bytes(sch: S.Schedule, layer_bytes: float, longest: int, rest_bytes: float,
+                     act_bytes: float) -> float:
+    """Per-device bytes of the state each tick of the runtime threads through its two
+    ``lax.switch`` es: the stage's gradient accumulators (``V x Lmax`` layer slots and the
+    embedding's and head's) and the schedule's buffers (stash and inboxes)."""
+    slots = _buffer_slots(sch)[0]
+    return layer_bytes * sch.virtual * longest + rest_bytes + slots * act_bytes
+
+
 def _buffer_slots(sch: S.Schedule) -> tuple[int, ...]:
     """Per stage, the slots the runtime allocates: every stage gets the most any stage needs."""
     n = sum(max(S.allocate(iv).count, 1) for iv in (
@@ -270,10 +351,10 @@ def boundary_hops_s(sizes: dict, axis: str, hw, nbytes: float) -> tuple[float, .
 
 
 def layer_split(model: StagedModel, params, costs: Costs, sizes: dict, axis: str, hw,
-                schedule: str, microbatches: int, budget: float, runnable: bool = True):
+                schedule: str, microbatches: int, budget: float, equal: bool = True):
     """The DP's layer ranges for one range per stage (``virtual_stages=1``) under ``schedule``'s
-    buffers, or ``None`` when none fits ``budget``. ``runnable``: only ranges the runtime runs
-    (equal ones); ``False`` searches every contiguous split."""
+    buffers, or ``None`` when none fits ``budget``. ``equal``: only equal chunks; ``False``
+    searches every contiguous split (the runtime runs them padded to the longest chunk)."""
     p, n = sizes[axis], model.num_layers
     slots = _buffer_slots(S.build(schedule, p, 1, microbatches))[0]
     layer_bytes, rest_bytes = _param_bytes(model, params, sizes)
@@ -288,7 +369,7 @@ def layer_split(model: StagedModel, params, costs: Costs, sizes: dict, axis: str
 
     problem = dp.build(n, p, microbatches, time_of, memory_of, budget,
                        boundary_hops_s(sizes, axis, hw, costs.act_bytes),
-                       dp.equal_lengths(n, p) if runnable else None)
+                       dp.equal_lengths(n, p) if equal else None)
     return dp.solve(problem)
 
 
@@ -300,7 +381,8 @@ def candidates(pins: Pins, model: StagedModel, rows: int, sizes: dict):
     ms = [pins.microbatches] if pins.microbatches else [
         m for m in (p, 2 * p, 4 * p, 8 * p) if rows_split(rows, m, shards)]
     vs = [pins.virtual_stages] if pins.virtual_stages else [
-        v for v in (1, 2, 4) if model.num_layers % (p * v) == 0]
+        v for v in (1, 2, 4)
+        if (v == 1 and pins.layer_ranges == "auto") or model.num_layers % (p * v) == 0]
     names = [S.check(pins.schedule, p, 1, p)] if pins.schedule else list(S.SCHEDULES)
     out = [(n, v, m) for n in names for v in vs for m in ms
            if not (v > 1 and (m % p or n == "eager_1f1b"))]
@@ -322,8 +404,9 @@ def choose(model: StagedModel, params, batch, pins: Pins, sizes: dict, hw, budge
            time_limit_s: float = 30.0, stage_strategy="auto") -> PipelinePlan:
     """The fastest candidate that fits ``budget`` bytes per device (else the leanest); stage
     costs from sub-plans under ``stage_strategy`` (the ILP's ``"auto"`` or a hand-written one).
-    Layer ranges are the runtime's equal chunks; ``why`` says what the layer-range DP's best
-    unequal split would predict."""
+    Each candidate's layer ranges: equal chunks where the layers split so, and with one chunk
+    per stage also the layer-range DP's best split (``layer_split``), which the runtime runs
+    padded to its longest chunk; both are priced on the schedule's timeline."""
     rows = jax.tree_util.tree_leaves(batch)[0].shape[0]
     priced = []
     costs_by_rows: dict[int, Costs] = {}
@@ -333,38 +416,35 @@ def choose(model: StagedModel, params, batch, pins: Pins, sizes: dict, hw, budge
         if rows // m not in costs_by_rows:
             costs_by_rows[rows // m] = stage_costs(model, params, batch, rows // m, sizes,
                                                    pins.axis, hw, each_s, stage_strategy)
-        priced.append(price(model, params, costs_by_rows[rows // m], sizes, pins.axis, hw,
-                            name, v, m))
+        priced += _layer_choices(model, params, costs_by_rows[rows // m], sizes, pins.axis, hw,
+                                 name, v, m, budget, pins.layer_ranges == "auto")
     fits = [c for c in priced if max(c.stage_memory_bytes) <= budget]
     best = (min(fits, key=lambda c: (c.step_time_s, max(c.stage_memory_bytes))) if fits
             else min(priced, key=lambda c: (max(c.stage_memory_bytes), c.step_time_s)))
-    note = _ranges_note(model, params, costs_by_rows[rows // best.microbatches], sizes, hw,
-                        best, budget)
-    return dataclasses.replace(best, why=_why(best, priced, fits, budget) + note)
+    return dataclasses.replace(best, why=_why(best, priced, fits, budget))
 
 
-def _ranges_note(model, params, costs: Costs, sizes: dict, hw, best: PipelinePlan,
-                 budget: float) -> str:
-    """The layer-range DP's unrestricted split for ``best``'s schedule, priced on the same
-    timeline: what unequal ranges would gain if the runtime ran them."""
-    if best.virtual_stages != 1:
-        return ""
-    free = layer_split(model, params, costs, sizes, best.axis, hw, best.schedule,
-                       best.microbatches, budget, runnable=False)
-    if free is None or free.ranges == best.layer_ranges:
-        return (f"\n  layer ranges {list(best.layer_ranges)}: the layer-range DP's best split "
-                f"too")
-    alt = price(model, params, costs, sizes, best.axis, hw, best.schedule, 1, best.microbatches,
-                free.ranges)
-    return (f"\n  layer ranges {list(best.layer_ranges)} (equal chunks); the layer-range DP's "
-            f"best split {list(free.ranges)} would predict {alt.step_time_s * 1e3:.3f} ms "
-            f"(the runtime runs it, padded: runtime.build_step(..., ranges=...); not chosen "
-            f"automatically yet)")
+def _layer_choices(model, params, costs: Costs, sizes: dict, axis: str, hw, name: str,
+                   v: int, m: int, budget: float, split: bool = True) -> list[PipelinePlan]:
+    """One candidate priced with its layer ranges: equal chunks when the layers split into
+    them, and (one chunk per stage, ``split``) the layer-range DP's best split when it
+    differs."""
+    out = []
+    if model.num_layers % (sizes[axis] * v) == 0:
+        out.append(price(model, params, costs, sizes, axis, hw, name, v, m))
+    if v == 1 and split:
+        free = (layer_split(model, params, costs, sizes, axis, hw, name, m, budget, equal=False)
+                or layer_split(model, params, costs, sizes, axis, hw, name, m, math.inf,
+                               equal=False))
+        if free is not None and not any(c.layer_ranges == free.ranges for c in out):
+            out.append(price(model, params, costs, sizes, axis, hw, name, 1, m, free.ranges))
+    return out
 
 
 def _why(best: PipelinePlan, priced, fits, budget: float) -> str:
     def row(c):
-        return (f"{c.schedule} V={c.virtual_stages} M={c.microbatches}: step "
+        layers = "+".join(str(b - a) for a, b in c.layer_ranges)
+        return (f"{c.schedule} V={c.virtual_stages} M={c.microbatches} layers {layers}: step "
                 f"{c.step_time_s * 1e3:.3f} ms, bubble {c.bubble_fraction:.1%}, peak "
                 f"{max(c.stage_memory_bytes) / 2**30:.3f} GiB")
     head = (f"chose {row(best)}" + ("" if fits else f"; nothing fits {budget / 2**30:.3f} GiB, "

@@ -21,9 +21,15 @@ Execution is *lockstep*, as one SPMD program runs it: in every tick each stage w
 runs at most one forward and at most one backward, each only once its inputs arrived in an earlier
 tick (an input made on the same stage may come from earlier in the same tick); then activations
 move one stage on and cotangents one stage back (collective-permutes), and the next tick starts.
-So a tick lasts as long as its busiest stage plus its transfers:
+So a tick lasts as long as its busiest stage plus its transfers plus the runtime's own cost of a
+tick, ``c`` (``price(..., tick_s=c)``: dispatching its switches, launching its
+collective-permutes, copying the state it threads through them; priced by
+``planning.tick_overhead_s``):
 
-    T = sum_t ( max_s work(s, t) + transfer(t) )          bubble = 1 - sum_s busy_s / (P T)
+    T = sum_t ( max_s work(s, t) + transfer(t) + c )      bubble = 1 - sum_s busy_s / (P T)
+
+so the bubble is the fraction of the tick loop a stage is not running its own forward or
+backward, the runtime's per-tick overhead included.
 
 Every hop between stages costs a whole tick. GPipe's and interleaved 1F1B's ticks then add up to
 the textbook ``(V M + P - 1)(t_F + t_B) / V``; plain 1F1B's ramp, whose backward chain has to
@@ -196,6 +202,7 @@ class Timeline:
     tick_s: tuple[float, ...]
     transfer_s: float                               # summed over ticks
     spans: tuple[tuple[int, float, float, Action], ...]   # (stage, start, end, action)
+    overhead_s: float = 0.0                         # the runtime's per-tick cost, summed
 
     @property
     def bubble_fraction(self) -> float:
@@ -209,13 +216,14 @@ class Timeline:
 
 def price(schedule: Schedule, duration: Callable[[Action], float],
           transfer: Callable[[int, bool, bool], float] = lambda t, f, b: 0.0,
-          cores: float | None = None) -> Timeline:
+          cores: float | None = None, tick_s: float = 0.0) -> Timeline:
     """Lockstep timing of ``schedule``.
 
     Args:
       duration: seconds of one action on its stage.
       transfer: ``transfer(t, any_forward_sent, any_backward_sent)`` seconds of tick ``t``'s
         collective-permutes.
+      tick_s: the runtime's fixed cost of every tick, whatever runs in it.
       cores: when the stages share ``cores`` processors (emulated CPU devices), a tick lasts at
         least its total work over ``cores``; ``None``: each stage has its own.
     """
@@ -237,10 +245,11 @@ def price(schedule: Schedule, duration: Callable[[Action], float],
         fwd = any(a.kind == "F" and a.chunk < schedule.chunks - 1 for acts in row for a in acts)
         bwd = any(a.kind == "B" and a.chunk > 0 for acts in row for a in acts)
         comm = transfer(t, fwd, bwd) if (fwd or bwd) else 0.0
-        ticks.append(longest + comm)
-        clock += longest + comm
+        ticks.append(longest + comm + tick_s)
+        clock += longest + comm + tick_s
         moved += comm
-    return Timeline(clock, tuple(busy), tuple(ticks), moved, tuple(spans))
+    return Timeline(clock, tuple(busy), tuple(ticks), moved, tuple(spans),
+                    tick_s * len(schedule.ticks))
 
 
 # ---- buffers ----------------------------------------------------------------------------------

@@ -5,8 +5,9 @@ T}`` with ``T`` inside one node and ``2 <= S <= L``; for each, microbatches of `
 shard (``M = B / (d b)``, at least ``S``), every schedule and virtual-stage count the runtime
 runs. A candidate's stage costs come from ``planning.stage_costs`` (the intra-op plan of one layer,
 the embedding and the head on the submesh ``{data: d, model: T}``), its layer ranges from the
-layer-range DP (``planning.layer_split``: the equal chunks the runtime runs, and separately the
-best unrestricted split, priced but not run) and its time and memory from ``planning.price``.
+layer-range DP (``planning.layer_split``: equal chunks, and separately the best unrestricted
+split, which the runtime runs padded to its longest chunk) and its time and memory from
+``planning.price``.
 Used by ``benchmarks/pipeline_3d.py``; ``autopar.plan(..., pipeline=...)`` plans one given mesh.
 """
 from __future__ import annotations
@@ -21,9 +22,9 @@ from autopar.pipeline.record import PipelinePlan
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    """One candidate: its mesh, the runnable plan (equal ranges; ``None`` when the layers do not
-    split equally) and, for ``virtual_stages=1``, the DP's best unequal split on the same costs
-    (``None`` when it equals the equal one): priced, not run."""
+    """One candidate: its mesh, the equal-chunk plan (``None`` when the layers do not split
+    equally) and, for ``virtual_stages=1``, the DP's best unequal split on the same costs
+    (``None`` when it equals the equal one), which the runtime runs padded."""
 
     mesh: tuple[tuple[str, int], ...]
     plan: PipelinePlan | None
@@ -64,9 +65,9 @@ def microbatch_counts(rows: int, sizes: dict, rows_per_shard: Iterable[int],
 
 def evaluate(model, params, costs: PL.Costs, sizes: dict, hw, budget: float, schedule: str,
              virtual: int, microbatches: int, axis: str = "stage") -> Choice | None:
-    """One candidate priced: ``plan`` when the runtime runs it (equal chunks), else ``None``;
-    ``unequal`` the DP's best split when it differs (``virtual_stages=1`` only); ``None`` when
-    neither exists."""
+    """One candidate priced: ``plan`` with equal chunks when the layers split so, else
+    ``None``; ``unequal`` the DP's best split when it differs (``virtual_stages=1`` only);
+    ``None`` when neither exists."""
     p = sizes[axis]
     if virtual > 1 and (model.num_layers % (p * virtual) or microbatches % p
                         or S.check(schedule, p, virtual, microbatches) == "eager_1f1b"):
@@ -77,7 +78,7 @@ def evaluate(model, params, costs: PL.Costs, sizes: dict, hw, budget: float, sch
     unequal = None
     if virtual == 1:
         free = PL.layer_split(model, params, costs, sizes, axis, hw, schedule, microbatches,
-                              budget, runnable=False)
+                              budget, equal=False)
         if free is not None and (plan is None or free.ranges != plan.layer_ranges):
             unequal = PL.price(model, params, costs, sizes, axis, hw, schedule, 1, microbatches,
                                free.ranges)

@@ -80,7 +80,8 @@ class Megatron3D:
         shards = math.prod(sizes[a] for a in data_axes(sizes, self.stage_axis))
         m = self.microbatches or max(rows // shards, 1)
         return {"axis": self.stage_axis, "stages": sizes[self.stage_axis], "microbatches": m,
-                "schedule": self.schedule, "virtual_stages": self.virtual_stages}
+                "schedule": self.schedule, "virtual_stages": self.virtual_stages,
+                "layer_ranges": "equal"}
 
     def plan(self, fn, state, batch, *, mesh, hardware=None, memory_budget=None,
              time_limit_s: float = 30.0):
