@@ -32,6 +32,8 @@ GPT zero3 and megatron on 2x4, MoE megatron on 1x8 are over-predicted by 12-19% 
 MoE's dispatch and combine tensors, which XLA's simplifier rebuilds from per-token vectors inside
 their consumers (MoE auto on 2x4, ~38% over), nor the index tensors XLA:CPU's select-and-scatter
 expansion of a max-pool's gradient writes (the conv net is under-predicted by about half).
+On the 2x2x2 mesh unrolled GPT is under-predicted by 10-17% (XLA holds backward activations
+gathered to the whole batch longer than the model's resharded copies) and MoE over by 10-19%.
 
 The ILP's memory constraint (``ilp.memory_exprs``) is the linear part of this model: it checks
 the live values at the heaviest points of the schedule but cannot see resharded copies, whose
