@@ -94,6 +94,18 @@ def test_moe_auto_plan_matches_its_executable():
     _holds(step.verify())
 
 
+def test_scanned_zero3_plan_matches_its_executable():
+    """A scanned model's loop results sit in the results' buffers, its backward body holds each
+    weight gradient unreduced and all-reduced at full size, and its results are held in their
+    arguments' layouts (``planner.memory``): without any one of these rules this plan's peak is
+    more than 10% off XLA's."""
+    train_step, state, batch = gpt.concrete(dataclasses.replace(CFG, scan=True), 16)
+    step = autopar.autoparallel(train_step, mesh=_mesh8(), hardware="cpu", strategy="zero3",
+                                time_limit_s=2, deterministic=True)
+    step(state, batch)
+    _holds(step.verify())
+
+
 def test_verify_compiles_a_step_that_has_not_run():
     train_step, _, _ = gpt.abstract(CFG, 16)
     step = autopar.autoparallel(train_step, mesh=_mesh8(), hardware="cpu", strategy="zero3",

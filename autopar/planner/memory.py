@@ -7,26 +7,33 @@ footprint ``memory_analysis()`` reports is arguments + results + temporaries - a
 that is what ``estimate`` predicts:
 
   * resident: the per-device bytes of arguments, constants and non-aliased results under the
-    chosen layouts;
+    chosen layouts; a result that replaces an argument leaves the step in that argument's layout
+    (``_result_sizer``), so its buffer has the argument's size;
   * temporaries, walked over the top-level schedule: every value a kernel writes to memory
     (``ir.fusion``; fused intermediates never exist) from its producer to its last reader, in
     its chosen layout; every broadcast buffer XLA:CPU writes for a reduction
     (``Fusion.broadcasts``); every resharded copy a transition makes (a value moved to the
     layout a reader needs, shared by all readers that need the same layout, as XLA shares
-    identical reshards) from its first to its last reader; and, at a loop's position, the
-    values live at the peak of its body;
+    identical reshards) from its first to its last reader; at a loop's position, the values
+    live at the peak of its body, and the buffers of the body's reductions
+    (``_loop_reductions``);
   * results' buffers reused: XLA's buffer assignment puts a temporary into a result's buffer
     when it fits and dies before the result is written (``_pooled``), so only the rest count
-    towards the pool. A loop's results stay in the pool (XLA colocates them with the loop's
-    carries; packing them over-fits the measured scanned models).
+    towards the pool. A loop's results are placed the same way: XLA colocates a loop's result
+    with its carry, and that buffer goes into a result's allocation when it fits (a scanned
+    model's stacked forward activations share the updated parameters' buffers).
 
 Measured by ``autopar.verify`` over the matrix of ``benchmarks/verify_matrix.py`` (results in
 ``benchmarks/results/verify_matrix.md``). Known gaps: XLA's own schedule is not modelled (ours is
-the traced order), nor collectives' buffers beyond the resharded copies, nor where XLA:CPU
-materializes values our fusion rules fuse. On that matrix 17 of 24 plans are within 10%; the
-rest are over-predicted by up to ~37% (MoE auto on 2x4, unrolled zero3 and megatron on 2x4,
-scanned data-parallel plans, whose loops' results are kept out of the results' buffers, which
-XLA partly reuses for them) or under-predicted by ~10% (scanned zero3 on 1x8).
+the traced order), nor collectives' buffers outside loop bodies beyond the resharded copies, nor
+where XLA:CPU recomputes values our fusion rules materialize: a layer norm's centred input and
+second broadcast buffer (XLA keeps the residual stream and the row statistics instead; unrolled
+GPT zero3 and megatron on 2x4, MoE megatron on 1x8 are over-predicted by 12-19% for it), an
+MoE's dispatch and combine tensors, which XLA's simplifier rebuilds from per-token vectors inside
+their consumers (MoE auto on 2x4, ~38% over), nor the index tensors XLA:CPU's select-and-scatter
+expansion of a max-pool's gradient writes (the conv net is under-predicted by about half).
+On the 2x2x2 mesh unrolled GPT is under-predicted by 10-17% (XLA holds backward activations
+gathered to the whole batch longer than the model's resharded copies) and MoE over by 10-19%.
 
 The ILP's memory constraint (``ilp.memory_exprs``) is the linear part of this model: it checks
 the live values at the heaviest points of the schedule but cannot see resharded copies, whose
@@ -59,16 +66,19 @@ def estimate(prob: Problem, choice) -> MemoryEstimate:
     """The per-device memory of ``prob`` under ``choice`` (group id -> strategy index)."""
     g = prob.graph
     nbytes = _sizer(prob, choice)
-    resident = sum(nbytes(v) for v in prob.const_values)
+    whole = _result_sizer(prob, nbytes)
+    resident = sum(whole(v) for v in prob.const_values)
     temps, inner = _schedule(prob)
     looped = [(a, b, nbytes(v)) for v, a, b in temps if g.ops[a].regions]
     spans = [(a, b, nbytes(v)) for v, a, b in temps if not g.ops[a].regions]
     live = np.zeros(len(g.ops) + 1)
-    for a, b, size in looped + _pooled(spans + _reshard_copies(prob, choice),
-                                       _output_slots(prob, nbytes)):
+    for a, b, size in _pooled(looped + spans + _reshard_copies(prob, choice),
+                              _output_slots(prob, whole)):
         live[a: b + 1] += size
     for t, (ids, _) in inner.items():
         live[t] += sum(nbytes(v) for v in ids)
+    for t, size in _loop_reductions(prob, choice).items():
+        live[t] += size
     t = int(live.argmax()) if len(live) else 0
     return MemoryEstimate(float(resident), float(live[t]) if len(live) else 0.0, t)
 
@@ -84,6 +94,42 @@ def _output_slots(prob: Problem, nbytes) -> list[tuple[float, int]]:
 
     memo = _memo(prob, "_written_at", written_at)
     return sorted(((nbytes(v), t) for v, t in memo.items()), key=lambda s: -s[0])
+
+
+_REDUCING = ("all-reduce", "reduce-scatter")
+
+
+def _loop_reductions(prob: Problem, choice) -> dict[int, float]:
+    """Top-level position of a loop -> bytes of the reduction buffers its body holds at once.
+
+    XLA:CPU runs a reduce-scatter as an all-reduce and a local slice, and an all-reduce writes
+    a buffer of its own: a reduction holds its unreduced operand and its reduced result, both at
+    the full per-device size (the comm's bytes). XLA's all-reduce combiner merges the body's
+    independent reductions (a backward body's weight gradients) into one, so their buffers are
+    live together at the end of the body. (A problem ``restrict`` made keeps no members: its
+    groups' leaders stand for them.)"""
+    g, where = prob.graph, _positions(prob)
+    out: dict[int, float] = {}
+    for grp in prob.groups:
+        for op_id, strategies in (grp.members or {grp.leader: grp.strategies}).items():
+            t = where.get(op_id)
+            if t is None or not g.ops[t].regions or g.ops[t].id == op_id:
+                continue
+            comms = strategies[choice[grp.id]].comms
+            size = sum(2 * c.nbytes for c in comms if c.kind in _REDUCING)
+            if size:
+                out[t] = out.get(t, 0.0) + size
+    return out
+
+
+def _result_sizer(prob: Problem, nbytes):
+    """``nbytes`` for the buffers the step holds whole: a result that replaces an argument
+    (``output_pairs``) leaves the executable in that argument's layout (the plan's
+    ``out_layout``, which codegen passes as ``out_shardings``), so XLA sizes its buffer by the
+    argument's layout, however the value was sharded where it was computed."""
+    g = prob.graph
+    paired = {g.outputs[j]: g.inputs[k] for j, k in prob.output_pairs.items()}
+    return lambda v: nbytes(paired.get(v, v))
 
 
 def _pooled(spans, slots) -> list[tuple[int, int, float]]:
