@@ -153,6 +153,19 @@ class _Kernels:
         """The kernels ``op_id`` runs in: each of its copies', else its own."""
         return self.copies.get(op_id) or {self.find(op_id)}
 
+    def read_elsewhere(self, v: int, kernel_id: int) -> bool:
+        """Some kernel other than ``kernel_id`` reads ``v`` (``user_kernels`` less one, without
+        building the set)."""
+        copies = self.copies
+        for u in self.consumers.get(v, ()):
+            c = copies.get(u.id)
+            if c:
+                if len(c) > 1 or kernel_id not in c:
+                    return True
+            elif self.find(u.id) != kernel_id:
+                return True
+        return False
+
     def reduces(self, kernels) -> bool:
         """Some kernel of ``kernels`` (ids of this list's ops) is a reduction's."""
         return any(self.by_id[t].prim in REDUCTIONS for t in kernels)
@@ -160,13 +173,18 @@ class _Kernels:
     def user_kernels(self, v: int) -> set[int]:
         """Kernels that read value ``v`` (a duplicated reader counts as each of its copies)."""
         out: set[int] = set()
+        copies = self.copies
         for u in self.consumers.get(v, ()):
-            out |= self.kernels_of(u.id)
+            c = copies.get(u.id)
+            if c:
+                out |= c
+            else:
+                out.add(self.find(u.id))
         return out
 
     def fuse(self) -> None:
         for op in reversed(self.ops):
-            if op.prim not in FUSIBLE or any(v in self.outputs for v in op.outs):
+            if op.prim not in FUSIBLE or not self.outputs.isdisjoint(op.outs):
                 continue
             users = [u for v in op.outs for u in self.consumers.get(v, ())]
             if not users or any(u.prim not in ABSORBING for u in users):
@@ -225,7 +243,7 @@ class _Kernels:
             shape = self.values[op.outs[0]].shape
             for v in dict.fromkeys(op.ins):
                 have = self.values[v].shape
-                if v not in self.const and len(have) == len(shape) and any(
+                if have != shape and v not in self.const and len(have) == len(shape) and any(
                         a == 1 < b for a, b in zip(have, shape)):
                     groups.setdefault((v, shape), []).append(op)
         out = []
@@ -244,8 +262,12 @@ class _Kernels:
         """kernel id -> its ops in order, duplicated producers included in each copy."""
         out: dict[int, list[Op]] = defaultdict(list)
         for op in self.ops:
-            for k in self.kernels_of(op.id):
-                out[k].append(op)
+            c = self.copies.get(op.id)
+            if c:
+                for k in c:
+                    out[k].append(op)
+            else:
+                out[self.find(op.id)].append(op)
         return out
 
 
@@ -265,7 +287,7 @@ def _kernel_io(ops: list[Op], kernel_id: int, k: _Kernels, reads: dict, writes: 
         if op.id in k.copies:
             continue   # a duplicated producer writes nothing: each copy feeds its kernel
         outs = tuple(v for v in op.outs if v not in k.const and (
-            v in k.outputs or k.user_kernels(v) - {kernel_id}))
+            v in k.outputs or k.read_elsewhere(v, kernel_id)))
         if outs:
             writes[op.id] = outs
 
