@@ -186,10 +186,13 @@ class _Kernels:
         for op in reversed(self.ops):
             if op.prim not in FUSIBLE or not self.outputs.isdisjoint(op.outs):
                 continue
-            users = [u for v in op.outs for u in self.consumers.get(v, ())]
+            outs = op.outs
+            users = (self.consumers.get(outs[0], []) if len(outs) == 1
+                     else [u for v in outs for u in self.consumers.get(v, ())])
             if not users or any(u.prim not in ABSORBING for u in users):
                 continue
-            targets = set().union(*(self.user_kernels(v) for v in op.outs))
+            targets = (self.user_kernels(outs[0]) if len(outs) == 1
+                       else set().union(*(self.user_kernels(v) for v in outs)))
             if self.kept_for_reduction(op, targets):
                 continue
             if len(targets) == 1:
@@ -201,8 +204,13 @@ class _Kernels:
         """Value id -> the most unfusible ops (``ABSORBING`` excluded) on a path from this op
         list's inputs to it."""
         level: dict[int, int] = {}
+        get = level.get
         for op in self.ops:
-            up = max((level.get(v, 0) for v in op.ins), default=0)
+            up = 0
+            for v in op.ins:
+                here = get(v, 0)
+                if here > up:
+                    up = here
             up += op.prim not in ABSORBING
             level.update((v, up) for v in op.outs)
         return level
