@@ -31,10 +31,14 @@ __all__ = ["make_plan"]
 def _allowed(prob: problem.Problem, fixed: Mapping[int, Sharding]) -> dict[int, set[int]]:
     """Restrict fixed inputs to their given layout; a layout the planner does not offer is an
     error."""
-    allowed = {}
+    allowed, seen = {}, {}    # (strategies, layout) -> indices: tied inputs share strategies
     for k, want in fixed.items():
         grp = prob.groups[prob.input_group[k]]
-        ok = {i for i, s in enumerate(grp.strategies) if s.outs[0] == want}
+        key = (id(grp.strategies), want)
+        ok = seen.get(key)
+        if ok is None:
+            ok = seen[key] = {i for i, s in enumerate(grp.strategies) if s.outs[0] == want}
+        ok = set(ok)
         if not ok:
             t = prob.graph.values[prob.graph.inputs[k]]
             raise ShardingError(
@@ -72,12 +76,17 @@ def _filtered(prob: problem.Problem, op_filter, allowed: dict[int, set[int]]) ->
     ``op_filter(op, strategy)`` or ``op_filter(op, strategy, origins)`` (see operand_origins)."""
     with_origins = _takes_origins(op_filter)
     seen: dict[tuple, set[int]] = {}   # a repeated layer's groups ask once per role
+    kinds: dict[tuple, tuple] = {}     # origins -> _origin_kinds of them
     for grp in prob.groups:
         if grp.leader < 0 or grp.id in allowed:
             continue
         op = prob.graph.op(grp.leader)
         extra = (operand_origins(prob, op),) if with_origins else ()
-        key = (prob.root(grp.id), _origin_kinds(extra[0]) if extra else ())
+        if extra:
+            kind = kinds.get(extra[0])
+            if kind is None:
+                kind = kinds[extra[0]] = _origin_kinds(extra[0])
+        key = (prob.root(grp.id), kind if extra else ())
         ok = seen.get(key)
         if ok is None:
             ok = seen[key] = {i for i, st in enumerate(grp.strategies) if op_filter(op, st, *extra)}

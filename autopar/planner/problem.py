@@ -252,14 +252,13 @@ class _Builder:
             return None
         vals, ctx = self.g.values, self.ctx
         label = self.labels.get(op.id)
+        producers = tuple(map(ctx.producers.get, op.ins))
         if label is not None:
-            structure = (label, tuple(ctx.producers.get(v) for v in op.ins), op.flops,
-                         op.transcendentals, op.bytes_accessed)
+            structure = (label, producers, op.flops, op.transcendentals, op.bytes_accessed)
         else:
             structure = (op.prim, op.params, tuple(vals[v] for v in op.ins),
                          tuple(vals[v] for v in op.outs), tuple(v in ctx.literals for v in op.ins),
-                         tuple(ctx.producers.get(v) for v in op.ins), op.flops,
-                         op.transcendentals, op.bytes_accessed)
+                         producers, op.flops, op.transcendentals, op.bytes_accessed)
         ids = self.key_ids
         rid = ids.setdefault(structure, len(ids))
         return rid, ids.setdefault((rid, self.fusion_role(op)), len(ids))
