@@ -153,6 +153,19 @@ class _Kernels:
         """The kernels ``op_id`` runs in: each of its copies', else its own."""
         return self.copies.get(op_id) or {self.find(op_id)}
 
+    def read_elsewhere(self, v: int, kernel_id: int) -> bool:
+        """Some kernel other than ``kernel_id`` reads ``v`` (``user_kernels`` less one, without
+        building the set)."""
+        copies = self.copies
+        for u in self.consumers.get(v, ()):
+            c = copies.get(u.id)
+            if c:
+                if len(c) > 1 or kernel_id not in c:
+                    return True
+            elif self.find(u.id) != kernel_id:
+                return True
+        return False
+
     def reduces(self, kernels) -> bool:
         """Some kernel of ``kernels`` (ids of this list's ops) is a reduction's."""
         return any(self.by_id[t].prim in REDUCTIONS for t in kernels)
@@ -160,18 +173,26 @@ class _Kernels:
     def user_kernels(self, v: int) -> set[int]:
         """Kernels that read value ``v`` (a duplicated reader counts as each of its copies)."""
         out: set[int] = set()
+        copies = self.copies
         for u in self.consumers.get(v, ()):
-            out |= self.kernels_of(u.id)
+            c = copies.get(u.id)
+            if c:
+                out |= c
+            else:
+                out.add(self.find(u.id))
         return out
 
     def fuse(self) -> None:
         for op in reversed(self.ops):
-            if op.prim not in FUSIBLE or any(v in self.outputs for v in op.outs):
+            if op.prim not in FUSIBLE or not self.outputs.isdisjoint(op.outs):
                 continue
-            users = [u for v in op.outs for u in self.consumers.get(v, ())]
+            outs = op.outs
+            users = (self.consumers.get(outs[0], []) if len(outs) == 1
+                     else [u for v in outs for u in self.consumers.get(v, ())])
             if not users or any(u.prim not in ABSORBING for u in users):
                 continue
-            targets = set().union(*(self.user_kernels(v) for v in op.outs))
+            targets = (self.user_kernels(outs[0]) if len(outs) == 1
+                       else set().union(*(self.user_kernels(v) for v in outs)))
             if self.kept_for_reduction(op, targets):
                 continue
             if len(targets) == 1:
@@ -183,8 +204,13 @@ class _Kernels:
         """Value id -> the most unfusible ops (``ABSORBING`` excluded) on a path from this op
         list's inputs to it."""
         level: dict[int, int] = {}
+        get = level.get
         for op in self.ops:
-            up = max((level.get(v, 0) for v in op.ins), default=0)
+            up = 0
+            for v in op.ins:
+                here = get(v, 0)
+                if here > up:
+                    up = here
             up += op.prim not in ABSORBING
             level.update((v, up) for v in op.outs)
         return level
@@ -225,7 +251,7 @@ class _Kernels:
             shape = self.values[op.outs[0]].shape
             for v in dict.fromkeys(op.ins):
                 have = self.values[v].shape
-                if v not in self.const and len(have) == len(shape) and any(
+                if have != shape and v not in self.const and len(have) == len(shape) and any(
                         a == 1 < b for a, b in zip(have, shape)):
                     groups.setdefault((v, shape), []).append(op)
         out = []
@@ -244,8 +270,12 @@ class _Kernels:
         """kernel id -> its ops in order, duplicated producers included in each copy."""
         out: dict[int, list[Op]] = defaultdict(list)
         for op in self.ops:
-            for k in self.kernels_of(op.id):
-                out[k].append(op)
+            c = self.copies.get(op.id)
+            if c:
+                for k in c:
+                    out[k].append(op)
+            else:
+                out[self.find(op.id)].append(op)
         return out
 
 
@@ -265,7 +295,7 @@ def _kernel_io(ops: list[Op], kernel_id: int, k: _Kernels, reads: dict, writes: 
         if op.id in k.copies:
             continue   # a duplicated producer writes nothing: each copy feeds its kernel
         outs = tuple(v for v in op.outs if v not in k.const and (
-            v in k.outputs or k.user_kernels(v) - {kernel_id}))
+            v in k.outputs or k.read_elsewhere(v, kernel_id)))
         if outs:
             writes[op.id] = outs
 

@@ -130,6 +130,47 @@ def test_depth_shortcuts_keep_the_plan(hf_graphs, hf_plans, monkeypatch):
     assert fast.cost.hbm_bytes > 0 and fast.cost.peak_memory_bytes > 0
 
 
+def test_hf_gpt2_rules_and_costs_are_evaluated_once_per_role(hf_graphs, monkeypatch):
+    """Building the problem asks the rules and prices strategies as often for 8 unrolled layers
+    as for 4: a repeated layer's ops reuse the first layer's results (counts, not time)."""
+    calls = {"rule": 0, "costs": 0}
+    rule_for, add_costs = problem.rules.rule_for, problem._Builder.add_costs
+
+    def counted_rule(*a, **k):
+        calls["rule"] += 1
+        return rule_for(*a, **k)
+
+    def counted_costs(*a, **k):
+        calls["costs"] += 1
+        return add_costs(*a, **k)
+
+    monkeypatch.setattr(problem.rules, "rule_for", counted_rule)
+    monkeypatch.setattr(problem._Builder, "add_costs", counted_costs)
+    seen = []
+    for n in (4, 8):
+        calls.update(rule=0, costs=0)
+        problem.build(hf_graphs[n], MESH, CM)
+        seen.append(dict(calls))
+    assert seen[0] == seen[1] and seen[0]["rule"] > 0 and seen[0]["costs"] > 0, seen
+
+
+def test_planning_restores_the_cycle_collector():
+    """Planning pauses Python's cycle collector (its full collections walk the traced graph) and
+    leaves it as it found it, on or off."""
+    import gc
+
+    graph = ir.trace(*gpt.abstract(gpt.GPTConfig(layers=1, d_model=16, heads=2, d_ff=32, seq=8,
+                                                 vocab=32), 8))
+    was = gc.isenabled()
+    try:
+        for state in (True, False):
+            (gc.enable if state else gc.disable)()
+            _plan(graph)
+            assert gc.isenabled() is state
+    finally:
+        (gc.enable if was else gc.disable)()
+
+
 def test_hf_gpt2_ilp_does_not_grow_with_depth(hf_graphs, hf_plans):
     """The solver's model (variables, constraints, decision groups) for 8 unrolled layers is the
     one for 4."""

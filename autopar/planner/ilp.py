@@ -216,13 +216,25 @@ class _Model:
         return exprs
 
     def _bytes_terms(self, values) -> dict[tuple[int, int], int]:
-        per_root: dict[int, np.ndarray] = {}
+        """Per (root, strategy): KiB of ``values`` under it. The values of a repeated layer
+        repeat (root, layouts) pairs: each distinct pair is rounded once and counted (integer
+        sums: the same totals in any order), roots in the order the values first name them."""
+        counts: dict[tuple[int, int], int] = {}
+        arrays: dict[int, np.ndarray] = {}
         for v in values:
-            if v not in self.p.group_of_value:
+            g = self.p.group_of_value.get(v)
+            if g is None:
                 continue
-            g = self.root[self.p.group_of_value[v]]
-            kib = np.rint(value_bytes(self.p, v) / KIB).astype(np.int64)
-            per_root[g] = per_root[g] + kib if g in per_root else kib
+            b = value_bytes(self.p, v)     # memoised: one array per (type, layouts)
+            kib = arrays.get(id(b))
+            if kib is None:
+                kib = arrays[id(b)] = np.rint(b / KIB).astype(np.int64)
+            key = (self.root[g], id(b))
+            counts[key] = counts.get(key, 0) + 1
+        per_root: dict[int, np.ndarray] = {}
+        for (g, b), n in counts.items():
+            add = n * arrays[b]
+            per_root[g] = per_root[g] + add if g in per_root else add
         return {(g, i): int(b) for g, arr in per_root.items() for i, b in enumerate(arr)}
 
     def restrict(self, allowed: Mapping[int, set[int]]) -> None:

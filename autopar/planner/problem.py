@@ -237,27 +237,32 @@ class _Builder:
         labels = node_graph(graph)[0]
         self.labels = {op.id: int(labels[first + j]) for j, op in enumerate(graph.ops)}
         self.interned: dict = {}    # layout tuple -> the one instance of it
+        self.key_ids: dict = {}     # op_key's tuples -> their ints
         self.self_moves: set = set()  # (group, value, need, mult) of self edges already costed
 
     def intern(self, layouts: tuple) -> tuple:
         return self.interned.setdefault(layouts, layouts)
 
-    def op_key(self, op: Op) -> tuple | None:
-        """Everything the rules and the costs read of an op; None for ops with regions. A
-        top-level op's structural label (``ir.layers.node_graph``: primitive, params, types,
-        literals) stands in for the first five. The last entry, the fusion role, only the costs
-        read."""
+    def op_key(self, op: Op) -> tuple[int, int] | None:
+        """(what the rules read of an op, that and what its costs read too), each as a small
+        int naming its tuple (so the memo hashes a long tuple once per op, not once per look-up);
+        None for ops with regions. The rules read the op's structure: a top-level op's
+        structural label (``ir.layers.node_graph``: primitive, params, types, literals) stands
+        in for the first five entries of it. The costs read the fusion role too."""
         if op.regions:
             return None
         vals, ctx = self.g.values, self.ctx
         label = self.labels.get(op.id)
+        producers = tuple(map(ctx.producers.get, op.ins))
         if label is not None:
-            return (label, tuple(ctx.producers.get(v) for v in op.ins), op.flops,
-                    op.transcendentals, op.bytes_accessed, self.fusion_role(op))
-        return (op.prim, op.params, tuple(vals[v] for v in op.ins),
-                tuple(vals[v] for v in op.outs), tuple(v in ctx.literals for v in op.ins),
-                tuple(ctx.producers.get(v) for v in op.ins), op.flops, op.transcendentals,
-                op.bytes_accessed, self.fusion_role(op))
+            structure = (label, producers, op.flops, op.transcendentals, op.bytes_accessed)
+        else:
+            structure = (op.prim, op.params, tuple(vals[v] for v in op.ins),
+                         tuple(vals[v] for v in op.outs), tuple(v in ctx.literals for v in op.ins),
+                         producers, op.flops, op.transcendentals, op.bytes_accessed)
+        ids = self.key_ids
+        rid = ids.setdefault(structure, len(ids))
+        return rid, ids.setdefault((rid, self.fusion_role(op)), len(ids))
 
     def fusion_role(self, op: Op) -> tuple:
         """What the op's kernel reads (with how often), writes and copies, as positions among its
@@ -344,10 +349,10 @@ class _Builder:
                out_values: Sequence[int] | None = None, key=None) -> tuple[Group, _Planned]:
         grp = self.groups[self.gv[operand_value]]
         have = grp.shard[operand_value]
-        memo_key = None if key is None else ("follow", key, id(have))
+        memo_key = None if key is None else ("follow", key[1], id(have))
         pl = self.memo.get(memo_key) if memo_key is not None else None
         if pl is None:
-            derived_key = None if key is None else ("derived", key[:-1], id(have))
+            derived_key = None if key is None else ("derived", key[0], id(have))
             per_i = self.memo.get(derived_key) if derived_key is not None else None
             if per_i is None:
                 per_i = [derive(s) for s in have]
@@ -447,7 +452,7 @@ class _Builder:
     def rule(self, op: Op, key) -> Choices | Follow:
         """The op's rule, memoised under its key without the fusion role (rules read the op's
         structure only: ops that differ in how many kernels read them share it)."""
-        rule_key = None if key is None else ("rule", key[:-1])
+        rule_key = None if key is None else ("rule", key[0])
         hit = self.memo.get(rule_key) if rule_key is not None else None
         if hit is not None:
             return hit
@@ -470,7 +475,8 @@ class _Builder:
             self.link_inputs(op, grp, pl, rule.operand, mult)
         else:
             choices = rule if isinstance(rule, Choices) else rules.fallback_rule(op, self.ctx)
-            memo_key = ("decide", key) if isinstance(rule, Choices) and key is not None else None
+            memo_key = (("decide", key[1]) if isinstance(rule, Choices) and key is not None
+                        else None)
             pl = self.planned(op, choices.strategies, memo_key)
             grp = self.new_group(op.id, pl.per_i, op, mult, pl)
             self.link_inputs(op, grp, pl, None, mult)
@@ -520,16 +526,22 @@ def kernel_io(fusion: Fusion, op: Op) -> tuple[tuple, tuple, tuple]:
     producer duplicated into many kernels (``ir.fusion`` copies an unrolled model's residual
     adds into every later layer's kernels) reads its operand once per kernel; counting keeps
     pricing it linear in its operands, not in its kernels."""
-    def counted(vs) -> tuple:
-        times: dict[int, int] = {}
-        for v in vs:
-            k = op.ins.index(v)
-            times[k] = times.get(k, 0) + 1
-        return tuple(times.items())
+    i = op.id
+    reads, writes, copies = fusion.reads.get(i), fusion.writes.get(i), fusion.copies.get(i)
+    return (_counted(op.ins, reads) if reads else (),
+            tuple(op.outs.index(v) for v in writes) if writes else (),
+            _counted(op.ins, copies) if copies else ())
 
-    reads, writes, copies = (f.get(op.id, ()) for f in (fusion.reads, fusion.writes,
-                                                         fusion.copies))
-    return counted(reads), tuple(op.outs.index(v) for v in writes), counted(copies)
+
+def _counted(ins: tuple, vs) -> tuple:
+    """``((operand position, times), ...)`` of the values ``vs`` among the operands ``ins``."""
+    if len(vs) == 1:
+        return ((ins.index(vs[0]), 1),)
+    times: dict[int, int] = {}
+    for v in vs:
+        k = ins.index(v)
+        times[k] = times.get(k, 0) + 1
+    return tuple(times.items())
 
 
 def op_hbm_bytes(graph: Graph, fusion, mesh: Mapping[str, int], op: Op, st: Strategy,
