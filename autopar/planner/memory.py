@@ -31,7 +31,11 @@ second broadcast buffer (XLA keeps the residual stream and the row statistics in
 GPT zero3 and megatron on 2x4, MoE megatron on 1x8 are over-predicted by 12-19% for it), an
 MoE's dispatch and combine tensors, which XLA's simplifier rebuilds from per-token vectors inside
 their consumers (MoE auto on 2x4, ~38% over), nor the index tensors XLA:CPU's select-and-scatter
-expansion of a max-pool's gradient writes (the conv net is under-predicted by about half).
+expansion of a max-pool's gradient writes (the conv net is under-predicted by about half: on 1x8
+dp XLA's temporaries are 186.6 KiB against the model's 80 KiB, of which 96 KiB are one s32 iota
+per dimension of each pooled operand, which XLA's scheduler starts at the top of the step because
+they read nothing, and 12 KiB the argmax indices of the variadic reduce-window that replaces the
+forward max; a rule for it needs the backend, which ``Problem`` does not carry yet).
 On the 2x2x2 mesh unrolled GPT is under-predicted by 10-17% (XLA holds backward activations
 gathered to the whole batch longer than the model's resharded copies) and MoE over by 10-19%.
 
