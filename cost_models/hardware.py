@@ -114,6 +114,7 @@ class Hardware:
     collective_launch_s: float = 0.0
     dispatch_s: float = 0.0          # launching one compiled program (once per step, not per op)
     pipeline_tick_s: float = 0.0     # one tick of a pipelined schedule's loop (autopar.pipeline)
+    platform: str = ""               # XLA backend compiling for it: "cpu", "gpu", "tpu" or ""
     source: str = ""
     citations: tuple[tuple[str, str], ...] = ()
 
@@ -240,6 +241,7 @@ _SIZES = ("kernel_floor_bytes",)
 # Plausibility bounds: figures outside them are unit mistakes, and would push predicted times past
 # what a float (or the ILP's integer nanoseconds) can hold.
 MIN_RATE = 1.0
+PLATFORMS = ("", "cpu", "gpu", "tpu")
 MIN_EFFICIENCY = 1e-6
 MAX_SECONDS = 3600.0
 
@@ -248,6 +250,9 @@ def _validate(hw: Hardware) -> None:
     """Raise CostModelError naming the first malformed field of ``hw``; normalise its tables."""
     where = f"Hardware {hw.name!r}"
     _check_name(where, "name", hw.name)
+    if hw.platform not in PLATFORMS:
+        raise CostModelError(f"{where}: platform={hw.platform!r} is not one of {PLATFORMS} (the "
+                             f"XLA backend that compiles for this hardware; '' when unknown)")
     for field in ("peak_flops_by_dtype", "collective_kind_efficiency", "citations"):
         object.__setattr__(hw, field, _pairs(where, field, getattr(hw, field)))
     for dtype, peak in hw.peak_flops_by_dtype:

@@ -50,7 +50,7 @@ from cost_models.fit import (
     fit_compute,
     relative_nnls,
 )
-from cost_models.hardware import FALLBACK_DTYPE, Hardware, Link, hardware
+from cost_models.hardware import FALLBACK_DTYPE, PLATFORMS, Hardware, Link, hardware
 from cost_models.measure import (
     Measurement,
     conv_chain_spec,
@@ -277,6 +277,7 @@ def hardware_from_fits(
         collective_kind_efficiency=kind_eff,
         kernel_launch_s=compute.kernel_launch_s,
         collective_launch_s=coll_launch,
+        platform=devices[0].platform if devices[0].platform in PLATFORMS else "",
         source=source,
         citations=(
             ("peak_flops_by_dtype", ref.name if ref else fitted),

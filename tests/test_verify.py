@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import autopar
 from autopar import hlo
-from autopar.models import gpt, moe
+from autopar.models import convnet, gpt, moe
 
 CFG = gpt.GPTConfig(vocab=128, seq=16, d_model=64, heads=4, d_ff=128, layers=2)
 
@@ -104,6 +104,27 @@ def test_scanned_zero3_plan_matches_its_executable():
                                 time_limit_s=2, deterministic=True)
     step(state, batch)
     _holds(step.verify())
+
+
+def test_max_pool_gradient_buffers_are_counted_on_cpu():
+    """XLA:CPU expands a max-pool's gradient (select-and-scatter) into an argmax over s32 iotas
+    started at the top of the step and a scatter into a zero buffer (``planner.memory``): the
+    conv net's peak is within 10% with those buffers (0.54 of XLA's without), and a GPU profile,
+    whose backend has its own kernel, does not add them."""
+    train_step, state, batch = convnet.concrete(convnet.ConvConfig(), 16)
+    step = autopar.autoparallel(train_step, mesh=_mesh8(), hardware="cpu", strategy="dp",
+                                time_limit_s=2, deterministic=True)
+    step(state, batch)
+    report = step.verify()
+    memory = [c for c in report.checks if c.metric == "peak memory"]
+    assert memory and all(c.ok for c in memory), str(report)
+    # (the conv net's HBM bytes are a known gap, 0.59-0.78 of XLA's: not held here)
+    assert all(c.ok is not False for c in report.checks if c.metric.endswith("bytes")
+               and c.metric != "HBM bytes"), str(report)
+    peak = {hw: autopar.plan(train_step, state, batch, mesh={"data": 8}, hardware=hw,
+                             strategy="dp", deterministic=True).cost.peak_memory_bytes
+            for hw in ("cpu", "h100")}
+    assert peak["cpu"] > 1.5 * peak["h100"], peak
 
 
 def test_verify_compiles_a_step_that_has_not_run():

@@ -30,12 +30,9 @@ where XLA:CPU recomputes values our fusion rules materialize: a layer norm's cen
 second broadcast buffer (XLA keeps the residual stream and the row statistics instead; unrolled
 GPT zero3 and megatron on 2x4, MoE megatron on 1x8 are over-predicted by 12-19% for it), an
 MoE's dispatch and combine tensors, which XLA's simplifier rebuilds from per-token vectors inside
-their consumers (MoE auto on 2x4, ~38% over), nor the index tensors XLA:CPU's select-and-scatter
-expansion of a max-pool's gradient writes (the conv net is under-predicted by about half: on 1x8
-dp XLA's temporaries are 186.6 KiB against the model's 80 KiB, of which 96 KiB are one s32 iota
-per dimension of each pooled operand, which XLA's scheduler starts at the top of the step because
-they read nothing, and 12 KiB the argmax indices of the variadic reduce-window that replaces the
-forward max; a rule for it needs the backend, which ``Problem`` does not carry yet).
+their consumers (MoE auto on 2x4, ~38% over). The conv net's auto plans are under-predicted
+by 19-24% (not diagnosed; its other plans are within 10% since ``_pool_gradient_expansion``
+counts XLA:CPU's rewrite of the max-pool gradient).
 On the 2x2x2 mesh unrolled GPT is under-predicted by 10-17% (XLA holds backward activations
 gathered to the whole batch longer than the model's resharded copies) and MoE over by 10-19%.
 
@@ -48,6 +45,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import math
 
 import numpy as np
 
@@ -83,6 +81,8 @@ def estimate(prob: Problem, choice) -> MemoryEstimate:
         live[t] += sum(nbytes(v) for v in ids)
     for t, size in _loop_reductions(prob, choice).items():
         live[t] += size
+    for a, b, size in _pool_gradient_expansion(prob, nbytes):
+        live[a: b + 1] += size
     t = int(live.argmax()) if len(live) else 0
     return MemoryEstimate(float(resident), float(live[t]) if len(live) else 0.0, t)
 
@@ -124,6 +124,45 @@ def _loop_reductions(prob: Problem, choice) -> dict[int, float]:
             if size:
                 out[t] = out.get(t, 0.0) + size
     return out
+
+
+def _pool_gradient_expansion(prob: Problem, nbytes) -> list[tuple[int, int, float]]:
+    """(first, last position, per-device bytes) of the buffers XLA:CPU adds for a max-pool's
+    gradient, read from its buffer assignment on the conv net.
+
+    XLA:CPU has no select-and-scatter kernel: it rewrites one into a variadic reduce-window that
+    finds each window's argmax (over the values and one s32 iota per operand dimension) and a
+    scatter of the cotangent into a zero-filled buffer at those indices. The iotas read nothing,
+    so its scheduler starts them at the top of the step and they live until the argmax, which
+    runs where the forward pool does; the zero buffer likewise lives until the scatter; the
+    argmax's s32 indices (one per dimension, the pooled shape) are short-lived. Only top-level
+    ops, and only for ``platform="cpu"`` hardware: GPU backends have their own select-and-scatter
+    kernel (not measured here)."""
+    if getattr(prob.reshard.cm.hw, "platform", "") != "cpu":
+        return []
+    g = prob.graph
+    pooled_at = {}
+    for t, op in enumerate(g.ops):
+        if op.prim == "reduce_window_max":
+            pooled_at.setdefault(op.ins[0], t)
+    spans = []
+    for t, op in enumerate(g.ops):
+        if op.prim != "select_and_scatter_add":
+            continue
+        source, operand = op.ins[0], op.ins[1]
+        forward = pooled_at.get(operand, t)
+        rank = len(g.values[operand].shape)
+        spans.append((0, forward, rank * 4 * _elements(prob, operand, nbytes)))
+        spans.append((0, t, nbytes(operand)))
+        spans.append((forward, forward, rank * 4 * _elements(prob, source, nbytes)))
+    return spans
+
+
+def _elements(prob: Problem, v: int, nbytes) -> float:
+    """Per-device element count of value ``v`` under the plan (``nbytes`` over its item size)."""
+    val = prob.graph.values[v]
+    whole = float(val.nbytes)
+    return nbytes(v) / whole * math.prod(val.shape) if whole else 0.0
 
 
 def _result_sizer(prob: Problem, nbytes):
