@@ -138,7 +138,7 @@ def _pool_gradient_expansion(prob: Problem, nbytes) -> list[tuple[int, int, floa
     argmax's s32 indices (one per dimension, the pooled shape) are short-lived. Only top-level
     ops, and only for ``platform="cpu"`` hardware: GPU backends have their own select-and-scatter
     kernel (not measured here)."""
-    if getattr(prob.reshard.cm.hw, "platform", "") != "cpu":
+    if prob.reshard.cm.hw.platform != "cpu":
         return []
     g = prob.graph
     pooled_at = {}
