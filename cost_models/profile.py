@@ -307,6 +307,9 @@ def _compute_figures(
     )
 
 
+_UNRESOLVED_BANDWIDTH = 1e18   # bytes/s: fit_collectives' 1 / _TINY for a zero bytes term
+
+
 def _link_figures(
     name: str, fit: CollectiveFit | None, ref: Hardware | None
 ) -> tuple[Link, float, tuple[tuple[str, float], ...], float]:
@@ -315,10 +318,16 @@ def _link_figures(
         if ref is not None:
             return ref.intra_node, ref.collective_efficiency, ref.collective_kind_efficiency, 0.0
         return Link(f"{name}-none", 1e12, 0.0), 1.0, (), 0.0
+    # A kind whose bytes term fitted to zero (its times did not grow with size beyond the noise,
+    # as on a loaded machine) has no measured bandwidth: it gets the median kind's.
     bandwidths = dict(fit.bandwidth_by_kind)
-    best = max(bandwidths.values())
-    coll_eff = statistics.median(bandwidths.values()) / best
-    kind_eff = tuple((k, b / (best * coll_eff)) for k, b in bandwidths.items())
+    measured = {k: b for k, b in bandwidths.items() if b < _UNRESOLVED_BANDWIDTH}
+    if not measured:
+        return _link_figures(name, None, ref)[:3] + (fit.collective_launch_s,)
+    best = max(measured.values())
+    coll_eff = statistics.median(measured.values()) / best
+    kind_eff = tuple((k, measured[k] / (best * coll_eff) if k in measured else 1.0)
+                     for k in bandwidths)
     intra = Link(f"{name}-measured", best, fit.latency_s)
     return intra, coll_eff, kind_eff, fit.collective_launch_s
 

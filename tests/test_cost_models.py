@@ -272,3 +272,20 @@ def test_readme_section_example_runs() -> None:
     code = re.search(r"```python\n(.*?)```", text, re.S)
     assert code is not None
     exec(compile(code.group(1), "README_SECTION.md", "exec"), {})
+
+
+def test_a_collective_kind_whose_bytes_term_fits_to_zero_gets_the_median_bandwidth():
+    """On a loaded machine a kind's times may not grow with its size beyond the noise; its bytes
+    term then fits to zero (bandwidth 1 / tiny) and used to make an invalid profile (a kind factor
+    of 1e20). It now gets the median kind's bandwidth, and the profile validates."""
+    from cost_models.fit import CollectiveFit
+    from cost_models.profile import _link_figures
+    fit = CollectiveFit(1e-4, 2e-6, (("all-gather", 2e9), ("all-reduce", 1e9),
+                                     ("reduce-scatter", 1e29)))
+    intra, coll_eff, kind_eff, launch = _link_figures("cpu", fit, None)
+    assert intra.bandwidth_bytes_per_s == 2e9 and coll_eff == pytest.approx(0.75)
+    assert dict(kind_eff)["reduce-scatter"] == 1.0
+    assert dict(kind_eff)["all-gather"] * coll_eff * 2e9 == pytest.approx(2e9)
+    hw = dataclasses.replace(cost_models.hardware("cpu"), intra_node=intra,
+                             collective_efficiency=coll_eff, collective_kind_efficiency=kind_eff)
+    assert hw.kind_efficiency("reduce-scatter") == 1.0
