@@ -37,6 +37,12 @@ def out_dir(args) -> pathlib.Path:
     return d
 
 
+def write_md(args, name: str, text: str) -> None:
+    """Writes a report ``name`` into the output directory (``out_dir``) and prints it."""
+    (out_dir(args) / name).write_text(text)
+    print(text)
+
+
 def write_csv(path: pathlib.Path, header: Sequence[str], rows: Sequence[Sequence]) -> None:
     with open(path, "w", newline="") as f:
         w = csv.writer(f)

@@ -109,9 +109,7 @@ def main() -> None:
             f"the compiled step (parameters, Adam's two moments, the device's batch rows); "
             f"collective instructions inside the tick loop of its HLO.\n\n"
             f"{_common.md_table(HEADER, rows)}\n")
-    out = _common.out_dir(args) / "pipeline_stage_tensor.md"
-    out.write_text(text)
-    print(text)
+    _common.write_md(args, "pipeline_stage_tensor.md", text)
 
 
 if __name__ == "__main__":

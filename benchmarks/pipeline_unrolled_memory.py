@@ -92,9 +92,7 @@ def main() -> None:
             f"{_common.md_table(HEADER, rows)}\n\nThe user's layout needs {ratio:.2f}x the "
             f"stacked layout's memory per device: every stage holds every layer's parameters "
             f"and Adam moments, in and out.\n")
-    out = _common.out_dir(args) / "pipeline_unrolled_memory.md"
-    out.write_text(text)
-    print(text)
+    _common.write_md(args, "pipeline_unrolled_memory.md", text)
 
 
 if __name__ == "__main__":
