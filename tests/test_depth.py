@@ -89,12 +89,18 @@ def _pooled_one_by_one(spans, slots):
     pooled = []
     for a, b, size in sorted(spans, key=lambda s: (-s[2], s[0])):
         k = next((k for k, (cap, written) in enumerate(slots)
-                  if cap >= size and b < written and memory._free(taken[k], a, b)), None)
+                  if cap >= size and b < written and _free(taken[k], a, b)), None)
         if k is None:
             pooled.append((a, b, size))
         else:
             bisect.insort(taken[k], (a, b))
     return pooled
+
+
+def _free(occupied, a, b):
+    """No interval of the sorted, disjoint ``occupied`` meets ``[a, b]``."""
+    i = bisect.bisect_left(occupied, (a, a))
+    return (i == len(occupied) or occupied[i][0] > b) and (i == 0 or occupied[i - 1][1] < a)
 
 
 _FAST_HBM = problem.op_hbm_bytes
@@ -182,8 +188,9 @@ def test_hf_gpt2_ilp_does_not_grow_with_depth(hf_graphs, hf_plans):
 
 
 def test_first_fit_matches_one_by_one():
-    """The all-buffers first fit places every temporary where the one-by-one search did, on
-    nested, disjoint and gapped intervals, with buffers too small for some temporaries."""
+    """The bitset first fit (``planner.first_fit``) places every temporary where the one-by-one
+    search did, on nested, disjoint and gapped intervals, with buffers too small for some
+    temporaries and temporaries that touch the schedule's ends."""
     rng = np.random.default_rng(0)
     for _ in range(20):
         spans = []

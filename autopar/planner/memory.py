@@ -49,6 +49,7 @@ import math
 
 import numpy as np
 
+from autopar.planner.first_fit import Slots
 from autopar.planner.problem import Problem, body_peaks, temporaries, value_bytes
 from autopar.sharding import shard_factor
 
@@ -92,9 +93,8 @@ def _output_slots(prob: Problem, nbytes) -> list[tuple[float, int]]:
     its own (not an argument, constant or a donated argument's buffer), largest first."""
     def written_at():
         g = prob.graph
-        resident = set(prob.const_values) - set(g.inputs) - set(g.consts)
-        return {v: t for t, op in enumerate(g.ops) for v in op.outs
-                if v in resident and v in g.outputs}
+        resident = set(prob.const_values).intersection(g.outputs) - set(g.inputs) - set(g.consts)
+        return {v: t for t, op in enumerate(g.ops) for v in op.outs if v in resident}
 
     memo = _memo(prob, "_written_at", written_at)
     return sorted(((nbytes(v), t) for v, t in memo.items()), key=lambda s: -s[0])
@@ -183,49 +183,20 @@ def _pooled(spans, slots) -> list[tuple[int, int, float]]:
     temporary's last reader, and no other temporary placed there is live at the same time; only
     the rest share the pool. ``slots``: ``_output_slots``.
 
-    First fit, with every buffer tested at once (``_first_fit``): a buffer whose placed
-    temporaries' hull misses the temporary is free, one holding a single temporary that meets it
-    is not, and only one with several (and gaps between them) is searched one by one. An
-    unrolled model's thousands of result buffers, tested one by one for each temporary, made
-    this walk grow with the square of the depth."""
-    n = len(slots)
-    taken: list[list[tuple[int, int]]] = [[] for _ in slots]
+    First fit over a bitset index of the buffers (``first_fit.Slots``: one query costs the log
+    of the schedule's length, not the number of buffers): an unrolled model's thousands of result
+    buffers, tested one by one for each temporary, made this walk grow with the square of the
+    depth."""
     smaller = [-cap for cap, _ in slots]    # ascending: the slots that fit a size are a prefix
-    written = np.array([w for _, w in slots], dtype=np.int64)
-    lo = np.full(n, np.iinfo(np.int64).max)   # hull of each slot's temporaries (empty: lo > hi)
-    hi = np.full(n, -1, dtype=np.int64)
-    count = np.zeros(n, dtype=np.int64)
+    index = Slots([w for _, w in slots], max([b for _, b, _ in spans], default=0) + 1)
     pooled = []
     for a, b, size in sorted(spans, key=lambda s: (-s[2], s[0])):
-        fit = bisect.bisect_right(smaller, -size)
-        k = _first_fit(a, b, written[:fit], lo[:fit], hi[:fit], count[:fit], taken)
+        k = index.first_free(a, b, bisect.bisect_right(smaller, -size))
         if k is None:
             pooled.append((a, b, size))
-            continue
-        bisect.insort(taken[k], (a, b))
-        lo[k], hi[k], count[k] = min(lo[k], a), max(hi[k], b), count[k] + 1
+        else:
+            index.place(k, a, b)
     return pooled
-
-
-def _first_fit(a: int, b: int, written, lo, hi, count, taken) -> int | None:
-    """The first slot written after ``b`` with no placed temporary meeting ``[a, b]``."""
-    if not len(written):
-        return None
-    after = written > b
-    clear = after & ((hi < a) | (lo > b))
-    first = int(clear.argmax())
-    if not clear[first]:
-        first = len(clear)          # no slot is surely free: search those with gaps
-    for k in np.flatnonzero(after[:first] & (count[:first] > 1)).tolist():
-        if _free(taken[k], a, b):
-            return k
-    return first if first < len(clear) else None
-
-
-def _free(occupied: list[tuple[int, int]], a: int, b: int) -> bool:
-    """No interval of the sorted, disjoint ``occupied`` meets ``[a, b]``."""
-    i = bisect.bisect_left(occupied, (a, a))
-    return (i == len(occupied) or occupied[i][0] > b) and (i == 0 or occupied[i - 1][1] < a)
 
 
 def _sizer(prob: Problem, choice):
