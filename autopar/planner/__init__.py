@@ -75,23 +75,36 @@ def _filtered(prob: problem.Problem, op_filter, allowed: dict[int, set[int]]) ->
     """Let a hand-written strategy veto op strategies (e.g. ZeRO-1 forbids reduce-scatter).
     ``op_filter(op, strategy)`` or ``op_filter(op, strategy, origins)`` (see operand_origins)."""
     with_origins = _takes_origins(op_filter)
+    origins = _group_origins(prob) if with_origins else {}
     seen: dict[tuple, set[int]] = {}   # a repeated layer's groups ask once per role
-    kinds: dict[tuple, tuple] = {}     # origins -> _origin_kinds of them
     for grp in prob.groups:
         if grp.leader < 0 or grp.id in allowed:
             continue
-        op = prob.graph.op(grp.leader)
-        extra = (operand_origins(prob, op),) if with_origins else ()
-        if extra:
-            kind = kinds.get(extra[0])
-            if kind is None:
-                kind = kinds[extra[0]] = _origin_kinds(extra[0])
-        key = (prob.root(grp.id), kind if extra else ())
+        mine, kind = origins.get(grp.id, (None, ()))
+        key = (prob.root(grp.id), kind)
         ok = seen.get(key)
         if ok is None:
+            op, extra = prob.graph.op(grp.leader), (mine,) if with_origins else ()
             ok = seen[key] = {i for i, st in enumerate(grp.strategies) if op_filter(op, st, *extra)}
         if ok and len(ok) < grp.n:
             allowed[grp.id] = ok
+
+
+def _group_origins(prob: problem.Problem) -> dict[int, tuple]:
+    """Op-led group -> (``operand_origins`` of its leader, ``_origin_kinds`` of them): the same
+    for every hand-written start, so computed once per problem."""
+    hit = prob.__dict__.get("_group_origins")
+    if hit is None:
+        kinds: dict[tuple, tuple] = {}     # origins -> _origin_kinds of them
+        hit = prob.__dict__["_group_origins"] = {}
+        for grp in prob.groups:
+            if grp.leader >= 0:
+                mine = operand_origins(prob, prob.graph.op(grp.leader))
+                kind = kinds.get(mine)
+                if kind is None:
+                    kind = kinds[mine] = _origin_kinds(mine)
+                hit[grp.id] = (mine, kind)
+    return hit
 
 
 def _origin_kinds(origins: tuple[str | None, ...]) -> tuple:
@@ -279,44 +292,80 @@ class _Tally:
 def _collectives(prob: problem.Problem, choice, cm) -> _Tally:
     """Every collective of the plan, with compute, op-collective and transition seconds."""
     tally = _Tally()
+    priced = _Priced(prob, cm)    # repeated layers price the same few collectives and moves
     for g in prob.groups:
         i = choice[g.id]
         tally.compute_s += g.compute_s[i]
         tally.comm_s += g.comm_s[i]
         for op_id, per_i in g.members.items():
             mult = g.mults.get(op_id, 1.0)
-            for c in per_i[i].comms:
-                n = math.prod(prob.mesh[a] for a in c.axes)
+            comms = per_i[i].comms
+            if not comms:
+                continue
+            where, source = _where(prob, op_id), _source(prob, op_id)
+            for c in comms:
+                seconds, moved = priced.collective(c.kind, c.nbytes, c.axes)
                 tally.collectives.append(Collective(
-                    _where(prob, op_id), c.kind, c.axes, c.nbytes,
-                    mult * cm.collective_time_s(c.kind, c.nbytes, c.axes), mult,
-                    *_source(prob, op_id), collective_hbm_bytes(c.kind, c.nbytes, n)))
+                    where, c.kind, c.axes, c.nbytes, mult * seconds, mult, *source, moved))
         for e in g.self_edges:
-            _edge_collectives(prob, e, g.shard[e.value][i], e.need[i], cm, tally)
+            _edge_collectives(prob, e, g.shard[e.value][i], e.need[i], priced, tally)
     for es in prob.edge_sets():   # a value moved to one layout for several readers moves once
         src = prob.groups[es[0].src].shard[es[0].value][choice[es[0].src]]
         moves = {}
         for e in es:
             moves.setdefault(e.need[choice[e.dst]], e)
         for need, e in moves.items():
-            tally.transition_s += _edge_collectives(prob, e, src, need, cm, tally)
+            tally.transition_s += _edge_collectives(prob, e, src, need, priced, tally)
     return tally
 
 
-def _edge_collectives(prob: problem.Problem, e, src: Sharding, need: Sharding, cm,
+class _Priced:
+    """Seconds and bytes of collectives and staged transitions, memoised by what they read."""
+
+    def __init__(self, prob: problem.Problem, cm):
+        self.prob, self.cm, self.memo = prob, cm, {}
+
+    def collective(self, kind: str, nbytes: float, axes) -> tuple[float, float]:
+        """(seconds, bytes it reads and writes in memory) of one collective."""
+        key = ("c", kind, nbytes, axes)
+        hit = self.memo.get(key)
+        if hit is None:
+            n = math.prod(self.prob.mesh[a] for a in axes)
+            hit = self.memo[key] = (self.cm.collective_time_s(kind, nbytes, axes),
+                                    collective_hbm_bytes(kind, nbytes, n))
+        return hit
+
+    def steps(self, v: int, src: Sharding, need: Sharding) -> tuple:
+        """(step, bytes it moves, collective bytes, unscaled seconds) per step of a staged
+        transition of value ``v`` (``reshard_steps``)."""
+        t = self.prob.graph.values[v]
+        key = ("s", t, src, need)
+        hit = self.memo.get(key)
+        if hit is None:
+            mesh, out, before = self.prob.mesh, [], src
+            for step in reshard_steps(src, need, mesh):
+                moved = step_hbm_bytes(t, before, step, mesh)
+                before = step.layout
+                if step.kind == "slice":
+                    out.append((step, moved, 0.0, 0.0))
+                    continue
+                nbytes = step_bytes(t, step, mesh)
+                out.append((step, moved, nbytes,
+                            self.cm.collective_time_s(step.kind, nbytes, step.axes)))
+            hit = self.memo[key] = tuple(out)
+        return hit
+
+
+def _edge_collectives(prob: problem.Problem, e, src: Sharding, need: Sharding, priced: _Priced,
                       tally: _Tally) -> float:
     """Adds the collectives of one resharding edge to ``tally``, one per step of its staged
     transition (a local slice adds its bytes only); returns their seconds."""
-    t = prob.graph.values[e.value]
-    before, seconds = src, 0.0
-    for step in reshard_steps(src, need, prob.mesh):
-        moved = step_hbm_bytes(t, before, step, prob.mesh)
-        before = step.layout
+    seconds = 0.0
+    for step, moved, nbytes, unit_s in priced.steps(e.value, src, need):
         if step.kind == "slice":
             tally.slice_bytes += e.mult * moved
             continue
-        nbytes = step_bytes(t, step, prob.mesh)
-        time_s = e.mult * cm.collective_time_s(step.kind, nbytes, step.axes)
+        time_s = e.mult * unit_s
         seconds += time_s
         tally.collectives.append(Collective(
             f"edge {e.where} {fmt(src)}->{fmt(need)}", step.kind, step.axes, nbytes, time_s,

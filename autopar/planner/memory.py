@@ -112,18 +112,30 @@ def _loop_reductions(prob: Problem, choice) -> dict[int, float]:
     independent reductions (a backward body's weight gradients) into one, so their buffers are
     live together at the end of the body. (A problem ``restrict`` made keeps no members: its
     groups' leaders stand for them.)"""
-    g, where = prob.graph, _positions(prob)
     out: dict[int, float] = {}
-    for grp in prob.groups:
-        for op_id, strategies in (grp.members or {grp.leader: grp.strategies}).items():
-            t = where.get(op_id)
-            if t is None or not g.ops[t].regions or g.ops[t].id == op_id:
-                continue
-            comms = strategies[choice[grp.id]].comms
-            size = sum(2 * c.nbytes for c in comms if c.kind in _REDUCING)
-            if size:
-                out[t] = out.get(t, 0.0) + size
+    for gid, t, strategies in _nested_members(prob):
+        comms = strategies[choice[gid]].comms
+        size = sum(2 * c.nbytes for c in comms if c.kind in _REDUCING)
+        if size:
+            out[t] = out.get(t, 0.0) + size
     return out
+
+
+def _nested_members(prob: Problem) -> list[tuple[int, int, tuple]]:
+    """(group id, top-level position of its loop, per-strategy list) of each group member that
+    runs inside a loop body, in group and member order (plan-independent: an unrolled model's
+    tens of thousands of top-level members are skipped once, not per estimate)."""
+    def nested():
+        g, where = prob.graph, _positions(prob)
+        out = []
+        for grp in prob.groups:
+            for op_id, strategies in (grp.members or {grp.leader: grp.strategies}).items():
+                t = where.get(op_id)
+                if t is not None and g.ops[t].regions and g.ops[t].id != op_id:
+                    out.append((grp.id, t, strategies))
+        return out
+
+    return _memo(prob, "_nested_members", nested)
 
 
 def _pool_gradient_expansion(prob: Problem, nbytes) -> list[tuple[int, int, float]]:

@@ -34,13 +34,6 @@ class _Pins:
             return None
         return self.p.groups[g].shard[v][self.choice[g]]
 
-    def strategy(self, op: Op):
-        g = self.p.group_of_op.get(op.id)
-        if g is None or g < 0:
-            return None
-        per_i = self.p.groups[g].members.get(op.id)
-        return per_i[self.choice[g]] if per_i is not None else None
-
     def add(self, path, slot: str, index: int, have: Sharding | None, need: Sharding) -> None:
         if slot in ("in", "res"):
             if have is None or have == need:
@@ -54,17 +47,26 @@ class _Pins:
         self.out.append(Pin(tuple(path), slot, index, chain))
 
     def op(self, op: Op) -> None:
-        st = self.strategy(op)
-        if st is None:
+        """``in`` pins where the op needs a layout its operand does not have, ``out`` pins of its
+        results (``layout``'s look-ups inlined: this runs once per op of an unrolled model's
+        tens of thousands)."""
+        p, choice = self.p, self.choice
+        g = p.group_of_op.get(op.id)
+        if g is None or g < 0:
             return
+        per_i = p.groups[g].members.get(op.id)
+        if per_i is None:
+            return
+        st, of_value, groups, origin = per_i[choice[g]], p.group_of_value, p.groups, op.origin
         for k, v in enumerate(op.ins):
             need = st.ins[k] if k < len(st.ins) else None
-            if need is not None:
-                self.add(op.origin, "in", k, self.layout(v), need)
+            h = of_value.get(v) if need is not None else None
+            if h is not None and groups[h].shard[v][choice[h]] != need:
+                self.add(origin, "in", k, groups[h].shard[v][choice[h]], need)
         for k, v in enumerate(op.outs):
-            s = self.layout(v)
-            if s is not None:
-                self.add(op.origin, "out", k, None, s)
+            h = of_value.get(v)
+            if h is not None:
+                self.out.append(Pin(tuple(origin), "out", k, (groups[h].shard[v][choice[h]],)))
 
     def scan(self, op: Op) -> None:
         body = op.regions[0]

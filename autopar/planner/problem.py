@@ -129,22 +129,28 @@ class Problem:
         are kept: only edges that make the same move are folded."""
         hit = self.__dict__.get("_merged")
         if hit is None:
-            merged: dict[tuple, list[Edge]] = {}
+            # key -> (the first such set's edges, their multipliers summed over the sets, in
+            # order): the folded edges are made once, not once per repeated layer
+            merged: dict[tuple, tuple[list[Edge], list[float] | None]] = {}
+            root = self.ties.get
             for es in self.edge_sets():
                 # readers of one root needing one layout share its move: one edge stands for
                 # them (a value every layer reads, like a mask, stays one edge at any depth)
                 same_move: dict[tuple, Edge] = {}
                 for e in es:
-                    same_move.setdefault((self.root(e.dst), id(e.need)), e)
-                es = list(same_move.values())
+                    same_move.setdefault((root(e.dst, e.dst), id(e.need)), e)
                 e0 = es[0]
-                key = (self.root(e0.src), self.graph.values[e0.value],
-                       id(self.groups[e0.src].shard[e0.value]),
-                       tuple((self.root(e.dst), id(e.need)) for e in es))
+                key = (root(e0.src, e0.src), self.graph.values[e0.value],
+                       id(self.groups[e0.src].shard[e0.value]), tuple(same_move))
                 old = merged.get(key)
-                merged[key] = es if old is None else [
-                    dataclasses.replace(o, mult=o.mult + e.mult) for o, e in zip(old, es)]
-            hit = self.__dict__["_merged"] = list(merged.values())
+                if old is None:
+                    merged[key] = (list(same_move.values()), None)
+                else:
+                    sums = old[1] or [o.mult for o in old[0]]
+                    merged[key] = (old[0], [m + e.mult for m, e in zip(sums, same_move.values())])
+            hit = self.__dict__["_merged"] = [
+                es if sums is None else [dataclasses.replace(o, mult=m) for o, m in zip(es, sums)]
+                for es, sums in merged.values()]
         return hit
 
     def merged_edges(self) -> list[Edge]:
@@ -183,6 +189,19 @@ class Problem:
             for need in {e.need[choice[e.dst]] for e in es} - {have}:
                 total += es[0].mult * self.reshard_s(es[0].value, have, need)
         return total
+
+
+def _add_costs(grp: Group, kind: str, what, mult: float) -> None:
+    if kind == "e":
+        grp.comm_s += mult * what
+    elif mult == 1.0:     # most ops: no scaled copies of the three arrays
+        grp.compute_s += what.compute_s
+        grp.comm_s += what.comm_s
+        grp.hbm_bytes += what.hbm_bytes
+    else:
+        grp.compute_s += mult * what.compute_s
+        grp.comm_s += mult * what.comm_s
+        grp.hbm_bytes += mult * what.hbm_bytes
 
 
 class ReshardCache:
@@ -239,6 +258,10 @@ class _Builder:
         self.interned: dict = {}    # layout tuple -> the one instance of it
         self.key_ids: dict = {}     # op_key's tuples -> their ints
         self.self_moves: set = set()  # (group, value, need, mult) of self edges already costed
+        # group id -> the costs added to it while walking, in order ("f", _Planned, mult) or
+        # ("e", self-edge seconds, mult): summed by ``add_pending`` once per distinct list
+        self.pending: dict[int, list] | None = {}
+        self.initial: dict[int, tuple] = {}   # group id -> what its arrays started from
 
     def intern(self, layouts: tuple) -> tuple:
         return self.interned.setdefault(layouts, layouts)
@@ -310,6 +333,7 @@ class _Builder:
                 grp.shard[v] = layouts
                 self.gv[v] = grp.id
         grp.mults[leader] = mult
+        self.initial[grp.id] = (pl, mult) if op is not None else (None, len(strategies))
         self.groups.append(grp)
         return grp
 
@@ -362,19 +386,39 @@ class _Builder:
         if op.prim != "alias":
             grp.members[op.id] = pl.per_i
             grp.mults[op.id] = mult
-        if mult == 1.0:     # most ops: no scaled copies of the three arrays
-            grp.compute_s += pl.compute_s
-            grp.comm_s += pl.comm_s
-            grp.hbm_bytes += pl.hbm_bytes
-        else:
-            grp.compute_s += mult * pl.compute_s
-            grp.comm_s += mult * pl.comm_s
-            grp.hbm_bytes += mult * pl.hbm_bytes
+        self.add_to(grp, "f", pl, mult)
         outs = op.outs if out_values is None else out_values
         for v, layouts in zip(outs, pl.outs):
             grp.shard[v] = layouts
             self.gv[v] = grp.id
         return grp, pl
+
+    def add_to(self, grp: Group, kind: str, what, mult: float) -> None:
+        """Adds an op's contribution (``kind`` "f": a ``_Planned``) or a self edge's seconds
+        ("e": an array) to ``grp``'s costs; while walking, only noted (``add_pending``)."""
+        if self.pending is not None:
+            self.pending.setdefault(grp.id, []).append((kind, what, mult))
+        else:
+            _add_costs(grp, kind, what, mult)
+
+    def add_pending(self) -> None:
+        """Sums the contributions noted while walking, in the order they came, once per distinct
+        (start, contributions) list: a repeated layer's groups take copies of the first such
+        group's sums (the same additions in the same order: the same floats), so the walk does
+        not pay three array additions per op."""
+        pending, self.pending = self.pending, None
+        done: dict[tuple, Group] = {}
+        for gid, adds in pending.items():
+            grp, (start, mult) = self.groups[gid], self.initial[gid]
+            key = (id(start), mult, tuple((kind, id(what), m) for kind, what, m in adds))
+            first = done.get(key)
+            if first is None:
+                for kind, what, m in adds:
+                    _add_costs(grp, kind, what, m)
+                done[key] = grp
+            else:
+                grp.compute_s, grp.comm_s = first.compute_s.copy(), first.comm_s.copy()
+                grp.hbm_bytes = first.hbm_bytes.copy()
 
     def link_inputs(self, op: Op, grp: Group, pl: _Planned, skip: int | None,
                     mult: float) -> None:
@@ -392,7 +436,7 @@ class _Builder:
             if key in self.self_moves:
                 return   # the same move again: XLA computes it once
             self.self_moves.add(key)
-            grp.comm_s += mult * self.self_edge(v, grp.shard[v], need)
+            self.add_to(grp, "e", self.self_edge(v, grp.shard[v], need), mult)
             grp.self_edges.append(Edge(src, dst, v, need, mult, where, op))
             return
         self.edges.append(Edge(src, dst, v, need, mult, where, op))
@@ -728,6 +772,7 @@ def build(graph: Graph, mesh: Mapping[str, int], cost_model, max_strategies: int
     b = _Builder(graph, mesh, cost_model, max_strategies, clock)
     input_group = b.add_inputs()
     b.walk(graph.ops, 1.0)
+    b.add_pending()
     if b.late_ops:
         clock.note(f"time limit while building the problem: the last {b.late_ops} inputs and "
                    f"ops stay replicated (no sharding strategies enumerated)")

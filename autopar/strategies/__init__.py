@@ -109,12 +109,17 @@ class HandWritten:
         rules = self.logical_rules(mesh)
         data = self.axes(mesh)["data"]
         out: dict[int, Sharding] = {}
+        seen: dict[tuple, Sharding] = {}   # repeated layers' inputs: a few (names, shape) pairs
         for k, info in enumerate(annotate(graph)):
             shape = graph.values[graph.inputs[k]].shape
-            dims = _map_names(info, shape, rules, mesh)
-            if self._on_data(info):
-                _add_to_largest(dims, shape, data, mesh)
-            out[k] = _normalize(dims, shape, mesh)
+            key = (info.kind, info.names, shape)    # all that the layout reads of the input
+            layout = seen.get(key)
+            if layout is None:
+                dims = _map_names(info, shape, rules, mesh)
+                if self._on_data(info):
+                    _add_to_largest(dims, shape, data, mesh)
+                layout = seen[key] = _normalize(dims, shape, mesh)
+            out[k] = layout
         return out
 
     def _on_data(self, info: InputAxes) -> bool:

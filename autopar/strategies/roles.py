@@ -81,6 +81,7 @@ class _Walker:
         self.state = _state_inputs(graph)
         self.forward = self._forward_ops()
         self.position = {op.id: i for i, op in enumerate(self.ops)}
+        self.outputs = frozenset(graph.outputs)
 
     # -- kinds ------------------------------------------------------------------------------
     def _forward_ops(self) -> set[int] | None:
@@ -309,7 +310,7 @@ class _Walker:
         """What a kernel's output feeds in the forward pass: attention, a kernel, the loss."""
         found: set[str] = set()
         todo, seen = [v], set()
-        outputs = set(self.g.outputs)
+        outputs = self.outputs
         while todo and len(seen) <= _WALK_LIMIT:
             v = todo.pop()
             if v in seen:
