@@ -200,3 +200,64 @@ def test_first_fit_matches_one_by_one():
         slots = sorted(((float(rng.choice([1, 2, 4, 8])), int(rng.integers(0, 300)))
                         for _ in range(int(rng.integers(0, 30)))), key=lambda s: -s[0])
         assert memory._pooled(spans, slots) == _pooled_one_by_one(spans, slots)
+
+
+def test_hf_gpt2_repeated_work_is_done_once_per_case(hf_graphs, monkeypatch):
+    """Planning 8 unrolled layers sums as many distinct lists of group costs, prices collectives
+    and maps hand-written layouts as often as planning 4 (counts, not time): the build sums a
+    repeated layer's groups once (``_Builder.add_pending``; groups that run through every layer,
+    like the residual stream's, are one list at any depth), assembly memoises collective prices
+    and ``HandWritten.fix_inputs`` maps each (names, shape) once."""
+    import cost_models.model
+    from autopar import strategies
+
+    calls = {"collective": 0, "layouts": 0}
+    for name, (owner, attr) in {"collective": (cost_models.model.CostModel, "collective_time_s"),
+                                "layouts": (strategies, "_normalize")}.items():
+        original = getattr(owner, attr)
+
+        def counted(*a, _original=original, _name=name, **k):
+            calls[_name] += 1
+            return _original(*a, **k)
+
+        monkeypatch.setattr(owner, attr, counted)
+    add_pending = problem._Builder.add_pending
+
+    def summed(self):
+        calls["sums"] = add_pending(self)
+        return calls["sums"]
+
+    monkeypatch.setattr(problem._Builder, "add_pending", summed)
+    seen = []
+    for n in (4, 8):
+        calls.update(sums=0, collective=0, layouts=0)
+        _plan(hf_graphs[n])
+        seen.append(dict(calls))
+    assert seen[0] == seen[1] and min(seen[0].values()) > 0, seen
+
+
+def test_descent_masks_match_one_mask_per_group():
+    """``descent._masked`` (counts per distinct allowed set) gives the arrays one mask per group
+    gave, bit for bit: tied groups sharing a set, sets that differ within a root, costs that
+    ``big`` absorbs and costs it does not (huge, infinite)."""
+    class _Tied:
+        ties = {1: 0, 2: 0, 4: 3}
+
+        def root(self, g):
+            return self.ties.get(g, g)
+
+    shared = {0, 2}
+    allowed = {0: shared, 1: shared, 2: {1, 2}, 3: {0}, 4: {0}}
+    unary = {0: np.array([1e-3, 2.5, 0.0, 7.0]), 3: np.array([1e14, np.inf, 3e29]),
+             5: np.array([1.0])}
+    expected = dict(unary)
+    for g, ok in allowed.items():
+        r = _Tied().root(g)
+        mask = np.full(len(expected[r]), 1e30)
+        mask[list(ok)] = 0.0
+        expected[r] = expected[r] + mask
+    got = descent._masked(_Tied(), dict(unary), allowed)
+    assert got.keys() == expected.keys()
+    for r in expected:
+        assert np.array_equal(got[r], expected[r]), (r, got[r], expected[r])
+    assert got[5] is unary[5]     # a root no set restricts keeps its (memoised) array

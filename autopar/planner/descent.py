@@ -57,13 +57,7 @@ def edge_matrices(p: Problem, cm):
 def descend(p: Problem, cm, start: dict[int, int] | None = None, sweeps: int = 20,
             allowed=None) -> dict[int, int]:
     unary, pair = edge_matrices(p, cm)
-    unary = dict(unary)
-    big = 1e30
-    for g, ok in (allowed or {}).items():
-        r = _root(p, g)
-        mask = np.full(len(unary[r]), big)
-        mask[list(ok)] = 0.0
-        unary[r] = unary[r] + mask
+    unary = _masked(p, dict(unary), allowed or {})
     incident = defaultdict(list)
     for k, (s, d, _) in enumerate(pair):
         incident[s].append(k)
@@ -80,6 +74,43 @@ def descend(p: Problem, cm, start: dict[int, int] | None = None, sweeps: int = 2
         if best is None or cost < best[0]:
             best = (cost, choice)
     return _expand(p, best[1])
+
+
+def _masked(p: Problem, unary: dict, allowed) -> dict:
+    """``unary`` with ``big`` added to each root's strategies once per group of it whose
+    ``allowed`` set leaves them out. Adding 0 changes no float, so an entry's sum depends only on
+    how many sets leave it out: those counts are taken per distinct set (tied groups share one
+    set object), then ``big`` is added that many times in turn, as one addition per group did."""
+    big = 1e30
+    times: dict[tuple, list] = {}
+    for g, ok in allowed.items():
+        entry = times.setdefault((_root(p, g), id(ok)), [ok, 0])
+        entry[1] += 1
+    left_out: dict[int, np.ndarray] = {}
+    for (r, _), (ok, count) in times.items():
+        out = left_out.setdefault(r, np.zeros(len(unary[r]), dtype=np.int64))
+        keep = np.zeros(len(out), dtype=bool)
+        keep[list(ok)] = True
+        out[~keep] += count
+    most = max((int(out.max()) for out in left_out.values()), default=0)
+    sums = [0.0]              # sums[t]: big added t times in turn to a cost it absorbs
+    for _ in range(most):
+        sums.append(sums[-1] + big)
+    sums = np.array(sums)
+    for r, out in left_out.items():
+        u = unary[r] + 0.0     # a new array: the memoised one is not modified
+        absorbed = (out > 0) & (np.abs(u) < _ABSORBED)
+        u[absorbed] = sums[out[absorbed]]
+        rest = np.where(absorbed, 0, out)
+        for t in range(int(rest.max())):      # any cost not absorbed: the additions in turn
+            u[rest > t] += big
+        unary[r] = u
+    return unary
+
+
+# A cost (seconds) this small vanishes when ``big`` (1e30, whose float spacing is ~1.4e14) is
+# added to it: ``cost + big == big``.
+_ABSORBED = 1e13
 
 
 def _expand(p: Problem, choice: dict[int, int]) -> dict[int, int]:

@@ -401,11 +401,11 @@ class _Builder:
         else:
             _add_costs(grp, kind, what, mult)
 
-    def add_pending(self) -> None:
+    def add_pending(self) -> int:
         """Sums the contributions noted while walking, in the order they came, once per distinct
         (start, contributions) list: a repeated layer's groups take copies of the first such
         group's sums (the same additions in the same order: the same floats), so the walk does
-        not pay three array additions per op."""
+        not pay three array additions per op. Returns how many distinct lists it summed."""
         pending, self.pending = self.pending, None
         done: dict[tuple, Group] = {}
         for gid, adds in pending.items():
@@ -419,6 +419,7 @@ class _Builder:
             else:
                 grp.compute_s, grp.comm_s = first.compute_s.copy(), first.comm_s.copy()
                 grp.hbm_bytes = first.hbm_bytes.copy()
+        return len(done)
 
     def link_inputs(self, op: Op, grp: Group, pl: _Planned, skip: int | None,
                     mult: float) -> None:
