@@ -10,6 +10,7 @@ and whether each metric is within the verify tolerances (collectives 25%, memory
 Writes ``benchmarks/results/verify_matrix.md`` and ``verify_matrix.csv``.
 
     python benchmarks/verify_matrix.py            # 4 models x 4 meshes x 4 plans (~20 minutes)
+    python benchmarks/verify_matrix.py --models "conv net" --stem verify_matrix_conv
     python benchmarks/verify_matrix.py --quick    # one row
     python benchmarks/verify_matrix.py --models "GPT unrolled,MoE" --meshes 1x8,2x4
 """
@@ -67,6 +68,8 @@ def main(argv=None):
     p = _common.parser(__doc__)
     p.add_argument("--models", default=None, help="comma-separated subset of the model labels")
     p.add_argument("--meshes", default=None, help="comma-separated subset of " + ",".join(MESHES))
+    p.add_argument("--stem", default="verify_matrix",
+                   help="name of the result files (a subset run beside the whole matrix's)")
     args = p.parse_args(argv)
     out = _common.out_dir(args)
     meshes = ["2x4"] if args.quick else list(MESHES)
@@ -86,9 +89,9 @@ def main(argv=None):
                     continue
                 print("  " + "  ".join(_common._cell(x) for x in r), flush=True)
                 rows.append(r)
-    _common.write_csv(out / "verify_matrix.csv", HEADER, rows)
-    (out / "verify_matrix.md").write_text("\n".join(_report(rows)) + "\n")
-    print(f"wrote {out / 'verify_matrix.md'}")
+    _common.write_csv(out / f"{args.stem}.csv", HEADER, rows)
+    (out / f"{args.stem}.md").write_text("\n".join(_report(rows)) + "\n")
+    print(f"wrote {out / args.stem}.md")
 
 
 def _report(rows) -> list[str]:

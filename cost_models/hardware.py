@@ -13,6 +13,11 @@ A ``Hardware`` describes one kind of device and how devices are wired:
   * ``transcendental_s``: seconds one device takes per transcendental evaluation (exp, log,
     tanh, sqrt, ...; ``ir.Op.transcendentals``) on top of the op's FLOPs; 0, the default,
     prices them as free (GPU profiles: the special-function units keep pace with memory).
+  * ``select_scatter_s`` / ``select_scatter_fixed_s``: a max-pool's gradient
+    (``select_and_scatter_add``) costs at least ``select_scatter_fixed_s + n * select_scatter_s``
+    on one device, ``n`` the pooled operand's elements there. XLA:CPU has no kernel for it and
+    runs an expansion (iotas, an argmax reduce-window, a zero fill, a scatter element loop) that
+    ``profile()`` times; 0, the default, leaves the op to the roofline (the GPU profiles).
   * ``dispatch_s``: launching one whole compiled program on every device (paid once per step);
   * ``kernel_launch_s``: fixed cost of one kernel inside a program; ``kernel_floor_s``: what a
     kernel that moves at least ``kernel_floor_bytes`` per device pays on top of it (0 by
@@ -108,6 +113,8 @@ class Hardware:
     collective_kind_efficiency: tuple[tuple[str, float], ...] = ()
     conv_efficiency: float = 1.0     # convolution rate / matmul rate
     transcendental_s: float = 0.0    # seconds per exp/log/tanh/sqrt/... on one device
+    select_scatter_s: float = 0.0    # a max-pool gradient: seconds per pooled-operand element
+    select_scatter_fixed_s: float = 0.0   # ... and per gradient
     kernel_launch_s: float = 5e-6
     kernel_floor_s: float = 0.0      # extra fixed cost of a kernel of >= kernel_floor_bytes
     kernel_floor_bytes: float = 0.0
@@ -137,6 +144,13 @@ class Hardware:
         ``kernel_launch_s``, plus ``kernel_floor_s`` from ``kernel_floor_bytes`` up."""
         floor = self.kernel_floor_s if bytes_accessed >= self.kernel_floor_bytes else 0.0
         return self.kernel_launch_s + floor
+
+    def select_scatter_time_s(self, elements: float) -> float:
+        """The measured floor of one max-pool gradient over ``elements`` operand elements per
+        device: ``select_scatter_fixed_s + elements * select_scatter_s`` (0 when unmeasured)."""
+        if self.select_scatter_s <= 0 and self.select_scatter_fixed_s <= 0:
+            return 0.0
+        return self.select_scatter_fixed_s + elements * self.select_scatter_s
 
     def kind_efficiency(self, kind: str) -> float:
         """Extra bandwidth factor of one collective kind (1.0 when not profiled)."""
@@ -235,7 +249,7 @@ def hardware(spec: str | os.PathLike[str] | Hardware) -> Hardware:
 _RATES = ("hbm_bytes_per_s",)
 _FRACTIONS = ("matmul_efficiency", "memory_efficiency", "collective_efficiency")
 _FLOORS = ("kernel_launch_s", "kernel_floor_s", "collective_launch_s", "dispatch_s",
-           "transcendental_s", "pipeline_tick_s")
+           "transcendental_s", "pipeline_tick_s", "select_scatter_s", "select_scatter_fixed_s")
 _COUNTS = ("memory_bytes", "devices_per_node")
 _SIZES = ("kernel_floor_bytes",)
 # Plausibility bounds: figures outside them are unit mistakes, and would push predicted times past

@@ -8,6 +8,7 @@ their ``nbytes`` follows the convention of ``CostModel.collective_time_s``.
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -399,3 +400,38 @@ def measure_transcendentals(devices: Sequence[jax.Device], elements: int = 1 << 
     return [Measurement("transcendental", "float32", 0.0, float(elements), 1,
                         (t[2 * i + 1] - t[2 * i]) / extra, name)
             for i, name in enumerate(TRANSCENDENTAL_FNS)]
+
+
+# ---- a max-pool's gradient ----------------------------------------------------------------------
+# XLA:CPU has no select-and-scatter kernel: it expands one into s32 iotas (one per operand dim), a
+# variadic reduce-window finding each window's argmax, a concatenation of the indices, a zero fill
+# and a scatter of the source into it (an element loop). Its figure is what that expansion costs.
+def _pool_gradient(x: jax.Array, source: jax.Array) -> jax.Array:
+    """The gradient of a 2 x 2, stride-2 max-pool of an NHWC ``x`` for the cotangent ``source``
+    (one ``select_and_scatter_add``: the forward pool is not used, so XLA drops it)."""
+    def pool(v):
+        return jax.lax.reduce_window(v, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1),
+                                     "VALID")
+    return jax.vjp(pool, x)[1](source)[0]
+
+
+def measure_select_scatter(devices: Sequence[jax.Device],
+                           shapes: Sequence[tuple[int, int, int, int]], repeats: int = 7,
+                           warmup: int = 2) -> list[Measurement]:
+    """Seconds one max-pool gradient takes on a float32 NHWC operand of each of ``shapes`` per
+    device, every device busy at once: a program holding only the gradient, less a program that
+    reads and writes the same operand once (``x * 2``: the dispatch and one kernel), all timed
+    round robin (``time_s``; ``nbytes`` holds the operand's elements). Separate programs rather
+    than a chain: XLA would share the iotas of chained expansions of one shape, which a step's
+    pools (one per shape) do not."""
+    programs = []
+    for b, h, w, c in shapes:
+        pooled = (b, h // 2, w // 2, c)
+        programs.append(_on_every_device(_pool_gradient, list(devices),
+                                         ((b, h, w, c), jnp.float32), (pooled, jnp.float32)))
+        programs.append(_on_every_device(lambda x, s: x * 2.0, list(devices),
+                                         ((b, h, w, c), jnp.float32), (pooled, jnp.float32)))
+    t = round_robin_times_s(programs, repeats, warmup)
+    return [Measurement("select-scatter", "float32", 0.0, float(math.prod(shape)), 1,
+                        t[2 * i] - t[2 * i + 1], "x".join(map(str, shape)))
+            for i, shape in enumerate(shapes)]

@@ -26,11 +26,14 @@ full sweep also groups of 4 and 2, all groups running at once) (``cost_models.me
     (``conv_efficiency``);
   * ``transcendental_s``: the median over exp, log, tanh and rsqrt of the seconds one device
     takes per evaluation inside one fused kernel, every device busy
-    (``measure_transcendentals``). The IR counts them apart from FLOPs, which priced them free.
+    (``measure_transcendentals``). The IR counts them apart from FLOPs, which priced them free;
+  * ``select_scatter_s`` / ``select_scatter_fixed_s``: a max-pool gradient's seconds per operand
+    element and per gradient, every device busy (``select_scatter``); XLA:CPU runs it as an
+    expansion ending in a scatter element loop, several times the roofline of its bytes.
 
 Each in-program term is measured by its own micro-benchmark and can be switched off in a
-profile (``kernel_floor_s=0``, ``conv_efficiency=1``, ``transcendental_s=0``) to see what it
-changes.
+profile (``kernel_floor_s=0``, ``conv_efficiency=1``, ``transcendental_s=0``,
+``select_scatter_s=select_scatter_fixed_s=0``) to see what it changes.
 """
 from __future__ import annotations
 
@@ -63,6 +66,7 @@ from cost_models.measure import (
     measure_kernel_chain,
     measure_matmul,
     measure_memory,
+    measure_select_scatter,
     measure_transcendentals,
     slope_s,
     stream_kernel_spec,
@@ -88,6 +92,9 @@ class Sweep:
     conv_shapes: tuple[tuple[int, int, int], ...] = ((4, 16, 16), (4, 8, 32), (8, 16, 32))
     conv_matmuls: tuple[int, ...] = (128, 256)
     transcendental_elements: int = 1 << 16   # float32 per device, for ``transcendental_s``
+    # NHWC float32 operands per device of a 2x2 max-pool's gradient, for ``select_scatter_s``
+    pool_shapes: tuple[tuple[int, int, int, int], ...] = ((4, 8, 8, 16), (4, 16, 16, 16),
+                                                          (8, 16, 16, 32))
 
 
 # Powers of two (and 4x steps for collectives): calibrate_cost_model.py checks the fit on sizes
@@ -117,6 +124,7 @@ QUICK_SWEEP = Sweep(
     conv_shapes=((4, 8, 16),),
     conv_matmuls=(128,),
     transcendental_elements=1 << 12,
+    pool_shapes=((2, 8, 8, 8), (4, 16, 16, 16)),
 )
 
 
@@ -178,12 +186,31 @@ def profile(
     conv = conv_efficiency(devs, sweep)
     trans = statistics.median(m.time_s for m in measure_transcendentals(
         devs, sweep.transcendental_elements, repeats=sweep.repeats, warmup=sweep.warmup))
+    per_element, fixed = select_scatter(devs, sweep)
     if kfit is not None:
         kfit = dataclasses.replace(kfit, collective_launch_s=coll_s)
     hw = hardware_from_fits(name or devs[0].platform, devs, cfit, kfit, ref)
     return dataclasses.replace(hw, dispatch_s=dispatch, kernel_floor_s=floor_s,
                                kernel_floor_bytes=floor_bytes, conv_efficiency=conv,
-                               transcendental_s=max(trans, 0.0))
+                               transcendental_s=max(trans, 0.0), select_scatter_s=per_element,
+                               select_scatter_fixed_s=fixed)
+
+
+def select_scatter(devices: Sequence[jax.Device], sweep: Sweep) -> tuple[float, float]:
+    """(``select_scatter_s``, ``select_scatter_fixed_s``): the seconds per operand element and
+    per gradient of a 2x2 max-pool's gradient on every device at once
+    (``measure_select_scatter``, operands ``sweep.pool_shapes``), fitted as ``t = c + s n``
+    (``relative_nnls``). On 8 CPU devices sharing 2 cores the element loop costs tens of ns per
+    element, against a few ns for the bytes the op reads and writes."""
+    ms = measure_select_scatter(devices, sweep.pool_shapes, repeats=sweep.repeats,
+                                warmup=sweep.warmup)
+    kept = [m for m in ms if m.time_s > 0]
+    if not kept:      # noise ate every difference: leave the op to the roofline
+        return 0.0, 0.0
+    design = np.array([[1.0, m.nbytes] for m in kept])
+    times = np.array([m.time_s for m in kept])
+    fixed, per_element = (float(v) for v in relative_nnls(design, times))
+    return per_element, fixed
 
 
 def conv_efficiency(devices: Sequence[jax.Device], sweep: Sweep) -> float:

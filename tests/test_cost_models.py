@@ -171,6 +171,15 @@ def test_transcendentals_add_to_the_flop_term() -> None:
     assert CostModel(toy_hw(), {}).op_time_s(tanh) == pytest.approx(8.0 / 0.5e12 + 1e-6)
 
 
+def test_select_scatter_floor_is_fixed_plus_per_element() -> None:
+    hw = toy_hw(select_scatter_s=50e-9, select_scatter_fixed_s=20e-6)
+    assert hw.select_scatter_time_s(4096) == pytest.approx(20e-6 + 4096 * 50e-9)
+    assert toy_hw().select_scatter_time_s(4096) == 0.0      # unmeasured: the roofline alone
+    assert Hardware.from_json(hw.to_json()) == hw
+    with pytest.raises(CostModelError, match="select_scatter_s"):
+        toy_hw(select_scatter_s=-1e-9)
+
+
 def test_unknown_dtype_falls_back_to_float32() -> None:
     assert toy_hw().peak_flops_per_s("int4") == 100e12
     with pytest.raises(CostModelError, match="float32"):
@@ -252,6 +261,7 @@ def test_profile_quick_is_positive_finite_and_round_trips() -> None:
         assert hw.kernel_floor_bytes == 0
     assert 0 < hw.conv_efficiency < 1e6
     assert 0 <= hw.transcendental_s < 1e-3
+    assert 0 <= hw.select_scatter_s < 1e-3 and 0 <= hw.select_scatter_fixed_s < 1.0
 
 
 def test_profile_with_reference_keeps_datasheet_peaks() -> None:

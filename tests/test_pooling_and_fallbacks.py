@@ -10,6 +10,7 @@ without a hand-written seed.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 
@@ -21,9 +22,13 @@ import optax
 import pytest
 
 import autopar
+import cost_models
 import ir
 from autopar.models import convnet, mlp
 from autopar.planner import rules
+from autopar.planner.problem import _Builder, pool_gradient_bytes
+from autopar.planner.rules import Strategy
+from cost_models.measure import _pool_gradient
 
 POOLING = ("reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window",
            "select_and_scatter_add")
@@ -90,6 +95,53 @@ def test_window_dims_only_are_whole():
     assert rules._windowed_dims(pad_one, 4) == {1}     # window 1, but padded
     (maxpool,) = [op for op in graph.all_ops() if op.prim == "reduce_window_max"]
     assert rules._windowed_dims(maxpool, 4) == {1, 2}
+
+
+# ---- XLA:CPU's max-pool gradient: its bytes and its measured floor ------------------------------
+@functools.cache
+def _pool_gradient_graph(shape=(4, 16, 16, 16)):
+    x = jax.ShapeDtypeStruct(shape, jnp.float32)
+    src = jax.ShapeDtypeStruct((shape[0], shape[1] // 2, shape[2] // 2, shape[3]), jnp.float32)
+    graph = ir.trace(_pool_gradient, x, src)
+    (op,) = [op for op in graph.all_ops() if op.prim == "select_and_scatter_add"]
+    return graph, op, x, src
+
+
+def test_pool_gradient_bytes_are_what_xla_cpu_counts():
+    """The expansion's bytes (iotas, argmax, indices, zero fill, scatter) against the compiled
+    pool gradient's ``cost_analysis()``: 68 bytes per float32 operand element, not the 9 of a
+    select-and-scatter kernel; split 8 ways, an eighth."""
+    graph, op, x, src = _pool_gradient_graph()
+    cost = jax.jit(_pool_gradient).lower(x, src).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    whole = Strategy("replicated", (None, None), ((),) * 4)
+    assert pool_gradient_bytes(graph, MESH, op, whole) == 68 * 16384
+    assert cost["bytes accessed"] == pytest.approx(68 * 16384, abs=16)   # + the init scalars
+    split = ((("data", "model"),), (("data", "model"),))
+    assert pool_gradient_bytes(graph, MESH, op, Strategy("dp", split, split, 8)) == 68 * 2048
+
+
+def _pool_gradient_cost(hw):
+    graph, op, _, _ = _pool_gradient_graph()
+    builder = _Builder(graph, MESH, cost_models.CostModel(hw, MESH), 8)
+    split = ((("data", "model"),), (("data", "model"),))
+    planned = builder.planned(op, [Strategy("dp", split, split, 8)], None)
+    return float(planned.compute_s[0]), float(planned.hbm_bytes[0])
+
+
+def test_pool_gradient_priced_at_its_measured_floor_on_cpu():
+    """``select_scatter_s`` / ``select_scatter_fixed_s`` floor the op's time (2048 operand
+    elements per device here); the expansion's bytes count only where XLA:CPU compiles."""
+    cpu = dataclasses.replace(cost_models.hardware("cpu"), kernel_floor_s=0.0,
+                              select_scatter_s=0.0, select_scatter_fixed_s=0.0)
+    base_s, base_bytes = _pool_gradient_cost(cpu)
+    assert base_bytes == 68 * 2048
+    timed = dataclasses.replace(cpu, select_scatter_s=50e-9, select_scatter_fixed_s=20e-6)
+    t, _ = _pool_gradient_cost(timed)
+    assert t == pytest.approx(20e-6 + 2048 * 50e-9 + cpu.kernel_launch_s)
+    assert t > base_s
+    gpu_s, gpu_bytes = _pool_gradient_cost(cost_models.hardware("h100"))
+    assert gpu_bytes < 68 * 2048 / 4      # operand, source and result only
 
 
 # ---- the conv net: sharded pooling, same numbers ----------------------------------------------

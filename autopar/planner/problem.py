@@ -27,6 +27,7 @@ pays an edge from the body's carry-out back to its carry-in, ``trip_count`` time
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -350,12 +351,18 @@ class _Builder:
         root = op.id in self.fusion.roots
         matmul = op.prim in MATMUL_PRIMS
         io = None if op.regions or op.prim == "alias" else kernel_io(self.fusion, op)
+        pool_grad = op.prim == "select_and_scatter_add"
         for i, st in enumerate(per_i):
             nbytes = self.fused_bytes(op, st, io)
+            if pool_grad and self.cm.hw.platform == "cpu":
+                nbytes = pool_gradient_bytes(self.g, self.mesh, op, st)
             if op.flops or op.transcendentals or nbytes:
                 t = self.cm.compute_time_s(op.flops / st.compute_div, nbytes, dtype, matmul,
                                            op.prim in CONV_PRIMS,
                                            op.transcendentals / st.compute_div)
+                if pool_grad:   # the measured floor of a max-pool's gradient, when profiled
+                    n = _elements(self.g, self.mesh, op.ins[1], _layout_in(st, 1))
+                    t = max(t, self.cm.hw.select_scatter_time_s(n) + self.cm.hw.launch_s(nbytes))
                 t -= self.cm.hw.launch_s(nbytes)   # the body; the kernel's launch on its root:
                 if root:   # sized by the whole kernel's bytes, split as the root's work is
                     t += self.cm.hw.launch_s(self.kernel_bytes[op.id] / st.compute_div)
@@ -609,6 +616,33 @@ def op_hbm_bytes(graph: Graph, fusion, mesh: Mapping[str, int], op: Op, st: Stra
     for k in writes:
         total += per_device(op.outs[k], st.outs[k])
     return total
+
+
+def _layout_in(st: Strategy, k: int) -> Sharding | None:
+    return st.ins[k] if k < len(st.ins) else None
+
+
+def _elements(graph: Graph, mesh: Mapping[str, int], v: int, layout: Sharding | None) -> float:
+    """Elements of value ``v`` one device holds in ``layout``."""
+    val = graph.values[v]
+    return math.prod(val.shape) / (shard_factor(layout, mesh) if layout else 1)
+
+
+def pool_gradient_bytes(graph: Graph, mesh: Mapping[str, int], op: Op, st: Strategy) -> float:
+    """Per-device bytes XLA:CPU's expansion of a ``select_and_scatter_add`` reads and writes,
+    as its ``cost_analysis`` counts them (checked on 2x2 pools of rank-4 operands: 68 bytes per
+    float32 operand element). With ``n`` operand and ``m`` source elements per device, rank
+    ``r`` and item size ``b``: the ``r`` s32 iotas written (``4rn``); the argmax reduce-window
+    reading the operand and the iotas and writing a value and ``r`` indices per window
+    (``bn + 4rn + bm + 4rm``); the indices concatenated (``8rm``); the source copied to the
+    scatter's update shape (``2bm``); the zero fill (``bn``); the scatter reading the zeros,
+    indices and updates and writing the result (``2bn + 4rm + bm``)."""
+    source, operand = op.ins[0], op.ins[1]
+    n = _elements(graph, mesh, operand, _layout_in(st, 1))
+    m = _elements(graph, mesh, source, _layout_in(st, 0))
+    r = len(graph.values[operand].shape)
+    b = graph.values[operand].itemsize
+    return n * (8 * r + 4 * b) + m * (4 * b + 16 * r)
 
 
 def _alias_op(op: Op, src: int, dst: int) -> Op:
