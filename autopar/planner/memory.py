@@ -71,20 +71,38 @@ def estimate(prob: Problem, choice) -> MemoryEstimate:
     whole = _result_sizer(prob, nbytes)
     resident = sum(whole(v) for v in prob.const_values)
     temps, inner = _schedule(prob)
+    fused = _fused_broadcasts(prob, nbytes)
     looped = [(a, b, nbytes(v)) for v, a, b in temps if g.ops[a].regions]
-    spans = [(a, b, nbytes(v)) for v, a, b in temps if not g.ops[a].regions]
+    spans = [(a, b, nbytes(v)) for v, a, b in temps if not g.ops[a].regions and v not in fused]
     live = np.zeros(len(g.ops) + 1)
     for a, b, size in _pooled(looped + spans + _reshard_copies(prob, choice),
                               _output_slots(prob, whole)):
         live[a: b + 1] += size
     for t, (ids, _) in inner.items():
-        live[t] += sum(nbytes(v) for v in ids)
+        live[t] += sum(nbytes(v) for v in ids if v not in fused)
     for t, size in _loop_reductions(prob, choice).items():
         live[t] += size
     for a, b, size in _pool_gradient_expansion(prob, nbytes):
         live[a: b + 1] += size
     t = int(live.argmax()) if len(live) else 0
     return MemoryEstimate(float(resident), float(live[t]) if len(live) else 0.0, t)
+
+
+# XLA:CPU hands a reduction to its library (YNNPACK) fusion only when the reduced operand has at
+# least this many elements, whatever its type (measured on f32 and bf16 row sums and layer norms);
+# a smaller one runs in XLA's own loop fusion, which computes a broadcast operand in place.
+LIBRARY_REDUCTION_ELEMENTS = 4096
+
+
+def _fused_broadcasts(prob: Problem, nbytes) -> set[int]:
+    """The broadcast buffers (``Fusion.broadcasts``) XLA:CPU does not write under the plan: those
+    whose reduction reads fewer than ``LIBRARY_REDUCTION_ELEMENTS`` elements per device (the
+    buffer has the reduced operand's shape). Only ``platform="cpu"``: the buffers are XLA:CPU's."""
+    if prob.reshard.cm.hw.platform != "cpu":
+        return set()
+    f = prob.fusion
+    return {v for v, _ in f.broadcasts if v not in f.materialized
+            and _elements(prob, v, nbytes) < LIBRARY_REDUCTION_ELEMENTS}
 
 
 def _output_slots(prob: Problem, nbytes) -> list[tuple[float, int]]:
