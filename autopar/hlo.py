@@ -28,6 +28,7 @@ _HEAD = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
 _CALLS = re.compile(r"\b(to_apply|calls|body|condition)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_PRED_BRANCHES = re.compile(r"\b(?:true|false)_computation=%?([\w.\-]+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,15 +147,23 @@ def trip_counts(module: Module) -> dict[str, float]:
     for comp in order:
         for ins in module.computations.get(comp, ()):
             n = _known_trip_count(ins) if ins.opcode == "while" else 1
-            children = [(k, c) for k, c in _CALLS.findall(ins.attrs)]
-            for group in _BRANCHES.findall(ins.attrs):
-                children += [("branch", c.strip().lstrip("%")) for c in group.split(",")]
-            for key, child in children:
+            for key, child in callees(ins):
                 factor = n if key == "body" else (n + 1 if key == "condition" else 1)
                 if child in module.computations and child not in mult:
                     mult[child] = mult[comp] * factor
                     order.append(child)
     return mult
+
+
+def callees(ins: Instruction) -> list[tuple[str, str]]:
+    """(role, computation) of every computation ``ins`` calls: ``to_apply``, ``calls``,
+    ``body``, ``condition``, and ``branch`` for each of a conditional's branches, in order
+    (a predicated conditional's true branch first)."""
+    out = [(k, c) for k, c in _CALLS.findall(ins.attrs)]
+    out += [("branch", c) for c in _PRED_BRANCHES.findall(ins.attrs)]
+    for group in _BRANCHES.findall(ins.attrs):
+        out += [("branch", c.strip().lstrip("%")) for c in group.split(",")]
+    return out
 
 
 def _known_trip_count(ins: Instruction) -> float:
@@ -297,7 +306,7 @@ def cost(compiled) -> dict[str, float]:
 
 
 __all__ = ["COLLECTIVE_KINDS", "HloCollective", "Instruction", "Module", "bytes_by_kind",
-           "collectives", "cost", "memory", "parse", "trip_counts", "type_bytes"]
+           "callees", "collectives", "cost", "memory", "parse", "trip_counts", "type_bytes"]
 
 
 _WRAPPED = re.compile(r"^[\w.\-]+\((.*)\)$")

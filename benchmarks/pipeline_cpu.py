@@ -17,12 +17,18 @@ measured (``parallel``; on the shared 2-core machine they took turns, parallel ~
 * **predicted** step and bubble: ``planning.loop_timeline`` over the measured action times
   (each tick at least its stages' summed work / parallel, plus ``planning.tick_overhead_s``)
   plus ``planning.after_loop_s``; ``timeline_only``: the bare timeline, the earlier prediction;
-* **measured** step: the median wall time of the pipelined step (one ``jax.jit``); the bubble
-  on both sides is ``1 - busy / (P x tick loop)``, the measured loop being the jitted
-  ``loss_and_grads`` (the loop and its gradient reductions; no optimizer);
+* **measured** step: the median wall time of the pipelined step (one ``jax.jit``);
+* **bubble**, measured inside the real step: the same rounds (actions and step) run again under
+  ``jax.profiler``; ``autopar.pipeline.measured`` reads the trace (XLA:CPU records every HLO
+  instruction it executes with its device) and takes per device the tick loop's wall time
+  (first to last instruction of the loop) and its busy time (the union of the instructions
+  inside the forward and backward branches of the action switches; not the tick's own work,
+  the collective-permutes' waits or idle time); ``1 - sum busy / sum loop``. The prediction
+  is ``planning.loop_timeline``'s ``1 - sum busy / (P T)`` over the action times timed alone
+  in that same traced window (so tracing costs and load touch both sides alike);
 * **memory**: ``memory_analysis()`` of the compiled step (arguments + outputs + temporaries,
   per device) against the planner's predicted per-device peak of the busiest stage
-  (``planning.price``; its working set comes from the intra-op ILP's sub-plans).
+  (``planning.price``: ``stage_bytes``).
 
 Writes ``benchmarks/results/pipeline_cpu.md`` and ``pipeline_cpu.csv``.
 
@@ -40,17 +46,19 @@ import jax.numpy as jnp
 import numpy as np
 
 import cost_models
+from autopar import hlo
 from autopar.models import gpt
+from autopar.pipeline import measured as MP
 from autopar.pipeline import model as PM
 from autopar.pipeline import planning as PL
 from autopar.pipeline import runtime as R
 from autopar.pipeline import schedules as S
 
 HEADER = ("schedule", "virtual", "microbatches", "layers", "ticks", "parallel",
-          "timeline_only_ms",
-          "predicted_step_ms", "measured_step_ms", "step_ratio", "timeline_only_bubble",
-          "predicted_bubble", "measured_bubble", "predicted_peak_MiB", "measured_peak_MiB",
-          "memory_ratio", "in_flight")
+          "timeline_only_ms", "predicted_step_ms", "measured_step_ms", "step_ratio",
+          "predicted_loop_ms", "traced_loop_ms", "busy_ratio", "predicted_bubble",
+          "measured_bubble", "stage_bubbles", "trace_cost", "predicted_peak_MiB",
+          "measured_peak_MiB", "memory_ratio", "in_flight")
 
 
 def _interleaved_medians(calls: dict, rounds: int) -> dict:
@@ -174,46 +182,60 @@ def _parallel_calls(mesh) -> dict:
             "pair": (jax.jit(pair), (both, w))}
 
 
-def _measure(cfg, rows: int, name: str, virtual: int, m: int, repeats: int, ranges=None):
+def _compiled_step(cfg, rows: int, name: str, virtual: int, m: int, ranges):
     step, init = PM.gpt_train_step(cfg)
     model = PM.staged_model_of(step)
     state, batch = init(jax.random.PRNGKey(0), rows), gpt.make_batch(cfg, rows)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("stage",))
     sch = S.build(name, 2, virtual, m)
     ranges = ranges or PL.equal_ranges(cfg.layers, sch.chunks)
-    micro = jax.tree_util.tree_map(lambda a: a[: rows // m], batch)
     pstep = R.build_step(model, mesh, sch, ranges=ranges)
     placed = tuple(jax.device_put(x, s) for x, s in zip((state, batch),
                                                         pstep.in_shardings_of(state, batch)))
     compiled = pstep.jitted(*placed).lower(*placed).compile()
-    loop = jax.jit(pstep.loss_and_grads)
-    calls = {**_action_calls(model, state["params"], micro, ranges), "step": (compiled, placed),
-             "loop": (loop, (placed[0]["params"], placed[1])), **_parallel_calls(mesh)}
-    t = _interleaved_medians(calls, repeats)
-    cores = 2 * t["alone"] / t["pair"]
+    return model, state, batch, mesh, sch, ranges, placed, compiled
+
+
+def _timeline(model, params, sch, ranges, t: dict, act_bytes: float, cores: float):
+    """planning.loop_timeline over the action times ``t`` (and the bare timeline)."""
     last = sch.chunks - 1
 
     def duration(a):
         return t[(a.kind, a.chunk == 0, a.chunk == last, ranges[a.chunk][1] - ranges[a.chunk][0])]
 
+    return (S.price(sch, duration),
+            PL.loop_timeline(model, params, {"stage": 2}, "stage", cost_models.hardware("cpu"),
+                             sch, ranges, duration, act_bytes, cores))
+
+
+def _measure(cfg, rows: int, name: str, virtual: int, m: int, repeats: int, ranges=None):
+    model, state, batch, mesh, sch, ranges, placed, compiled = _compiled_step(
+        cfg, rows, name, virtual, m, ranges)
+    micro = jax.tree_util.tree_map(lambda a: a[: rows // m], batch)
+    calls = {**_action_calls(model, state["params"], micro, ranges), "step": (compiled, placed)}
+    t = _interleaved_medians({**calls, **_parallel_calls(mesh)}, repeats)
+    cores = 2 * t["alone"] / t["pair"]
+    in_trace: dict = {}                   # the same rounds again, under jax.profiler
+    traced = MP.trace(compiled, mesh, lambda: in_trace.update(_interleaved_medians(calls,
+                                                                                   repeats)))
     sizes, hw = {"stage": 2}, cost_models.hardware("cpu")
     costs = PL.stage_costs(model, state["params"], batch, rows // m, sizes, "stage", hw)
-    bare = S.price(sch, duration)                      # the timeline alone (the old prediction)
-    timeline = PL.loop_timeline(model, state["params"], sizes, "stage", hw, sch, ranges,
-                                duration, costs.act_bytes, cores)
-    after = PL.after_loop_s(model, state["params"], sizes, "stage", hw, ranges)
-    ma = compiled.memory_analysis()
-    measured_peak = (ma.argument_size_in_bytes + ma.output_size_in_bytes
-                     + ma.temp_size_in_bytes - ma.alias_size_in_bytes)
+    bare, timeline = _timeline(model, state["params"], sch, ranges, t, costs.act_bytes, cores)
+    _, window = _timeline(model, state["params"], sch, ranges, in_trace, costs.act_bytes, cores)
+    pred_step = timeline.makespan_s + PL.after_loop_s(model, state["params"], sizes, "stage",
+                                                      hw, ranges)
     predicted = PL.price(model, state["params"], costs, sizes, "stage", hw, name, virtual, m,
                          ranges)
-    busy = sum(timeline.busy_s)
-    pred_step = timeline.makespan_s + after
-    pred_mib, meas_mib = max(predicted.stage_memory_bytes) / 2**20, measured_peak / 2**20
+    pred_mib = max(predicted.stage_memory_bytes) / 2**20
+    meas_mib = hlo.memory(compiled)["peak"] / 2**20
     return (name, virtual, m, "+".join(str(b - a) for a, b in ranges), len(sch.ticks), cores,
             bare.makespan_s * 1e3, pred_step * 1e3, t["step"] * 1e3, t["step"] / pred_step,
-            bare.bubble_fraction, timeline.bubble_fraction, 1 - busy / (2 * t["loop"]),
-            pred_mib, meas_mib, meas_mib / pred_mib, "/".join(map(str, S.in_flight(sch))))
+            window.makespan_s * 1e3, statistics.mean(traced.loop_s) * 1e3,
+            "/".join(f"{b / w:.2f}" for b, w in zip(traced.busy_s, window.busy_s)),
+            window.bubble_fraction,
+            traced.bubble_fraction, "/".join(f"{traced.stage_bubble(s):.2f}" for s in range(2)),
+            in_trace["step"] / t["step"], pred_mib, meas_mib, meas_mib / pred_mib,
+            "/".join(map(str, S.in_flight(sch))))
 
 
 def _calibration_text(mesh, quick: bool) -> list[str]:
@@ -269,13 +291,23 @@ def main() -> None:
         "adding planning.tick_overhead_s (the profile's pipeline_tick_s, the two "
         "collective-permutes' bytes and the copies of the tick's carry), plus "
         "planning.after_loop_s (gradient reductions, the optimizer, unequal ranges' moves).",
-        "* bubble, both columns the same quantity: 1 - busy / (2 x tick loop), busy the "
-        "summed measured action times; predicted over the predicted loop, measured over the "
-        "measured loop (jitted loss_and_grads: the loop and its gradient reductions, without "
-        "the optimizer).",
+        "* bubble: the same rounds (actions and step) run again under jax.profiler. "
+        "measured_bubble = 1 - sum busy / sum loop over the two devices, read from the trace "
+        "by autopar.pipeline.measured: loop, a device's first to last instruction of the tick "
+        "loop (traced_loop_ms, their mean); busy, the union of the instructions it executes "
+        "inside the forward and backward branches of the action switches (not the tick's own "
+        "work, the collective-permutes and their waits, nor idle time); stage_bubbles, "
+        "1 - busy / loop per device. predicted_bubble = 1 - sum busy / (2 T) of "
+        "planning.loop_timeline (T: predicted_loop_ms) over the actions timed alone in that "
+        "same traced window; busy_ratio: measured over predicted busy time per stage; "
+        "trace_cost: the traced step's median over the untraced one's.",
         "* memory: memory_analysis() (arguments + outputs + temporaries - aliased) against the "
-        "planner's predicted peak of the busiest stage; 3+1 runs unequal ranges, padded to the "
-        "longest chunk.", "",
+        "planner's predicted peak of the busiest stage (planning.stage_bytes: 6 copies of the "
+        "stage's parameters, the arguments' and the results', the gradient accumulators living "
+        "in the results' buffers; the schedule's buffer slots; the residuals a chunk's forward "
+        "scan stacks for its backward loop; one layer's backward working set; V > 1 and "
+        "unequal ranges add the layer moves); 3+1 runs unequal ranges, padded to the longest "
+        "chunk.", "",
         "Caveat: the devices are emulated on a shared 2-core machine. When its load exceeds its "
         "cores (see the environment line) the same configuration's step and action times vary "
         "up to 2x between runs, so the step and bubble columns are not conclusive there; the "

@@ -7,5 +7,6 @@ layers found and stacked (the layout the pipelined step runs on); ``hf``: HF's F
 ``runtime``: the pipelined step as one ``jax.jit``. ``planning``: stage costs, a choice priced,
 ``pipeline=`` searched. ``dp``: the layer-range dynamic program (Alpa's inter-op pass).
 ``search``: stage counts x submeshes for clusters planned abstractly. ``record``:
-``PipelinePlan`` and its JSON.
+``PipelinePlan`` and its JSON. ``measured``: a compiled step's per-stage busy time and bubble
+from a ``jax.profiler`` trace.
 """

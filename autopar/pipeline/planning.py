@@ -10,11 +10,16 @@ the pipeline axis' link. The step adds the gradient reductions the runtime makes
 the tick loop (the embedding's and head's over stage and data axes, the layers' over the data
 axes) and the optimizer's pass over the stage's parameters.
 
-Per-device memory of stage ``s``: its parameters, gradient accumulators and Adam moments
-(``4 x`` its parameter bytes), the step's new state (``3 x``, no donation), the buffers its
-schedule needs (stash and inboxes: ``slots x`` one microbatch's activation) and the working
-set of one backward action (the intra-op plan's peak for one layer's vjp, times the chunk's
-layers, whose residuals the scan keeps).
+Per-device memory of stage ``s`` (``stage_bytes``): its parameters and Adam moments and the
+step's new ones (``STATE_COPIES = 6 x`` its parameter bytes; the gradient accumulators live in
+the new state's buffers), the buffers its schedule needs (stash and inboxes: ``slots x`` one
+microbatch's activation) and the working set of one backward action: the residuals the chunk's
+forward scan stacks for its backward loop (``jax.vjp``'s residuals of one layer that grow with
+the rows, times the chunk's layers; a one-layer chunk has no loop, XLA removes it) and one
+layer's backward (the intra-op plan's peak for one layer's vjp, less that layer's parameters
+and gradients, which the state counts). With ``V > 1`` virtual stages, or unequal ranges, the
+runtime moves the layers into the chunk layout and the gradients back
+(``_layout_overheads``).
 
 The tick loop also pays the runtime's own cost of every tick (``tick_overhead_s``: the
 profile's ``pipeline_tick_s``, the collective-permutes' bytes and a copy of the state each tick
@@ -23,7 +28,7 @@ threads through its switches), which the step and the bubble include.
 ``pipeline="auto"`` enumerates schedules, virtual stages and microbatch counts, each with equal
 layer ranges (where the layers split so) and, with one chunk per stage, the layer-range DP's
 best split (``dp``, ``layer_split``), priced by ``price(..., ranges=...)`` on the same timeline
-with the runtime's padding overheads (``_unequal_overheads``), and keeps the fastest that fits
+with the runtime's padding overheads (``_layout_overheads``), and keeps the fastest that fits
 the memory budget; its ``why`` lists the runners-up. Per-boundary links: ``boundary_hops_s``.
 """
 from __future__ import annotations
@@ -47,8 +52,12 @@ from autopar.pipeline.runtime import TENSOR_AXIS, data_axes, equal_ranges, rows_
 
 OPTIONS = ("axis", "stages", "microbatches", "schedule", "virtual_stages", "layer_ranges")
 LAYER_RANGES = ("auto", "equal")     # equal chunks or the layer-range DP's split; equal only
-ADAM_STATE = 4          # parameters + gradient accumulator + two moments
-NEW_STATE = 3           # parameters + two moments returned
+# Per-device copies of a stage's parameters XLA holds for the whole step (the runtime donates
+# nothing): the arguments (parameters and Adam's two moments) and the results (the same, new).
+# The gradient accumulators the tick loop carries live in the results' buffers: each dies when
+# the update writes its parameter, and XLA's buffer assignment reuses a result's buffer for a
+# temporary that dies before the result is written (benchmarks/pipeline_cpu.py's memory column).
+STATE_COPIES = 6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +149,7 @@ class Costs:
     layer_peak_bytes: float
     act_bytes: float
     solve_s: float
+    residual_bytes: float = 0.0     # what jax.vjp keeps of one layer that grows with the rows
 
 
 def _spec(a, lead=None):
@@ -180,7 +190,21 @@ def stage_costs(model: StagedModel, params, batch, rows: int, sizes: dict, axis:
     plans = (lf, lb, ef, eb, hf, hb)
     act = x.size * x.dtype.itemsize
     return Costs(*(p.cost.step_time_s for p in plans), lb.cost.peak_memory_bytes, act,
-                 sum(p.solver.solve_s + p.solver.build_s for p in plans))
+                 sum(p.solver.solve_s + p.solver.build_s for p in plans),
+                 residual_bytes(model.layer, layer, x) / sizes.get(TENSOR_AXIS, 1))
+
+
+def residual_bytes(layer_fn, layer, x) -> float:
+    """Bytes of what ``jax.vjp(layer_fn, layer, x)`` keeps for the backward that grow with the
+    rows of ``x``: the difference at twice the rows (the parameters it keeps by reference do
+    not grow). Per device of a tensor-parallel stage it is divided by the tensor size
+    (``stage_costs``), as Megatron splits a layer's big activations (attention heads, the MLP's
+    hidden); the residual stream's, which stay whole there, are under-counted."""
+    def kept(h):
+        return jax.tree_util.tree_leaves(jax.vjp(layer_fn, layer, h)[1])
+
+    two = jax.ShapeDtypeStruct((2 * x.shape[0], *x.shape[1:]), x.dtype)
+    return _bytes(jax.eval_shape(kept, two)) - _bytes(jax.eval_shape(kept, x))
 
 
 def _shard_rows(rows: int, sizes: dict, axis: str) -> int:
@@ -201,7 +225,7 @@ def price(model: StagedModel, params, costs: Costs, sizes: dict, axis: str, hw,
           schedule: str, virtual: int, microbatches: int, ranges=None) -> PipelinePlan:
     """The ``PipelinePlan`` of one choice, with its predicted time and memory; ``ranges``: the
     layers of each chunk (default equal chunks; unequal ones add the runtime's padding and
-    layer moves, ``_unequal_overheads``)."""
+    layer moves, ``_layout_overheads``)."""
     p = sizes[axis]
     sch = S.build(schedule, p, virtual, microbatches)
     k = sch.chunks
@@ -217,8 +241,8 @@ def price(model: StagedModel, params, costs: Costs, sizes: dict, axis: str, hw,
                              costs.act_bytes)
     layer_bytes, rest_bytes = _param_bytes(model, params, sizes)
     on = [[length[c] for c in range(s, k, p)] for s in range(p)]     # chunk lengths of stage s
-    pad = _unequal_overheads(cost_models.CostModel(hw, sizes), ranges, p, layer_bytes, axis,
-                             model.num_layers)[1]
+    pad = _layout_overheads(cost_models.CostModel(hw, sizes), ranges, p, layer_bytes, axis,
+                            model.num_layers)[1]
     slots = _buffer_slots(sch)[0]
     whole = model.num_layers % p != 0        # the runtime keeps the stack whole on each stage
     memory = tuple(stage_bytes(model.num_layers if whole else sum(n), max(n), layer_bytes,
@@ -276,7 +300,7 @@ def after_loop_s(model: StagedModel, params, sizes: dict, axis: str, hw, ranges)
     layer_bytes, rest_bytes = _param_bytes(model, params, sizes)
     sync = _gradient_sync_s(cm, sizes, axis, rest_bytes,
                             layer_bytes * max(sum(n) for n in on))
-    move_s = _unequal_overheads(cm, ranges, p, layer_bytes, axis, model.num_layers)[0]
+    move_s = _layout_overheads(cm, ranges, p, layer_bytes, axis, model.num_layers)[0]
     optimizer = 12 * max(layer_bytes * sum(n) + rest_bytes for n in on) / hw.hbm_bytes_per_s
     return sync + optimizer + move_s
 
@@ -289,16 +313,22 @@ def _gradient_sync_s(cm, sizes: dict, axis: str, rest_bytes: float, stage_layer_
     return t + (cm.collective_time_s("all-reduce", stage_layer_bytes, data) if data else 0.0)
 
 
-def _unequal_overheads(cm, ranges, p: int, layer_bytes: float, axis: str, layers: int):
-    """(seconds, bytes per device) the runtime spends on unequal ranges: the state keeps the
-    (L, ...) layout, so each step moves the layers to their stages' padded (V, Lmax) slots (a
+def _layout_overheads(cm, ranges, p: int, layer_bytes: float, axis: str, layers: int):
+    """(seconds, bytes per device) the runtime spends moving layers between the state's (L, ...)
+    layout (stage ``s`` holds the ``s``-th ``L / P`` layers) and the chunks' (V, Lmax) slots.
+    Unequal ranges: each step moves the layers to their stages' padded slots (a
     collective-permute of a stage's share) and gathers the gradients back (an all-reduce of
     the stack over the stage axis); the padded slots' parameters and gradient accumulators and
-    the gathered gradients are the extra bytes. Equal ranges: a reshape, nothing extra."""
+    the gathered gradients are the extra bytes. Equal ranges with ``V > 1`` chunks per stage:
+    chunk ``v P + s`` is not among stage ``s``'s own layers, so the layers go to their chunks
+    and the gradients come back by all-to-alls over the stage axis, each a stage's share of
+    the stack held as a temporary. Equal ranges, ``V = 1``: a reshape, nothing extra."""
     lengths = [b - a for a, b in ranges]
-    if len(set(lengths)) == 1:
-        return 0.0, 0.0
     stack = layer_bytes * layers
+    if len(set(lengths)) == 1:
+        if len(ranges) == p:
+            return 0.0, 0.0
+        return 2 * cm.collective_time_s("all-to-all", stack / p, axis), 2 * stack / p
     move = (cm.collective_time_s("collective-permute", stack / p, axis)
             + cm.collective_time_s("all-reduce", stack, axis))
     return move, 2 * layer_bytes * max(lengths) * len(ranges) / p + stack
@@ -313,10 +343,14 @@ def _param_bytes(model: StagedModel, params, sizes: dict) -> tuple[float, float]
 def stage_bytes(n_layers, longest, layer_bytes: float, rest_bytes: float, slots: int,
                 costs: Costs):
     """Per-device bytes of a stage holding ``n_layers`` layers (numpy arrays broadcast): its
-    parameters and Adam state, the schedule's buffer slots of one microbatch's activation, and
-    the working set of its longest chunk's backward."""
-    return ((ADAM_STATE + NEW_STATE) * (layer_bytes * n_layers + rest_bytes)
-            + slots * costs.act_bytes + longest * costs.layer_peak_bytes)
+    parameters and Adam state, old and new, the schedule's buffer slots of one microbatch's
+    activation, and the working set of its longest chunk's backward: the residuals its forward
+    scan stacks (a one-layer chunk runs without a loop) and one layer's backward beyond the
+    parameters and gradients the state counts (module docstring)."""
+    stacked = longest * costs.residual_bytes * (np.asarray(longest) > 1)
+    one_layer = max(costs.layer_peak_bytes - 2 * layer_bytes, 0.0)
+    return (STATE_COPIES * (layer_bytes * n_layers + rest_bytes)
+            + slots * costs.act_bytes + stacked + one_layer)
 
 
 def tick_carry_bytes(sch: S.Schedule, layer_bytes: float, longest: int, rest_bytes: float,

@@ -53,7 +53,7 @@ def fits_parameters(model, params, sizes: dict, budget: float, axis: str = "stag
     bound that skips planning hopeless meshes)."""
     layer_bytes, rest_bytes = PL._param_bytes(model, params, sizes)
     per_stage = layer_bytes * -(-model.num_layers // sizes[axis]) + rest_bytes
-    return (PL.ADAM_STATE + PL.NEW_STATE) * per_stage <= budget
+    return PL.STATE_COPIES * per_stage <= budget
 
 
 def microbatch_counts(rows: int, sizes: dict, rows_per_shard: Iterable[int],
