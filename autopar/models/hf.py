@@ -171,13 +171,20 @@ def _params(model: Any, seed: int) -> Any:
     return model.init_weights(jax.random.PRNGKey(seed), model.input_shape)
 
 
+def _init_state(model: Any, tx: optax.GradientTransformation, seed: int) -> dict:
+    """Random weights and the optimizer's state, made by one compiled program: run op by op,
+    transformers' initialisers compile one small program per parameter (seconds per model)."""
+    def init(key):
+        params = model.init_weights(key, model.input_shape)
+        return {"params": params, "opt_state": tx.init(params)}
+    return jax.jit(init)(jax.random.PRNGKey(seed))
+
+
 def concrete(name: str, config: Any, batch_size: int, seed: int = 0, lr: float = 1e-3):
     """Small real model: ``(train_step, state, batch)`` with random weights."""
     model = build(name, config)
     step, tx = make_train_step(model, lr)
-    params = _params(model, seed)
-    state = {"params": params, "opt_state": tx.init(params)}
-    return step, state, make_batch(name, config, batch_size, seed=seed)
+    return step, _init_state(model, tx, seed), make_batch(name, config, batch_size, seed=seed)
 
 
 def abstract(name: str, config: Any, batch_size: int, seq: int = SEQ, dtype=jnp.float32):
