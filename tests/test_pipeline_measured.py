@@ -52,10 +52,13 @@ def _matmul_model(width: int, layers: int):
     return model, {"params": params, "opt_state": model.tx.init(params)}
 
 
-def test_unequal_split_is_busier_on_its_long_stage():
+def test_unequal_split_is_busier_on_its_long_stage(tmp_path):
     """A 3 + 1 layer split, 1F1B over two devices: the trace attributes the actions to the
-    devices, and the stage holding three layers is the busier (medians of five runs; the
-    padded slots of the one-layer stage skip their matmuls but not all their overhead)."""
+    devices, the padded slots of the one-layer stage skip their matmuls (counted in the trace,
+    which does not depend on the machine's speed or load), and the stage holding three layers
+    is the busier. Its busy time is only ~1.2-1.6x the other's, not 3x: the padded slots still
+    pay the per-slot slicing and gradient-stacking copies, which at this width cost about as
+    much as a layer's matmul; the ratio is asserted loosely, as a timing."""
     model, state = _matmul_model(256, 4)
     batch = {"x": jnp.ones((4 * 64, 256))}
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("stage",))
@@ -69,9 +72,18 @@ def test_unequal_split_is_busier_on_its_long_stage():
     assert ops.actions["forward"] and ops.actions["backward"]
     assert not ops.actions["forward"] & ops.actions["backward"]
     assert ops.actions["forward"] | ops.actions["backward"] < ops.loop
-    m = MP.measure(compiled, placed, mesh, "stage", runs=5)
+    m = MP.measure(compiled, placed, mesh, "stage", runs=5, log_dir=tmp_path)
     assert m.runs == 5 and m.step_s > 0
+    # executed unfused dots: XLA leaves one per layer and microbatch unfused here (the others
+    # become fusions), so 3 layers x 4 microbatches x 5 runs on the long stage and a third of
+    # that on the short one, whose padded slots run none
+    dots = {0: 0, 1: 0}
+    for e in MP.read_events(tmp_path, ops.module):
+        if e.op in ops.actions["forward"] | ops.actions["backward"] and (
+                e.op == "dot" or e.op.startswith("dot.")):
+            dots[e.device] += 1
+    assert dots[1] > 0 and dots[0] == 3 * dots[1], dots
     assert all(0 < b < lo for b, lo in zip(m.busy_s, m.loop_s))
     assert all(f > 0 and b > f for f, b in zip(m.forward_s, m.backward_s))
-    assert m.busy_s[0] > 1.25 * m.busy_s[1]       # about 1.7 on two idle or loaded cores
+    assert m.busy_s[0] > 1.05 * m.busy_s[1]       # 1.19-1.9 seen on idle and loaded cores
     assert 0 < m.bubble_fraction < 1
