@@ -44,9 +44,11 @@ the whole batch longer than the model's resharded copies).
 
 The ILP's memory constraint (``ilp.memory_exprs``) is the linear part of this model: it checks
 the live values at the heaviest points of the schedule (every broadcast buffer included, so it
-errs on the safe side for small reductions) but cannot see resharded copies, whose existence
-depends on two groups' choices at once; ``make_plan`` compares the full estimate with
-the budget after solving and says so when only the copies break it.
+errs on the safe side for small reductions). Resharded copies exist only for some pairs of two
+groups' choices, so they enter lazily: when a solution's full estimate exceeds the budget,
+``make_plan`` adds a ``CopyCut`` at its peak (the values live there and, per copy any plan
+could hold there, a 0-1 variable that the source's and readers' choices force on) and solves
+again, a few rounds at most; it says so when no round fits.
 """
 from __future__ import annotations
 
@@ -274,18 +276,65 @@ def _memo(prob: Problem, key: str, make):
     return prob.__dict__[key]
 
 
-def _reshard_copies(prob: Problem, choice) -> list[tuple[int, int, float]]:
-    """(first, last position, per-device bytes) of each resharded copy the plan makes."""
+def _copies(prob: Problem, choice):
+    """Each resharded copy the plan makes: (its edge set, the source layout, the layout made,
+    the reading edges that need it, their schedule positions). XLA makes one copy per layout
+    a value's readers need, read where they run."""
     where = _positions(prob)
-    out = []
     for es in prob.edge_sets():
         src = prob.groups[es[0].src].shard[es[0].value][choice[es[0].src]]
         readers: dict = {}
         for e in es:
             need = e.need[choice[e.dst]]
             if need != src and e.op >= 0:
-                readers.setdefault(need, []).append(where[e.op])
-        t = prob.graph.values[es[0].value]
-        for need, at in readers.items():
-            out.append((min(at), max(at), t.nbytes / shard_factor(need, prob.mesh)))
-    return out
+                readers.setdefault(need, []).append(e)
+        for need, edges in readers.items():
+            yield es, src, need, edges, [where[e.op] for e in edges]
+
+
+def _reshard_copies(prob: Problem, choice) -> list[tuple[int, int, float]]:
+    """(first, last position, per-device bytes) of each resharded copy the plan makes."""
+    return [(min(at), max(at), prob.graph.values[es[0].value].nbytes
+             / shard_factor(need, prob.mesh)) for es, _, need, _, at in _copies(prob, choice)]
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyCut:
+    """A lazy memory constraint for the ILP (``ilp.solve``'s ``cuts``): at top-level schedule
+    position ``position``, the bytes of the values ``live`` plus those of every resharded copy
+    any plan could hold there stay within the budget. A possible copy is (per-device bytes,
+    source group, the source's strategy indices that make another layout, readers before,
+    readers after), a reader (group, its strategy indices that need the copied layout): the
+    copy is live at the position when the source makes another layout, a reader at or before
+    the position needs it and one at or after does (XLA makes one copy per needed layout, held
+    from its first reader to its last). Indices are the full problem's."""
+
+    position: int
+    live: tuple[int, ...]
+    copies: tuple[tuple[float, int, frozenset, tuple, tuple], ...]
+
+
+def cut_at(prob: Problem, position: int) -> CopyCut:
+    """The ``CopyCut`` at top-level schedule position ``position``."""
+    where = _positions(prob)
+    copies = []
+    for es in prob.edge_sets():
+        at = [where[e.op] if e.op >= 0 else None for e in es]
+        if not any(t is not None and t <= position for t in at) or not any(
+                t is not None and t >= position for t in at):
+            continue
+        have = prob.groups[es[0].src].shard[es[0].value]
+        nbytes = prob.graph.values[es[0].value].nbytes
+        for need in dict.fromkeys(n for e in es for n in e.need):
+            other = frozenset(i for i, h in enumerate(have) if h != need)
+            readers = [(e.dst, frozenset(j for j, n in enumerate(e.need) if n == need), t)
+                       for e, t in zip(es, at) if t is not None]
+            before = tuple((d, ix) for d, ix, t in readers if ix and t <= position)
+            after = tuple((d, ix) for d, ix, t in readers if ix and t >= position)
+            if other and before and after:
+                copies.append((nbytes / shard_factor(need, prob.mesh), es[0].src, other,
+                               before, after))
+    intervals, inner = _schedule(prob)
+    live = [v for v, a, b in intervals if a <= position <= b] + list(
+        inner.get(position, ((), 0))[0])
+    return CopyCut(position, tuple(live), tuple(copies))
