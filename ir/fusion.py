@@ -13,8 +13,13 @@ Rules (``fuse``), applied within each top-level op list and separately within ea
     all belong to one kernel; when they belong to several it is duplicated into each of them,
     unless it is ``EXPENSIVE`` (transcendental or a division), which XLA does not recompute, or
     its copies would read more than it writes and one of its readers is reached from it through
-    an unfusible op (``_Kernels.kept_whole``: XLA's "fuse on all paths" test, approximated; a
-    pre-norm residual add is the case): then it is a kernel of its own whose result is written;
+    an unfusible op or a reduction (``_Kernels.kept_whole``: XLA's "fuse on all paths" test,
+    approximated; a pre-norm residual add, read by its layer norm's statistics and the centred
+    value, is the case): then it is a kernel of its own whose result is written. A producer with
+    at most one full operand (``_Kernels.at_most_unary``, XLA's "effectively at most unary":
+    broadcasts, iotas, constants and operands of lower rank do not count; a layer norm's
+    ``x - mean`` is one) is always duplicated, into the backward pass's kernels too, which then
+    read its operands: they stay in memory until the last copy runs (``Fusion.duplicated``);
   * *fusing consumers* are fusible ops and reductions (``ABSORBING``); contractions,
     convolutions, scatters, sorts, loops and collectives take their operands from memory and
     write their results;
@@ -91,6 +96,8 @@ class Fusion:
         result's shape; ``value`` is the result of the first of them that runs in a reduction's
         kernel (preferably as its own op, not a duplicate), so it has the buffer's shape and the
         layout that kernel reads it in.
+      duplicated: op id -> the kernels (ids) a duplicated producer is recomputed in; its
+        operands are read where those kernels run, and so live until the last of them.
     """
 
     kernel_of: Mapping[int, int]
@@ -100,6 +107,7 @@ class Fusion:
     constants: frozenset[int]
     copies: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     broadcasts: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    duplicated: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
     @functools.cached_property
     def materialized(self) -> frozenset[int]:
@@ -201,8 +209,10 @@ class _Kernels:
                 self.copies[op.id] = targets
 
     def unfusible_levels(self) -> dict[int, int]:
-        """Value id -> the most unfusible ops (``ABSORBING`` excluded) on a path from this op
-        list's inputs to it."""
+        """Value id -> the most unfusible ops on a path from this op list's inputs to it.
+        Reductions count: XLA does not duplicate one (it is expensive) and its result has
+        several readers (a mean feeds the centring and the backward pass), so a path through a
+        reduction is not one a producer fuses along."""
         level: dict[int, int] = {}
         get = level.get
         for op in self.ops:
@@ -211,7 +221,7 @@ class _Kernels:
                 here = get(v, 0)
                 if here > up:
                     up = here
-            up += op.prim not in ABSORBING
+            up += op.prim not in FUSIBLE
             level.update((v, up) for v in op.outs)
         return level
 
@@ -225,10 +235,23 @@ class _Kernels:
         arrays = [v for v in dict.fromkeys(op.ins)
                   if v not in self.const and self.values[v].shape]
         out = sum(self.values[v].size for v in op.outs)
-        if len(arrays) < 2 or sum(self.values[v].size for v in arrays) <= out:
+        if self.at_most_unary(op) or sum(self.values[v].size for v in arrays) <= out:
             return False
         mine = max(self.level.get(v, 0) for v in op.outs)
         return any(self.level.get(v, 0) > mine for u in users for v in u.ins)
+
+    def at_most_unary(self, op: Op) -> bool:
+        """At most one operand is a full array of the result's rank: XLA's "effectively at
+        most unary" test, under which a producer is always duplicable. An operand does not count
+        when it is a constant, a broadcast or an iota, or has fewer dims larger than one than
+        the result (so an implicitly broadcast operand never counts; a layer norm's
+        ``x - mean`` has one full operand: its copies read ``x`` and the row statistics)."""
+        rank = max((_true_rank(self.values[v].shape) for v in op.outs), default=0)
+        full = [v for v in dict.fromkeys(op.ins) if v not in self.const
+                and _true_rank(self.values[v].shape) >= rank
+                and getattr(self.producer.get(v), "prim", None) not in ("broadcast_in_dim",
+                                                                        "iota")]
+        return len(full) <= 1
 
     def kept_for_reduction(self, op: Op, targets: set[int]) -> bool:
         """An expanding broadcast that feeds a reduction's kernel: XLA:CPU runs reductions as
@@ -277,6 +300,11 @@ class _Kernels:
             else:
                 out[self.find(op.id)].append(op)
         return out
+
+
+def _true_rank(shape: tuple[int, ...]) -> int:
+    """Dims larger than one (XLA's ``TrueRank``)."""
+    return sum(d > 1 for d in shape)
 
 
 def _kernel_io(ops: list[Op], kernel_id: int, k: _Kernels, reads: dict, writes: dict) -> None:
@@ -329,6 +357,7 @@ def _fuse_list(ops: Sequence[Op], const: set[int], outputs: set[int], result: di
         _kernel_io(members, kernel_id, k, result["reads"], result["writes"])
         result["roots"].add(members[-1].id)
     result["broadcasts"].extend(k.broadcast_buffers())
+    result["duplicated"].update((i, tuple(sorted(c))) for i, c in k.copies.items())
     for op in ops:
         if op.prim == "dot_general":
             copied = _layout_copies(op, k, result["values"])
@@ -344,9 +373,9 @@ def fuse(graph: Graph) -> Fusion:
     """The kernels XLA makes of ``graph`` (see the module docstring)."""
     const = _constants(graph)
     result: dict = {"kernel_of": {}, "reads": {}, "writes": {}, "roots": set(), "copies": {},
-                    "values": graph.values, "broadcasts": []}
+                    "values": graph.values, "broadcasts": [], "duplicated": {}}
     _fuse_list(graph.ops, const, set(graph.outputs), result)
     reads = {i: tuple(vs) for i, vs in result["reads"].items()}
     return Fusion(result["kernel_of"], reads, result["writes"],
                   frozenset(result["roots"]), frozenset(const), result["copies"],
-                  tuple(result["broadcasts"]))
+                  tuple(result["broadcasts"]), result["duplicated"])

@@ -8,6 +8,7 @@ import pytest
 import ir
 import ir.fusion
 from autopar.models import gpt, mlp, moe
+from autopar.planner import problem
 
 F32 = 4
 
@@ -90,6 +91,32 @@ def test_a_binary_producer_still_duplicates_into_independent_reductions():
     assert add.id not in fusion.writes and fusion.reads[add.id] == 2 * add.ins
 
 
+def _prenorm_block(w, x):
+    h = x + jnp.tanh(x @ w)                    # a residual add: two full operands
+    c = h - h.mean(-1, keepdims=True)          # centred: one full operand and a row statistic
+    y = c * jax.lax.rsqrt((c * c).mean(-1, keepdims=True) + 1e-5)
+    return jnp.tanh(y @ w).sum()
+
+
+def test_layer_norm_recomputes_its_centred_input_and_keeps_the_residual():
+    """XLA duplicates an effectively unary producer (``x - mean``) into every kernel that
+    reads it, in the backward pass too, and keeps the residual it reads (a two-operand add whose
+    readers are also reached through the mean's reduction) in memory until the last copy runs."""
+    w, x = jnp.ones((32, 32)), jnp.ones((16, 32))
+    graph, fusion = fused(jax.grad(_prenorm_block), w, x)
+    residual = next(op for op in graph.ops if op.prim == "add"
+                    and graph.values[op.outs[0]].shape == x.shape)
+    centred = next(op for op in graph.ops if op.prim == "sub"
+                   and graph.values[op.ins[1]].shape == (16, 1))
+    assert centred.id not in fusion.writes and len(fusion.duplicated[centred.id]) >= 2
+    assert fusion.writes[residual.id] == residual.outs
+    where = {op.id: t for t, op in enumerate(graph.ops)}
+    span = {v: (a, b) for v, a, b in problem.temporaries(graph, fusion)}
+    assert span[residual.outs[0]][1] == max(where[k] for k in fusion.duplicated[centred.id])
+    assert fusion.hbm_bytes(graph) == pytest.approx(
+        xla_bytes(jax.grad(_prenorm_block), w, x), rel=0.1)
+
+
 def test_constants_cost_nothing():
     x = jnp.ones((8, 8))
     graph, fusion = fused(lambda x: x + jnp.arange(8.0) * 2.0, x)
@@ -100,13 +127,16 @@ def test_constants_cost_nothing():
 @pytest.mark.parametrize("make, low, high", [
     (lambda: mlp.abstract(64, 256, 2, 32), 0.9, 1.1),
     (lambda: gpt.abstract(gpt.GPTConfig(layers=2, d_model=64, heads=4, d_ff=128, seq=16,
-                                        vocab=128), 8), 0.9, 1.1),
+                                        vocab=128), 8), 0.85, 1.1),
     (lambda: moe.abstract(moe.MoEConfig(), 8), 0.85, 1.1),
 ], ids=["mlp", "gpt", "moe"])
 def test_step_bytes_match_xla_within_the_published_band(make, low, high):
     """Unsharded training steps: the fused byte count against XLA:CPU's ``bytes accessed``.
-    (Measured ratios at this commit: MLP 0.996, GPT 0.975, MoE 0.923; the conv net is 0.50, as
-    XLA:CPU expands pooling gradients into scatters the model does not know: see the README.)"""
+    (Measured ratios: MLP 0.996, GPT 0.975, MoE 0.923; the conv net is 0.50, as XLA:CPU expands
+    pooling gradients into scatters the model does not know: see the README. GPT is 0.895 since
+    a layer norm's ``x - mean`` is recomputed in its readers, as XLA does: the write that no
+    longer counts had stood in for the broadcast buffers' traffic, which ``hbm_bytes`` leaves
+    out.)"""
     step, state, batch = make()
     graph, fusion = fused(step, state, batch)
     ratio = fusion.hbm_bytes(graph) / xla_bytes(step, state, batch)

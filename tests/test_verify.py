@@ -127,6 +127,31 @@ def test_max_pool_gradient_buffers_are_counted_on_cpu():
     assert peak["cpu"] > 1.5 * peak["h100"], peak
 
 
+def test_small_reductions_compute_their_broadcasts_in_place_on_cpu():
+    """XLA:CPU writes a reduction's broadcast operand to memory only when its library fusion
+    runs the reduction, from 4096 elements per device (``planner.memory``); a smaller one
+    computes the broadcast in place. GPT's layer norms at batch 16 read 2048 elements per device
+    on 8 data shards (no buffers: 1x8 dp and zero3 rows of verify_matrix), 8192 on 2."""
+    import cost_models
+    import ir
+    from autopar.planner import memory, problem
+
+    step, state, batch = gpt.abstract(CFG, 16)
+    graph = ir.trace(step, state, batch)
+    prob = problem.build(graph, {"data": 8},
+                         cost_models.CostModel(cost_models.hardware("cpu"), {"data": 8}))
+    buffers = {v for v, _ in prob.fusion.broadcasts} - prob.fusion.materialized
+    norms = {v for v in buffers if graph.values[v].shape == (16, 16, CFG.d_model)}
+    assert len(norms) >= 10              # two per layer norm, five layer norms
+    whole = {v: float(graph.values[v].nbytes) for v in buffers}
+    in_place = memory._fused_broadcasts(prob, lambda v: whole[v] / 8)
+    assert norms <= in_place
+    # the loss's (16, 16, vocab) buffers read 4096 elements per device: written
+    written = buffers - in_place
+    assert written and all(graph.values[v].shape == (16, 16, CFG.vocab) for v in written)
+    assert not memory._fused_broadcasts(prob, lambda v: whole[v] / 2)
+
+
 def test_verify_compiles_a_step_that_has_not_run():
     train_step, _, _ = gpt.abstract(CFG, 16)
     step = autopar.autoparallel(train_step, mesh=_mesh8(), hardware="cpu", strategy="zero3",

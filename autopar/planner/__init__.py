@@ -238,36 +238,47 @@ def _make_plan(graph: Graph, mesh: Mapping[str, int], cost_model, options: Plann
 
 
 def _within_budget(prob, sol, cost_model, options, allowed, clock):
-    """The solver's memory constraint does not see resharded copies (``planner.memory``). When
-    the chosen plan's full estimate exceeds the budget, solve once more with the budget lowered
-    by the overshoot and keep that plan if it fits; otherwise keep the first (and warn).
-    Returns (the solution, its estimated peak; None when no budget asked for one)."""
+    """The solver's memory constraints see resharded copies only through cuts added lazily
+    (``planner.memory``): while the chosen plan's full estimate exceeds the budget, add a
+    ``CopyCut`` at its peak and solve again (from the plan so far), ``COPY_CUT_ROUNDS`` times at
+    most. Keeps the first solution that fits, else the lowest estimated peak (and
+    ``_warn_over_budget`` says so). Returns (the solution, its estimated peak; None when no
+    budget asked for one)."""
     budget = options.memory_budget
     if budget is None:
         return sol, None
-    peak = memory.estimate(prob, sol.choice).peak
-    if peak <= budget or clock.spent(SEARCH_BEFORE):
-        return sol, peak
-    try:
+    est = memory.estimate(prob, sol.choice)
+    best, cuts = (est.peak, sol), []
+    for _ in range(COPY_CUT_ROUNDS):
+        if est.peak <= budget or clock.spent(SEARCH_BEFORE):
+            break
+        cuts.append(memory.cut_at(prob, est.peak_position))
         hint = sol.choice if isinstance(sol.choice, Mapping) else dict(enumerate(sol.choice))
-        again = ilp.solve(prob, cost_model, budget - (peak - budget), options.time_limit_s,
-                          allowed, hint, clock=clock, hint_name="FIRST SOLUTION")
-    except PlanError:
-        return sol, peak
-    peak_again = memory.estimate(prob, again.choice).peak
-    return (again, peak_again) if peak_again <= budget else (sol, peak)
+        try:
+            sol = ilp.solve(prob, cost_model, budget, options.time_limit_s, allowed, hint,
+                            clock=clock, hint_name="FIRST SOLUTION", cuts=cuts)
+        except PlanError:
+            break
+        est = memory.estimate(prob, sol.choice)
+        best = min(best, (est.peak, sol), key=lambda b: b[0])
+    return (sol, est.peak) if est.peak <= budget else (best[1], best[0])
+
+
+# Re-solves with copy cuts when a plan's resharded copies break the memory budget: each round
+# adds the copies live at the new peak; the cases seen fit after one or two.
+COPY_CUT_ROUNDS = 3
 
 
 def _warn_over_budget(plan: Plan, budget: float | None) -> None:
-    """The ILP's memory constraint sees live values but not resharded copies (see
-    ``planner.memory``): say so when the full estimate of the chosen plan exceeds the budget."""
+    """The ILP sees resharded copies only through the cuts ``_within_budget`` adds (see
+    ``planner.memory``): say so when the chosen plan's full estimate still exceeds the budget."""
     peak = plan.cost.peak_memory_bytes
     if budget is not None and peak > budget:
         LOG.warning("autopar: the plan's predicted peak memory %.3g GiB/device exceeds "
-                    "memory_budget %.3g GiB by the resharded copies its transitions make (the "
-                    "solver's memory constraint does not see them); pass a memory_budget about "
-                    "%.3g GiB lower to leave room for them", peak / 2**30, budget / 2**30,
-                    (peak - budget) / 2**30)
+                    "memory_budget %.3g GiB by the resharded copies its transitions make (%d "
+                    "rounds of copy cuts did not find a plan without them); pass a "
+                    "memory_budget about %.3g GiB lower to leave room for them",
+                    peak / 2**30, budget / 2**30, COPY_CUT_ROUNDS, (peak - budget) / 2**30)
 
 
 def _layout(prob: problem.Problem, choice, v: int) -> Sharding:

@@ -75,6 +75,7 @@ class _Model:
         self.flows: list = []   # (edge, y vars) for completing hints
         self.edge_costs: list = []  # (c_e, edge, scaled costs) of big-M edges, for hints
         self.shares: list = []      # (edges, u vars) of shared edge sets, for hints
+        self.copies: list = []      # (c, before, after vars, ...) of copy cuts, for hints
         self.root = {g.id: self._root(g.id) for g in p.groups}
         for g in p.groups:
             if self.root[g.id] == g.id:
@@ -215,6 +216,27 @@ class _Model:
             exprs.append(sum(c * self.xs(g)[i] for (g, i), c in terms.items() if c))
         return exprs
 
+    def add_cut(self, k: int, cut, limit: int) -> None:
+        """``memory.CopyCut`` ``cut``: its live values plus each possible copy's bytes times a
+        0-1 variable c within ``limit`` KiB (``cut:k``). c >= [source makes another layout] +
+        before + after - 2, where before (after) >= [reader needs the layout] for each reader
+        at or before (after) the position (``copy:k``): minimising memory keeps them at 0
+        unless the plan makes the copy."""
+        terms = self._bytes_terms(self.p.const_values)
+        for key, c in self._bytes_terms(cut.live).items():
+            terms[key] = terms.get(key, 0) + c
+        expr = sum(c * self.xs(g)[i] for (g, i), c in terms.items() if c)
+        for size, src, other, before, after in cut.copies:
+            c, lo, hi = (self.m.NewBoolVar(f"copy{k}") for _ in range(3))
+            self.copies.append((c, lo, hi, src, other, before, after))
+            for var, readers in ((lo, before), (hi, after)):
+                for d, needs in readers:
+                    self.m.Add(var >= sum(self.xs(d)[j] for j in needs)).WithName(f"copy:{k}")
+            self.m.Add(c >= sum(self.xs(src)[i] for i in other) + lo + hi - 2
+                       ).WithName(f"copy:{k}")
+            expr += math.ceil(size / KIB) * c
+        self.m.Add(expr <= limit).WithName(f"cut:{k}")
+
     def _bytes_terms(self, values) -> dict[tuple[int, int], int]:
         """Per (root, strategy): KiB of ``values`` under it. The values of a repeated layer
         repeat (root, layouts) pairs: each distinct pair is rounded once and counted (integer
@@ -262,6 +284,12 @@ class _Model:
             moved = {e.need[pick[self.root[e.dst]]] for e in es}
             for (oo, rr), var in u.items():
                 self.m.AddHint(var, oo == o and rr in moved)
+        for c, lo, hi, src, other, before, after in self.copies:
+            lo_on = any(pick[self.root[d]] in needs for d, needs in before)
+            hi_on = any(pick[self.root[d]] in needs for d, needs in after)
+            self.m.AddHint(lo, lo_on)
+            self.m.AddHint(hi, hi_on)
+            self.m.AddHint(c, lo_on and hi_on and pick[self.root[src]] in other)
         kernel_choice.hint(self, pick, self.p.kernel_mode)
 
 
@@ -320,21 +348,23 @@ CANDIDATES = 6
 def solve(p: Problem, cost_model, memory_budget: float | None = None, time_limit_s: float = 30.0,
           allowed: Mapping[int, set[int]] | None = None,
           hint: Mapping[int, int] | None = None, clock: Clock | None = None,
-          hint_name: str = "HINT", seeds=()) -> Solution:
+          hint_name: str = "HINT", seeds=(), cuts=()) -> Solution:
     """The best plan CP-SAT finds from the descent start (see the module docstring); ``clock``
     (``planner.budget``) cuts the model build and the search at the call's wall-clock budget,
     and a plan kept without the ILP is labelled by where it came from (``hint_name`` for
     ``hint`` itself). A model with more than ``FULL_MODEL_PAIRS`` flow pairs is solved over
     candidates: per root group the strategies of the start and of ``seeds`` (other good
     solutions, e.g. each hand-written start's), plus the ``CANDIDATES`` cheapest given the start;
-    the solution then says so (``candidates``) and its gap is over those candidates."""
+    the solution then says so (``candidates``) and its gap is over those candidates.
+    ``cuts``: ``memory.CopyCut``s, memory constraints that count resharded copies (added by
+    ``make_plan`` when a solution's full estimate exceeds the budget)."""
     clock = clock or Clock(time.perf_counter(), time_limit_s)
     start, name = _start(p, cost_model, memory_budget, allowed, hint, clock, hint_name)
     fits = memory_budget is None or memory_of(p, _as_tuple(p, start)) <= memory_budget
     if clock.spent(SEARCH_BEFORE) and fits:
         clock.note(f"time limit: returning the {name.lower()} plan without the ILP")
         return _kept(p, start, f"{name} (time limit)", 0.0, 0.0, (0, 0))
-    run = _Run(cost_model, memory_budget, time_limit_s, clock, name, fits)
+    run = _Run(cost_model, memory_budget, time_limit_s, clock, name, fits, tuple(cuts))
     if flow_pairs(p) <= FULL_MODEL_PAIRS:
         return _solve_model(p, allowed, start, run)
     return _solve_candidates(p, allowed, start, seeds, run)
@@ -350,6 +380,7 @@ class _Run:
     clock: Clock
     name: str         # where the start came from ("DESCENT", "HINT", ...)
     fits: bool        # the start fits the memory budget
+    cuts: tuple = ()  # memory.CopyCut, in the full problem's strategy indices
 
 
 def _solve_candidates(p: Problem, allowed, start, seeds, run: _Run) -> Solution:
@@ -363,11 +394,28 @@ def _solve_candidates(p: Problem, allowed, start, seeds, run: _Run) -> Solution:
                      for g, ok in (allowed or {}).items()}
     small_start = {g.id: cands[p.root(g.id)].index(start[g.id]) for g in p.groups}
     try:
-        sol = _solve_model(small, small_allowed, small_start, run)
+        sol = _solve_model(small, small_allowed, small_start, dataclasses.replace(
+            run, cuts=tuple(_restrict_cut(p, c, cands) for c in run.cuts)))
     except PlanError:   # the candidates may miss what fits the budget: the whole model decides
         return _solve_model(p, allowed, start, run)
     choice = tuple(cands[p.root(g.id)][j] for g, j in zip(p.groups, sol.choice))
     return dataclasses.replace(sol, choice=choice, candidates=max(map(len, cands.values())))
+
+
+def _restrict_cut(p: Problem, cut, cands):
+    """``cut`` in the candidates' indices: readers none of whose choices are candidates, and
+    copies that can then no longer happen, are dropped."""
+    def small(g, idx):
+        return frozenset(j for j, i in enumerate(cands[p.root(g)]) if i in idx)
+
+    copies = []
+    for size, src, other, before, after in cut.copies:
+        other = small(src, other)
+        before = tuple((d, small(d, ix)) for d, ix in before if small(d, ix))
+        after = tuple((d, small(d, ix)) for d, ix in after if small(d, ix))
+        if other and before and after:
+            copies.append((size, src, other, before, after))
+    return dataclasses.replace(cut, copies=tuple(copies))
 
 
 def _candidates(r: int, cost, start, seeds, allowed) -> list[int]:
@@ -387,7 +435,8 @@ def _candidates(r: int, cost, start, seeds, allowed) -> list[int]:
 def _solve_model(p: Problem, allowed, start, run: _Run) -> Solution:
     clock, name = run.clock, run.name
     try:
-        mdl = _build(p, run.cost_model, run.memory_budget, allowed, clock if run.fits else None)
+        mdl = _build(p, run.cost_model, run.memory_budget, allowed, clock if run.fits else None,
+                     run.cuts)
     except _OutOfTime:
         clock.note(f"time limit while building the ILP: returning the {name.lower()} plan")
         return _kept(p, start, f"{name} (time limit)", 0.0, 0.0, (0, 0))
@@ -432,7 +481,8 @@ class _OutOfTime(Exception):
     """The wall-clock budget ran out while the ILP was being built."""
 
 
-def _build(p: Problem, cost_model, memory_budget, allowed, clock: Clock | None) -> _Model:
+def _build(p: Problem, cost_model, memory_budget, allowed, clock: Clock | None,
+           cuts=()) -> _Model:
     mdl = _Model(p, cost_model)
     mdl.add_group_costs()
     mdl.add_edges(clock)
@@ -444,6 +494,8 @@ def _build(p: Problem, cost_model, memory_budget, allowed, clock: Clock | None) 
         limit = int(min(memory_budget, MAX_BUDGET) / KIB)
         for k, expr in enumerate(mdl.memory_exprs()):
             mdl.m.Add(expr <= limit).WithName(f"mem:{k}")
+        for k, cut in enumerate(cuts):
+            mdl.add_cut(k, cut, limit)
     return mdl
 
 

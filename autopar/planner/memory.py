@@ -24,22 +24,31 @@ that is what ``estimate`` predicts:
     model's stacked forward activations share the updated parameters' buffers).
 
 Measured by ``autopar.verify`` over the matrix of ``benchmarks/verify_matrix.py`` (results in
-``benchmarks/results/verify_matrix.md``). Known gaps: XLA's own schedule is not modelled (ours is
-the traced order), nor collectives' buffers outside loop bodies beyond the resharded copies, nor
-where XLA:CPU recomputes values our fusion rules materialize: a layer norm's centred input and
-second broadcast buffer (XLA keeps the residual stream and the row statistics instead; unrolled
-GPT zero3 and megatron on 2x4, MoE megatron on 1x8 are over-predicted by 12-19% for it), an
-MoE's dispatch and combine tensors, which XLA's simplifier rebuilds from per-token vectors inside
-their consumers (MoE auto on 2x4, ~38% over). The conv net's auto plans are under-predicted
-by 19-24% (not diagnosed; its other plans are within 10% since ``_pool_gradient_expansion``
-counts XLA:CPU's rewrite of the max-pool gradient).
-On the 2x2x2 mesh unrolled GPT is under-predicted by 10-17% (XLA holds backward activations
-gathered to the whole batch longer than the model's resharded copies) and MoE over by 10-19%.
+``benchmarks/results/verify_matrix.md``). What the memory checks showed, read from XLA's buffer
+assignments: a layer norm's ``x - mean`` is recomputed in its readers, the residual stream and
+the row statistics stay (``ir.fusion``'s rules); a reduction's broadcast buffer exists only when
+XLA:CPU's library fusion runs the reduction (``_fused_broadcasts``). Known gaps: XLA's own
+schedule is not modelled (ours is the traced order), nor collectives' buffers outside loop bodies
+beyond the resharded copies, nor layout copies' buffers (an auto plan on 1x8 holds two layer-norm
+outputs a second time in the layout its weight-gradient dot reads: under-predicted ~11%). XLA:CPU
+writes only some of a layer norm's two broadcast buffers in the 2x4 zero3 and megatron plans
+(scale broadcasts for ln1 and ln_f, none for the row statistics), all of them in a standalone
+layer norm of the same per-device shape and on 1x8; which ones is not understood, so all are
+counted (those rows ~19-22% over). An MoE's dispatch and combine tensors, replicated in our auto
+plan on 2x4 and read sliced by the expert dots, are computed by XLA only for the local slice (the
+partitioner slices the elementwise chain's operands instead): ~39% over. The conv net's auto
+plans are under-predicted by 19-24% (not diagnosed; its other plans are within 10% since
+``_pool_gradient_expansion`` counts XLA:CPU's rewrite of the max-pool gradient). On the 2x2x2
+mesh unrolled GPT is under-predicted by up to 17% (XLA holds backward activations gathered to
+the whole batch longer than the model's resharded copies).
 
 The ILP's memory constraint (``ilp.memory_exprs``) is the linear part of this model: it checks
-the live values at the heaviest points of the schedule but cannot see resharded copies, whose
-existence depends on two groups' choices at once; ``make_plan`` compares the full estimate with
-the budget after solving and says so when only the copies break it.
+the live values at the heaviest points of the schedule (every broadcast buffer included, so it
+errs on the safe side for small reductions). Resharded copies exist only for some pairs of two
+groups' choices, so they enter lazily: when a solution's full estimate exceeds the budget,
+``make_plan`` adds a ``CopyCut`` at its peak (the values live there and, per copy any plan
+could hold there, a 0-1 variable that the source's and readers' choices force on) and solves
+again, a few rounds at most; it says so when no round fits.
 """
 from __future__ import annotations
 
@@ -72,20 +81,38 @@ def estimate(prob: Problem, choice) -> MemoryEstimate:
     whole = _result_sizer(prob, nbytes)
     resident = sum(whole(v) for v in prob.const_values)
     temps, inner = _schedule(prob)
+    fused = _fused_broadcasts(prob, nbytes)
     looped = [(a, b, nbytes(v)) for v, a, b in temps if g.ops[a].regions]
-    spans = [(a, b, nbytes(v)) for v, a, b in temps if not g.ops[a].regions]
+    spans = [(a, b, nbytes(v)) for v, a, b in temps if not g.ops[a].regions and v not in fused]
     live = np.zeros(len(g.ops) + 1)
     for a, b, size in _pooled(looped + spans + _reshard_copies(prob, choice),
                               _output_slots(prob, whole)):
         live[a: b + 1] += size
     for t, (ids, _) in inner.items():
-        live[t] += sum(nbytes(v) for v in ids)
+        live[t] += sum(nbytes(v) for v in ids if v not in fused)
     for t, size in _loop_reductions(prob, choice).items():
         live[t] += size
     for a, b, size in _pool_gradient_expansion(prob, nbytes):
         live[a: b + 1] += size
     t = int(live.argmax()) if len(live) else 0
     return MemoryEstimate(float(resident), float(live[t]) if len(live) else 0.0, t)
+
+
+# XLA:CPU hands a reduction to its library (YNNPACK) fusion only when the reduced operand has at
+# least this many elements, whatever its type (measured on f32 and bf16 row sums and layer norms);
+# a smaller one runs in XLA's own loop fusion, which computes a broadcast operand in place.
+LIBRARY_REDUCTION_ELEMENTS = 4096
+
+
+def _fused_broadcasts(prob: Problem, nbytes) -> set[int]:
+    """The broadcast buffers (``Fusion.broadcasts``) XLA:CPU does not write under the plan: those
+    whose reduction reads fewer than ``LIBRARY_REDUCTION_ELEMENTS`` elements per device (the
+    buffer has the reduced operand's shape). Only ``platform="cpu"``: the buffers are XLA:CPU's."""
+    if prob.reshard.cm.hw.platform != "cpu":
+        return set()
+    f = prob.fusion
+    return {v for v, _ in f.broadcasts if v not in f.materialized
+            and _elements(prob, v, nbytes) < LIBRARY_REDUCTION_ELEMENTS}
 
 
 def _output_slots(prob: Problem, nbytes) -> list[tuple[float, int]]:
@@ -249,18 +276,65 @@ def _memo(prob: Problem, key: str, make):
     return prob.__dict__[key]
 
 
-def _reshard_copies(prob: Problem, choice) -> list[tuple[int, int, float]]:
-    """(first, last position, per-device bytes) of each resharded copy the plan makes."""
+def _copies(prob: Problem, choice):
+    """Each resharded copy the plan makes: (its edge set, the source layout, the layout made,
+    the reading edges that need it, their schedule positions). XLA makes one copy per layout
+    a value's readers need, read where they run."""
     where = _positions(prob)
-    out = []
     for es in prob.edge_sets():
         src = prob.groups[es[0].src].shard[es[0].value][choice[es[0].src]]
         readers: dict = {}
         for e in es:
             need = e.need[choice[e.dst]]
             if need != src and e.op >= 0:
-                readers.setdefault(need, []).append(where[e.op])
-        t = prob.graph.values[es[0].value]
-        for need, at in readers.items():
-            out.append((min(at), max(at), t.nbytes / shard_factor(need, prob.mesh)))
-    return out
+                readers.setdefault(need, []).append(e)
+        for need, edges in readers.items():
+            yield es, src, need, edges, [where[e.op] for e in edges]
+
+
+def _reshard_copies(prob: Problem, choice) -> list[tuple[int, int, float]]:
+    """(first, last position, per-device bytes) of each resharded copy the plan makes."""
+    return [(min(at), max(at), prob.graph.values[es[0].value].nbytes
+             / shard_factor(need, prob.mesh)) for es, _, need, _, at in _copies(prob, choice)]
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyCut:
+    """A lazy memory constraint for the ILP (``ilp.solve``'s ``cuts``): at top-level schedule
+    position ``position``, the bytes of the values ``live`` plus those of every resharded copy
+    any plan could hold there stay within the budget. A possible copy is (per-device bytes,
+    source group, the source's strategy indices that make another layout, readers before,
+    readers after), a reader (group, its strategy indices that need the copied layout): the
+    copy is live at the position when the source makes another layout, a reader at or before
+    the position needs it and one at or after does (XLA makes one copy per needed layout, held
+    from its first reader to its last). Indices are the full problem's."""
+
+    position: int
+    live: tuple[int, ...]
+    copies: tuple[tuple[float, int, frozenset, tuple, tuple], ...]
+
+
+def cut_at(prob: Problem, position: int) -> CopyCut:
+    """The ``CopyCut`` at top-level schedule position ``position``."""
+    where = _positions(prob)
+    copies = []
+    for es in prob.edge_sets():
+        at = [where[e.op] if e.op >= 0 else None for e in es]
+        if not any(t is not None and t <= position for t in at) or not any(
+                t is not None and t >= position for t in at):
+            continue
+        have = prob.groups[es[0].src].shard[es[0].value]
+        nbytes = prob.graph.values[es[0].value].nbytes
+        for need in dict.fromkeys(n for e in es for n in e.need):
+            other = frozenset(i for i, h in enumerate(have) if h != need)
+            readers = [(e.dst, frozenset(j for j, n in enumerate(e.need) if n == need), t)
+                       for e, t in zip(es, at) if t is not None]
+            before = tuple((d, ix) for d, ix, t in readers if ix and t <= position)
+            after = tuple((d, ix) for d, ix, t in readers if ix and t >= position)
+            if other and before and after:
+                copies.append((nbytes / shard_factor(need, prob.mesh), es[0].src, other,
+                               before, after))
+    intervals, inner = _schedule(prob)
+    live = [v for v, a, b in intervals if a <= position <= b] + list(
+        inner.get(position, ((), 0))[0])
+    return CopyCut(position, tuple(live), tuple(copies))

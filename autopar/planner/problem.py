@@ -742,16 +742,20 @@ def _memory_points(graph: Graph, n_points: int, schedule) -> list[list[int]]:
 
 
 def _intervals(ops: Sequence[Op], keep, fusion: Fusion) -> list[tuple[int, int, int]]:
-    """(value, producer position, last reader position) of each result of ``ops`` ``keep``s,
-    then of each broadcast buffer the ops read (``Fusion.broadcasts``, sized as its value)."""
-    pos, last, at = {}, {}, {}
+    """(value, producer position, last reader position) of each result of ``ops`` ``keep``s
+    (a producer duplicated into several kernels reads its operands where the last of them
+    runs, ``Fusion.duplicated``), then of each broadcast buffer the ops read
+    (``Fusion.broadcasts``, sized as its value)."""
+    pos, last = {}, {}
+    at = {op.id: t for t, op in enumerate(ops)}
     for t, op in enumerate(ops):
-        at[op.id] = t
         for v in op.outs:
             if keep(v):
                 pos[v] = t
+        copies = fusion.duplicated.get(op.id)
+        run = max(at[k] for k in copies) if copies else t   # a copy reads where its kernel runs
         for v in op.ins:
-            last[v] = t
+            last[v] = max(last.get(v, run), run)
     spans = [(v, a, last.get(v, a)) for v, a in pos.items()]
     for v, readers in fusion.broadcasts:
         if readers[0] in at:
