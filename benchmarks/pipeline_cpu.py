@@ -54,6 +54,8 @@ from autopar.pipeline import planning as PL
 from autopar.pipeline import runtime as R
 from autopar.pipeline import schedules as S
 
+PADDED: list[str] = []    # the padded slots' report lines, filled in by _measure
+
 HEADER = ("schedule", "virtual", "microbatches", "layers", "ticks", "parallel",
           "timeline_only_ms", "predicted_step_ms", "measured_step_ms", "step_ratio",
           "predicted_loop_ms", "traced_loop_ms", "busy_ratio", "predicted_bubble",
@@ -100,6 +102,65 @@ def _action_calls(model, params, micro, ranges) -> dict:
         out[("F", first, last, b - a)] = (jax.jit(f), (p_v, rest, x))
         out[("B", first, last, b - a)] = (jax.jit(bwd), (p_v, rest, x))
     return out
+
+
+def _padded_calls(model, params, micro, ranges) -> dict:
+    """("Fpad" / "Bpad", first?, last?, layers) -> (jitted fn, args): a chunk shorter than the
+    longest as the runtime runs it (``runtime.Actions``): its slots padded to the longest chunk
+    with the last layer repeated, each slot a ``lax.cond`` on whether it is a layer, and the
+    backward's gradients added into ``(1, Lmax)`` accumulators. Against the same chunk's
+    unpadded action it measures what ``planning.padded_slot_s`` predicts."""
+    layers, rest = model.split(params)
+    x = jax.eval_shape(model.embed, rest, micro)
+    x = jnp.zeros(x.shape, x.dtype)
+    longest = max(b - a for a, b in ranges)
+    out = {}
+    for c, (a, b) in enumerate(ranges):
+        first, last = c == 0, c == len(ranges) - 1
+        if b - a == longest or ("Fpad", first, last, b - a) in out:
+            continue
+        index = np.minimum(np.arange(a, a + longest), b - 1)
+        p_v = jax.tree_util.tree_map(lambda t, i=index: t[i], layers)
+        valid = jnp.arange(longest) < b - a
+
+        def layer(y, lp_ok):
+            lp, ok = lp_ok
+            return jax.lax.cond(ok, model.layer, lambda _, h: h, lp, y), None
+
+        def f(p, r, h, first=first, last=last, valid=valid):
+            h = model.embed(r, micro) if first else h
+            h, _ = jax.lax.scan(layer, h, (p, valid))
+            return h, (model.head_loss(r, h, micro) if last else jnp.zeros(()))
+
+        def bwd(p, r, h, acc, f=f):
+            _, vjp = jax.vjp(f, p, r, h)
+            dp, dr, dh = vjp((jnp.ones_like(x), jnp.ones(())))
+            return jax.tree_util.tree_map(lambda g, d: g.at[0].add(d), acc, dp), dr, dh
+
+        acc = jax.tree_util.tree_map(lambda t: jnp.zeros((1, *t.shape), t.dtype), p_v)
+        out[("Fpad", first, last, b - a)] = (jax.jit(f), (p_v, rest, x))
+        out[("Bpad", first, last, b - a)] = (jax.jit(bwd), (p_v, rest, x, acc))
+    return out
+
+
+def _padded_text(model, params, ranges, t: dict) -> list[str]:
+    """The padded slots' measured seconds against ``planning.padded_slot_s``."""
+    longest = max(b - a for a, b in ranges)
+    hw = cost_models.hardware("cpu")
+    layer_bytes, _ = PL._param_bytes(model, params, {"stage": 2})
+    slot = PL.padded_slot_s(hw, layer_bytes)
+    lines = []
+    for key in sorted(k for k in t if isinstance(k, tuple) and k[0] == "Fpad"):
+        _, first, last, n = key
+        for kind in ("F", "B"):
+            meas = (t[(kind + "pad", first, last, n)] - t[(kind, first, last, n)]) / (longest - n)
+            lines.append(f"* {n}-layer chunk padded to {longest}, {kind}: per padded slot "
+                         f"predicted {slot[kind] * 1e3:.3f} ms ({PL.PADDED_SLOT_PASSES[kind]} "
+                         f"passes over a layer's {layer_bytes / 2**20:.2f} MiB of parameters at "
+                         f"the cpu profile's {hw.hbm_bytes_per_s / 1e9:.2f} GB/s), measured "
+                         f"{meas * 1e3:.3f} ms (the padded action's median minus the unpadded "
+                         "one's, over the padded slots)")
+    return lines
 
 
 # ---- the per-tick calibration (a separate model: never the plans evaluated below) ------------
@@ -213,7 +274,9 @@ def _measure(cfg, rows: int, name: str, virtual: int, m: int, repeats: int, rang
         cfg, rows, name, virtual, m, ranges)
     micro = jax.tree_util.tree_map(lambda a: a[: rows // m], batch)
     calls = {**_action_calls(model, state["params"], micro, ranges), "step": (compiled, placed)}
-    t = _interleaved_medians({**calls, **_parallel_calls(mesh)}, repeats)
+    t = _interleaved_medians({**calls, **_parallel_calls(mesh),
+                              **_padded_calls(model, state["params"], micro, ranges)}, repeats)
+    PADDED.extend(_padded_text(model, state["params"], ranges, t))
     cores = 2 * t["alone"] / t["pair"]
     in_trace: dict = {}                   # the same rounds again, under jax.profiler
     traced = MP.trace(compiled, mesh, lambda: in_trace.update(_interleaved_medians(calls,
@@ -312,7 +375,11 @@ def main() -> None:
         "cores (see the environment line) the same configuration's step and action times vary "
         "up to 2x between runs, so the step and bubble columns are not conclusive there; the "
         "memory columns do not depend on load.", "",
-        _common.md_table(HEADER, rows_out), "", *calibration,
+        _common.md_table(HEADER, rows_out), "",
+        "Padded slots (unequal ranges): the timeline adds planning.padded_slot_s per padded "
+        "slot of a chunk shorter than the longest; the same chunk timed alone, padded as the "
+        "runtime runs it and not:", "", *(PADDED or ["* no unequal ranges in this run"]), "",
+        *calibration,
         f"Wall time {time.perf_counter() - t0:.0f} s. Environment: {_common.environment()}.", ""]
     (out / "pipeline_cpu.md").write_text("\n".join(text))
     print("\n".join(text))

@@ -146,6 +146,32 @@ def test_price_holds_the_runtime_tick_overhead():
     assert paid.bubble_fraction > free.bubble_fraction > 0
 
 
+def test_price_charges_padded_slots_to_the_shorter_chunks():
+    """Unequal ranges run padded to the longest chunk: on a 3 + 1 split over two stages the
+    one-layer stage's busy time holds its own layer plus two padded slots per action
+    (``padded_slot_s``: passes over a layer's parameters), while an equal split pays none."""
+    costs = PL.Costs(layer_f=1e-3, layer_b=2e-3, embed_f=0, embed_b=0, head_f=0, head_b=0,
+                     layer_peak_bytes=0, act_bytes=1e4, solve_s=0)
+    sm = PM.gpt_staged(CFG)
+    params = jax.eval_shape(lambda: PM.gpt_train_step(CFG)[1](jax.random.PRNGKey(0), 8))[
+        "params"]
+    hw = cost_models.hardware("cpu")
+    sizes = {"stage": 2, "data": 4}
+    m = 4
+    layer_bytes, _ = PL._param_bytes(sm, params, sizes)
+    slot = PL.padded_slot_s(hw, layer_bytes)
+    assert slot["B"] == pytest.approx(9 * layer_bytes / hw.hbm_bytes_per_s) and slot["F"] > 0
+    n = sm.num_layers
+    split = ((0, n - 1), (n - 1, n))
+    uneq = PL.price(sm, params, costs, sizes, "stage", hw, "1f1b", 1, m, split)
+    pads = n - 2                  # the short chunk's padded slots
+    assert uneq.stage_time_s[1] == pytest.approx(
+        m * (1e-3 + 2e-3 + pads * (slot["F"] + slot["B"])))
+    assert uneq.stage_time_s[0] == pytest.approx(m * (n - 1) * 3e-3)
+    even = PL.price(sm, params, costs, sizes, "stage", hw, "1f1b", 1, m)
+    assert even.stage_time_s == pytest.approx((m * n / 2 * 3e-3,) * 2)
+
+
 @pytest.mark.parametrize("pipeline,fix", [
     ({"axis": "pipe"}, "not an axis of the mesh"),
     ({"stages": 3}, "use stages=2"),

@@ -21,6 +21,9 @@ and gradients, which the state counts). With ``V > 1`` virtual stages, or unequa
 runtime moves the layers into the chunk layout and the gradients back
 (``_layout_overheads``).
 
+A chunk shorter than the longest runs padded; its padded slots skip the layer but not the
+slicing and gradient copies (``padded_slot_s``), which its actions pay.
+
 The tick loop also pays the runtime's own cost of every tick (``tick_overhead_s``: the
 profile's ``pipeline_tick_s``, the collective-permutes' bytes and a copy of the state each tick
 threads through its switches), which the step and the bubble include.
@@ -263,17 +266,40 @@ TICK_CARRY_COPIES = 1.0
 
 def loop_timeline(model: StagedModel, params, sizes: dict, axis: str, hw, sch: S.Schedule,
                   ranges, duration, act_bytes: float, cores: float | None = None) -> S.Timeline:
-    """The tick loop of ``sch`` priced: ``duration(action)`` seconds per action on its stage,
-    and on every tick the runtime's overhead (``tick_overhead_s``) for the busiest stage's
+    """The tick loop of ``sch`` priced: ``duration(action)`` seconds per action on its stage
+    plus, for a chunk shorter than the longest, its padded slots (``padded_slot_s``), and on
+    every tick the runtime's overhead (``tick_overhead_s``) for the busiest stage's
     state (the longest chunk's accumulators). ``cores``: how many stages compute at once at
     the speed ``duration`` assumes (emulated CPU devices sharing a host's cores; ``None``:
     each stage has its own device, what the planner assumes)."""
     layer_bytes, rest_bytes = _param_bytes(model, params, sizes)
-    carry = tick_carry_bytes(sch, layer_bytes, max(b - a for a, b in ranges), rest_bytes,
-                             act_bytes)
-    return S.price(sch, duration, cores=cores,
+    lengths = [b - a for a, b in ranges]
+    carry = tick_carry_bytes(sch, layer_bytes, max(lengths), rest_bytes, act_bytes)
+    slot = padded_slot_s(hw, layer_bytes)
+
+    def padded(a: S.Action) -> float:
+        return duration(a) + (max(lengths) - lengths[a.chunk]) * slot[a.kind]
+
+    return S.price(sch, padded, cores=cores,
                    tick_s=tick_overhead_s(cost_models.CostModel(hw, sizes), axis, act_bytes,
                                           carry))
+
+
+# Passes over one layer's parameters (each a read or a write at hbm_bytes_per_s) that a padded
+# slot of a chunk (unequal ranges run padded to the longest chunk, runtime.Actions._layer) still
+# makes though it skips the layer, counted from the ops a jax.profiler trace of a 3 + 1 step
+# shows per slot (dynamic slices, dynamic-update-slices, the accumulating add). Forward: the
+# scan's slice of the slot's parameters (read, write). Backward: that slice for the recomputed
+# forward and again for the backward loop (4), the zero gradient the skipped branch writes and
+# its write into the chunk's stacked gradient (2), and the accumulation into the (V, Lmax)
+# accumulators (read both, write one: 3). benchmarks/pipeline_cpu.py times a padded chunk
+# against the unpadded one; per-op launch costs are not counted (they dominate at small widths).
+PADDED_SLOT_PASSES = {"F": 2, "B": 9}
+
+
+def padded_slot_s(hw, layer_bytes: float) -> dict[str, float]:
+    """Seconds one padded slot adds to a chunk's forward ("F") and backward ("B") action."""
+    return {k: n * layer_bytes / hw.hbm_bytes_per_s for k, n in PADDED_SLOT_PASSES.items()}
 
 
 def tick_overhead_s(cm, axis: str, act_bytes: float, carry_bytes: float) -> float:
