@@ -159,9 +159,12 @@ class ChunkLayout:
         return ChunkLayout(index, valid, slot, bool(valid.all()))
 
     def to_stages(self, x):
-        """(L, ...) -> (P, V, Lmax, ...)."""
+        """(L, ...) -> (P, V, Lmax, ...). Equal chunks: a reshape, which moves no data between
+        stages when ``V = 1``; with ``V > 1`` chunk ``v P + s`` is not among the layers stage
+        ``s`` holds in the ``(L, ...)`` layout, so XLA moves them every step (an all-to-all over
+        the stage axis, and another for the gradients: ``planning._layout_overheads``)."""
         p, v, lc = self.index.shape
-        if self.equal:          # a reshape: no data moves between stages
+        if self.equal:
             return jnp.swapaxes(x.reshape(v, p, lc, *x.shape[1:]), 0, 1)
         return jnp.take(x, jnp.asarray(self.index), axis=0)
 
