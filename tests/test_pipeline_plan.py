@@ -127,16 +127,21 @@ def test_price_follows_the_schedule():
     assert ob.in_flight == S.in_flight(S.build("1f1b", 4, 1, 8))
 
 
-def test_price_holds_the_runtime_tick_overhead():
-    """The profile's ``pipeline_tick_s`` is paid once per tick of the schedule, on top of the
-    carry copies and permute bytes ``tick_overhead_s`` prices; it raises the bubble."""
+def _one_ms_layers():
+    """(costs, staged model, abstract params, cpu profile, sizes): CFG's GPT on {stage: 2,
+    data: 4} with layers of 1 ms forward and 2 ms backward and free ends."""
     costs = PL.Costs(layer_f=1e-3, layer_b=2e-3, embed_f=0, embed_b=0, head_f=0, head_b=0,
                      layer_peak_bytes=0, act_bytes=1e4, solve_s=0)
     sm = PM.gpt_staged(CFG)
     params = jax.eval_shape(lambda: PM.gpt_train_step(CFG)[1](jax.random.PRNGKey(0), 8))[
         "params"]
-    hw = cost_models.hardware("cpu")
-    sizes = {"stage": 2, "data": 4}
+    return costs, sm, params, cost_models.hardware("cpu"), {"stage": 2, "data": 4}
+
+
+def test_price_holds_the_runtime_tick_overhead():
+    """The profile's ``pipeline_tick_s`` is paid once per tick of the schedule, on top of the
+    carry copies and permute bytes ``tick_overhead_s`` prices; it raises the bubble."""
+    costs, sm, params, hw, sizes = _one_ms_layers()
     free = PL.price(sm, params, costs, sizes, "stage",
                     dataclasses.replace(hw, pipeline_tick_s=0.0), "gpipe", 1, 4)
     paid = PL.price(sm, params, costs, sizes, "stage",
@@ -150,13 +155,7 @@ def test_price_charges_padded_slots_to_the_shorter_chunks():
     """Unequal ranges run padded to the longest chunk: on a 3 + 1 split over two stages the
     one-layer stage's busy time holds its own layer plus two padded slots per action
     (``padded_slot_s``: passes over a layer's parameters), while an equal split pays none."""
-    costs = PL.Costs(layer_f=1e-3, layer_b=2e-3, embed_f=0, embed_b=0, head_f=0, head_b=0,
-                     layer_peak_bytes=0, act_bytes=1e4, solve_s=0)
-    sm = PM.gpt_staged(CFG)
-    params = jax.eval_shape(lambda: PM.gpt_train_step(CFG)[1](jax.random.PRNGKey(0), 8))[
-        "params"]
-    hw = cost_models.hardware("cpu")
-    sizes = {"stage": 2, "data": 4}
+    costs, sm, params, hw, sizes = _one_ms_layers()
     m = 4
     layer_bytes, _ = PL._param_bytes(sm, params, sizes)
     slot = PL.padded_slot_s(hw, layer_bytes)
