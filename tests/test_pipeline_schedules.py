@@ -55,10 +55,16 @@ def test_interleaved_bubble_is_textbook(p, v, m):
 
 
 def test_plain_1f1b_in_lockstep_pays_for_its_memory():
-    # Two stages: the textbook bubble. More: the ramp costs extra ticks (module docstring).
+    # Two stages: the textbook bubble. More: the steady state idles too (module docstring), so
+    # the loss does not shrink away with more microbatches as the textbook's does
     assert S.price(S.build("1f1b", 2, 1, 8), _unit).bubble_fraction == pytest.approx(1 / 9)
     for p, m in [(4, 8), (4, 16), (3, 9)]:
         assert S.price(S.build("1f1b", p, 1, m), _unit).bubble_fraction > (p - 1) / (m + p - 1)
+    for p in (3, 4, 8):
+        plain = S.price(S.build("1f1b", p, 1, 96), _unit).bubble_fraction
+        assert plain > 0.25 and plain > 3 * (p - 1) / (96 + p - 1)
+        assert S.price(S.build("eager_1f1b", p, 1, 96), _unit).bubble_fraction == pytest.approx(
+            (p - 1) / (96 + p - 1))
 
 
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 2), (3, 7)])

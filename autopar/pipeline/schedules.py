@@ -32,10 +32,13 @@ so the bubble is the fraction of the tick loop a stage is not running its own fo
 backward, the runtime's per-tick overhead included.
 
 Every hop between stages costs a whole tick. GPipe's and interleaved 1F1B's ticks then add up to
-the textbook ``(V M + P - 1)(t_F + t_B) / V``; plain 1F1B's ramp, whose backward chain has to
-cross every stage before stage 0 can go on, costs about ``(P - 1)(t_F + t_B)`` more: the price of
-holding only ``P - s`` microbatches in one SPMD program (an asynchronous MPMD runtime overlaps
-those hops). ``eager_1f1b`` trades memory back for that time.
+the textbook ``(V M + P - 1)(t_F + t_B) / V``. Plain 1F1B does not, once ``P > 2``: a microbatch's
+round trip through the stages takes about ``2 P - 1`` ticks, and stage ``s`` holds only
+``P - s`` microbatches, so its steady state idles too and the loss grows with ``M``, not only with
+the ramp (bare timeline, ``t_B = 2 t_F``: bubble 0.26 at ``P = 3, M = 96``, 0.34 at
+``P = 4``, 0.45 at ``P = 8``, against the textbook 0.02-0.07; 0.01 at ``P = 2``). An
+asynchronous MPMD runtime overlaps those hops; in one SPMD program ``eager_1f1b`` buys the time
+back with memory (0.03 at ``P = 4, M = 96``).
 
 Following the order bounds the microbatches a stage keeps in flight: 1F1B holds at most ``P - s``
 on stage ``s`` (``min(M, P - s)``), GPipe all ``M``. ``stash_slots`` allocates the buffers that
