@@ -48,3 +48,43 @@ def test_quick(script, tmp_path):
             row = next(csv.DictReader(fh))
         assert not row["status"].startswith("error") and float(row["total_s"]) > 0, row
 
+
+def test_pipeline_cpu_pads_a_chunk_as_the_runtime_does(monkeypatch):
+    """``pipeline_cpu``'s padded action (what it times against ``planning.padded_slot_s``)
+    computes what the unpadded chunk computes: the same forward, input cotangent and
+    gradient of the real layer, and zeros in the padded slots' accumulators."""
+    import jax
+    import numpy as np
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    import pipeline_cpu as B
+
+    from autopar.models import gpt
+    from autopar.pipeline import model as PM
+
+    cfg = gpt.GPTConfig(vocab=64, seq=8, d_model=16, heads=2, d_ff=32, layers=4, scan=True)
+    step, init = PM.gpt_train_step(cfg)
+    model = PM.staged_model_of(step)
+    params = init(jax.random.PRNGKey(0), 4)["params"]
+    micro = jax.tree_util.tree_map(lambda a: a[:2], gpt.make_batch(cfg, 4))
+    ranges = ((0, 3), (3, 4))
+    plain = B._action_calls(model, params, micro, ranges)
+    padded = B._padded_calls(model, params, micro, ranges)
+    assert set(padded) == {("Fpad", False, True, 1), ("Bpad", False, True, 1)}
+
+    def run(calls, key):
+        fn, args = calls[key]
+        return fn(*args)
+
+    for x, y in zip(jax.tree.leaves(run(plain, ("F", False, True, 1))),
+                    jax.tree.leaves(run(padded, ("Fpad", False, True, 1)))):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+    dp, dr, dh = run(plain, ("B", False, True, 1))
+    acc, dr2, dh2 = run(padded, ("Bpad", False, True, 1))
+    for g, a in zip(jax.tree.leaves(dp), jax.tree.leaves(acc)):
+        assert a.shape == (1, 3, *g.shape[1:])
+        np.testing.assert_allclose(a[0, :1], g, rtol=1e-5, atol=1e-6)
+        assert not np.asarray(a[0, 1:]).any()
+    np.testing.assert_allclose(dh, dh2, rtol=1e-5, atol=1e-6)
+    for x, y in zip(jax.tree.leaves(dr), jax.tree.leaves(dr2)):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
