@@ -10,6 +10,13 @@ A ``Hardware`` describes one kind of device and how devices are wired:
   * ``conv_efficiency``: a convolution's rate as a factor of the matmul rate of its dtype
     (``peak * matmul_efficiency``); 1.0, the default, prices convolutions as matmuls. Small
     convolutions on CPU devices run below a matmul's rate (``profile()`` measures the ratio).
+  * ``conv_min_features`` ``W`` and ``conv_narrow_power`` ``p``: a convolution ``c`` channels
+    wide per device (the geometric mean of its input and output features there) runs at
+    ``min(1, c / W)^p`` of that rate (a few channels fill few of the vector lanes or tiles;
+    splitting a conv's channels over many devices makes them narrow). ``W`` = 1, the default,
+    switches the rule off (the GPU data sheets: not measured there). ``profile()`` fits both
+    from chained convolutions of 2-64 channels: on 8 CPU devices the rate falls off a cliff
+    below 8 channels (``p`` about 3-4).
   * ``transcendental_s``: seconds one device takes per transcendental evaluation (exp, log,
     tanh, sqrt, ...; ``ir.Op.transcendentals``) on top of the op's FLOPs; 0, the default,
     prices them as free (GPU profiles: the special-function units keep pace with memory).
@@ -112,6 +119,8 @@ class Hardware:
     collective_efficiency: float = 0.8
     collective_kind_efficiency: tuple[tuple[str, float], ...] = ()
     conv_efficiency: float = 1.0     # convolution rate / matmul rate
+    conv_min_features: float = 1.0   # channels below which a convolution's rate falls ...
+    conv_narrow_power: float = 1.0   # ... as (channels / conv_min_features) ** conv_narrow_power
     transcendental_s: float = 0.0    # seconds per exp/log/tanh/sqrt/... on one device
     select_scatter_s: float = 0.0    # a max-pool gradient: seconds per pooled-operand element
     select_scatter_fixed_s: float = 0.0   # ... and per gradient
@@ -274,6 +283,12 @@ def _validate(hw: Hardware) -> None:
     for kind, eff in hw.collective_kind_efficiency:
         _check_factor(where, f"collective_kind_efficiency[{kind!r}]", eff)
     _check_factor(where, "conv_efficiency", hw.conv_efficiency)
+    if not _number(where, "conv_min_features", hw.conv_min_features, ">= 1") >= 1:
+        raise CostModelError(f"{where}: conv_min_features={hw.conv_min_features!r} must be >= 1 "
+                             f"channel (1 switches the narrow-convolution rule off).")
+    if not 0 < _number(where, "conv_narrow_power", hw.conv_narrow_power, "> 0") <= 8:
+        raise CostModelError(f"{where}: conv_narrow_power={hw.conv_narrow_power!r} must be in "
+                             f"(0, 8] (the exponent of a narrow convolution's slowdown).")
     for field in _RATES:
         _check_rate(where, field, getattr(hw, field))
     for field in _FRACTIONS:

@@ -123,17 +123,21 @@ class CostModel:
         is_matmul: bool = True,
         conv: bool = False,
         transcendentals: float = 0.0,
+        conv_features: float = math.inf,
     ) -> float:
         """Roofline time of one kernel on one device.
 
         ``max(flops / (peak(dtype) * matmul_efficiency * c), bytes / (hbm * memory_efficiency))``,
-        ``c`` being ``conv_efficiency`` for a convolution (``conv``), else 1, and
+        ``c`` being ``conv_efficiency`` for a convolution (``conv``), times
+        ``min(1, conv_features / conv_min_features) ** conv_narrow_power`` (``conv_features``:
+        the geometric mean of its
+        input and output features per device), else 1, and
         ``transcendentals * transcendental_s`` added to the FLOP term,
         plus the kernel's fixed cost ``hw.launch_s(bytes_accessed)`` (``kernel_launch_s``, and
         ``kernel_floor_s`` from ``kernel_floor_bytes`` up); 0 when both counts are 0.
         """
         return roofline_time_s(flops, bytes_accessed, self.hw, dtype, is_matmul, conv,
-                               transcendentals)
+                               transcendentals, conv_features)
 
     def op_time_s(self, op: Op, shard_factor: float = 1, dtype: str | None = None) -> float:
         """Time of one execution of ``op`` when its work is split ``shard_factor`` ways.

@@ -38,9 +38,10 @@ profile (``kernel_floor_s=0``, ``conv_efficiency=1``, ``transcendental_s=0``,
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
@@ -91,6 +92,9 @@ class Sweep:
     # (batch, side, channels) of chained 3x3 convolutions, against chained square matmuls
     conv_shapes: tuple[tuple[int, int, int], ...] = ((4, 16, 16), (4, 8, 32), (8, 16, 32))
     conv_matmuls: tuple[int, ...] = (128, 256)
+    # channels of chained 3x3 convolutions of equal FLOPs (batch x channels^2 fixed), from narrow
+    # to wide: their rates give ``conv_min_features``
+    conv_widths: tuple[int, ...] = (2, 4, 8, 16, 32, 64)
     transcendental_elements: int = 1 << 16   # float32 per device, for ``transcendental_s``
     # NHWC float32 operands per device of a 2x2 max-pool's gradient, for ``select_scatter_s``
     pool_shapes: tuple[tuple[int, int, int, int], ...] = ((4, 8, 8, 16), (4, 16, 16, 16),
@@ -123,6 +127,7 @@ QUICK_SWEEP = Sweep(
     stream_rows=(4, 64, 256),
     conv_shapes=((4, 8, 16),),
     conv_matmuls=(128,),
+    conv_widths=(2, 8, 32),
     transcendental_elements=1 << 12,
     pool_shapes=((2, 8, 8, 8), (4, 16, 16, 16)),
 )
@@ -183,7 +188,8 @@ def profile(
     kernel_s, coll_s = in_program_launches(devs, sweep, kfit)
     cfit = dataclasses.replace(cfit, kernel_launch_s=kernel_s)
     floor_s, floor_bytes = kernel_floor(devs, sweep, cfit)
-    conv = conv_efficiency(devs, sweep)
+    width, power = conv_min_features(devs, sweep)
+    conv = conv_efficiency(devs, sweep, width, power)
     trans = statistics.median(m.time_s for m in measure_transcendentals(
         devs, sweep.transcendental_elements, repeats=sweep.repeats, warmup=sweep.warmup))
     per_element, fixed = select_scatter(devs, sweep)
@@ -192,6 +198,7 @@ def profile(
     hw = hardware_from_fits(name or devs[0].platform, devs, cfit, kfit, ref)
     return dataclasses.replace(hw, dispatch_s=dispatch, kernel_floor_s=floor_s,
                                kernel_floor_bytes=floor_bytes, conv_efficiency=conv,
+                               conv_min_features=width, conv_narrow_power=power,
                                transcendental_s=max(trans, 0.0), select_scatter_s=per_element,
                                select_scatter_fixed_s=fixed)
 
@@ -213,22 +220,62 @@ def select_scatter(devices: Sequence[jax.Device], sweep: Sweep) -> tuple[float, 
     return per_element, fixed
 
 
-def conv_efficiency(devices: Sequence[jax.Device], sweep: Sweep) -> float:
+def conv_efficiency(devices: Sequence[jax.Device], sweep: Sweep,
+                    min_features: float = 1.0, power: float = 1.0) -> float:
     """A convolution's FLOP rate over a matmul's, both inside one program: the median rate of
     chained same-padded 3x3 float32 convolutions of a small step's shapes
-    (``sweep.conv_shapes``) over the median rate of chained square matmuls
-    (``sweep.conv_matmuls``), all timed round robin on every device at once
-    (``measure_chains``). On CPU devices small convolutions run at about half a matmul's rate."""
+    (``sweep.conv_shapes``), each divided by the narrow-channel factor
+    ``min(1, channels / min_features) ** power`` that ``conv_min_features`` fitted, over the
+    median rate of chained square matmuls (``sweep.conv_matmuls``), all timed round robin on
+    every device at once (``measure_chains``). On CPU devices small convolutions run at about
+    half a matmul's rate."""
     reps = dict(repeats=sweep.repeats, warmup=sweep.warmup)
     specs = [conv_chain_spec(b, side, c) for b, side, c in sweep.conv_shapes]
     specs += [matmul_chain_spec(n, n, n, FALLBACK_DTYPE) for n in sweep.conv_matmuls]
     ms = measure_chains(devices, specs, **reps)
     k = len(sweep.conv_shapes)
-    conv = [m.flops / m.time_s for m in ms[:k] if m.time_s > 0]
+    conv = [m.flops / m.time_s / min(1.0, c / min_features) ** power
+            for m, (_, _, c) in zip(ms[:k], sweep.conv_shapes) if m.time_s > 0]
     mm = [m.flops / m.time_s for m in ms[k:] if m.time_s > 0]
     if not conv or not mm:   # no usable timing (noise ate the chains' slope): as matmuls
         return 1.0
     return statistics.median(conv) / statistics.median(mm)
+
+
+def conv_min_features(devices: Sequence[jax.Device], sweep: Sweep) -> tuple[float, float]:
+    """(``conv_min_features``, ``conv_narrow_power``): the channel count ``W`` below which a
+    convolution's rate falls, and how steeply (``(c / W)^p``). Chained 3x3 float32
+    convolutions of ``c`` channels in and out (``sweep.conv_widths``), of equal FLOPs (the batch
+    shrinks as ``c^2`` grows), are timed round robin on every device at once;
+    ``fit_min_features`` fits their rates. (1, 1), no narrow-channel rule, when noise leaves
+    fewer than two usable rates."""
+    widths = sorted(sweep.conv_widths)
+    top = widths[-1]
+    specs = [conv_chain_spec((top // c) ** 2, 8, c) for c in widths]
+    ms = measure_chains(devices, specs, repeats=sweep.repeats, warmup=sweep.warmup)
+    rates = {c: m.flops / m.time_s for c, m in zip(widths, ms) if m.time_s > 0}
+    return fit_min_features(rates)
+
+
+NARROW_POWERS = (0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0)
+
+
+def fit_min_features(rates: Mapping[int, float]) -> tuple[float, float]:
+    """The ``(W, p)`` for which ``rate(c) = R min(1, c / W)^p`` fits ``rates`` (channels ->
+    FLOP/s) best in log space, ``R`` the median rate of the widths from ``W`` up; ``W`` among the
+    measured channel counts (a knee beyond the widest cannot be told from the data), ``p`` among
+    ``NARROW_POWERS``. (1, 1), no rule, with fewer than two rates."""
+    if len(rates) < 2:
+        return 1.0, 1.0
+    logs = {c: math.log(r) for c, r in rates.items()}
+
+    def misfit(wp: tuple[int, float]) -> float:
+        w, p = wp
+        top = statistics.median(v for c, v in logs.items() if c >= w)
+        return sum((v - top - p * math.log(min(1.0, c / w))) ** 2 for c, v in logs.items())
+
+    w, p = min(((w, p) for w in sorted(rates) for p in NARROW_POWERS), key=misfit)
+    return (1.0, 1.0) if w == min(rates) else (float(w), p)
 
 
 def kernel_floor(devices: Sequence[jax.Device], sweep: Sweep,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 
 import pytest
@@ -159,6 +160,36 @@ def test_conv_efficiency_slows_convolutions_only() -> None:
         toy_hw(conv_efficiency=0.0)
 
 
+def test_narrow_convolutions_run_slower_by_their_width() -> None:
+    hw = toy_hw(conv_efficiency=0.5, conv_min_features=8.0, conv_narrow_power=2.0)
+    cm = CostModel(hw, {})
+    wide = cm.compute_time_s(1e12, 1.0, conv=True, conv_features=64.0)
+    at_knee = cm.compute_time_s(1e12, 1.0, conv=True, conv_features=8.0)
+    narrow = cm.compute_time_s(1e12, 1.0, conv=True, conv_features=2.0)
+    assert wide == at_knee == pytest.approx(1e12 / (50e12 * 0.5) + 1e-6)
+    assert narrow == pytest.approx(1e12 / (50e12 * 0.5 * (2 / 8) ** 2) + 1e-6)
+    # a matmul, or a profile without the rule (W = 1), is not touched by the width
+    assert cm.compute_time_s(1e12, 1.0, conv=False, conv_features=2.0) == pytest.approx(
+        1e12 / 50e12 + 1e-6)
+    assert CostModel(toy_hw(conv_efficiency=0.5), {}).compute_time_s(
+        1e12, 1.0, conv=True, conv_features=1.0) == pytest.approx(wide)
+    with pytest.raises(CostModelError, match="conv_min_features"):
+        toy_hw(conv_min_features=0.5)
+    with pytest.raises(CostModelError, match="conv_narrow_power"):
+        toy_hw(conv_narrow_power=0.0)
+
+
+def test_fit_min_features_finds_the_knee_and_its_slope() -> None:
+    from cost_models.profile import fit_min_features
+
+    # rates R min(1, c / 8)^3 with R = 10 GFLOP/s, widths 2..64
+    rates = {c: 10e9 * min(1.0, c / 8) ** 3 for c in (2, 4, 8, 16, 32, 64)}
+    assert fit_min_features(rates) == (8.0, 3.0)
+    # flat rates: no knee, no rule; one rate: no fit
+    assert fit_min_features({c: 5e9 for c in (2, 8, 32)}) == (1.0, 1.0)
+    assert fit_min_features({8: 5e9}) == (1.0, 1.0)
+
+
 def test_transcendentals_add_to_the_flop_term() -> None:
     cm = CostModel(toy_hw(transcendental_s=1e-9), {"data": 4})
     tanh = Op(0, "tanh", (0,), (1,), transcendentals=4e6, bytes_accessed=8.0)
@@ -260,6 +291,8 @@ def test_profile_quick_is_positive_finite_and_round_trips() -> None:
     if hw.kernel_floor_s == 0:   # no floor measured: no threshold either
         assert hw.kernel_floor_bytes == 0
     assert 0 < hw.conv_efficiency < 1e6
+    widths = importlib.import_module("cost_models.profile").QUICK_SWEEP.conv_widths
+    assert 1 <= hw.conv_min_features <= max(widths) and 0 < hw.conv_narrow_power <= 8
     assert 0 <= hw.transcendental_s < 1e-3
     assert 0 <= hw.select_scatter_s < 1e-3 and 0 <= hw.select_scatter_fixed_s < 1.0
 

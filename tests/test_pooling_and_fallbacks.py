@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import autopar
 import cost_models
@@ -269,3 +270,22 @@ def test_compare_unseeded_auto_gets_no_handwritten_hint_or_start(monkeypatch):
     assert len(seen) == 1 and seen[0].hint is None and seen[0].starts == ()
     assert alone["auto"].ok and alone["dp"].ok
     assert alone["dp"].predicted_step_s == seeded["dp"].predicted_step_s
+
+
+def test_auto_keeps_the_cpu_convolutions_wide():
+    """On the CPU profile a convolution narrower than ``conv_min_features`` channels per device
+    runs far slower per FLOP (XLA:CPU: 8-in, 2-out ~30x slower than 8-in, 16-out), so auto
+    splits the batch of the tiny conv net on 8 devices. Without the rule it split the first
+    conv's 8 output channels one per device over a replicated batch, which measured 1.4x
+    slower than data parallel (benchmarks/results/cpu_measured.md at 50605d3: 21.1 vs 14.9 ms)."""
+    step, state, batch = convnet.abstract(CFG, 32)
+    cpu = cost_models.hardware("cpu")
+    assert cpu.conv_min_features > 1
+
+    def image_spec(hw):
+        plan = autopar.plan(step, state, batch, mesh={"data": 8}, hardware=hw, time_limit_s=2,
+                            deterministic=True)
+        return plan.spec_of("image")
+
+    assert image_spec(cpu) == P("data")
+    assert image_spec(dataclasses.replace(cpu, conv_min_features=1.0)) == P()

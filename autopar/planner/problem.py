@@ -357,9 +357,11 @@ class _Builder:
             if pool_grad and self.cm.hw.platform == "cpu":
                 nbytes = pool_gradient_bytes(self.g, self.mesh, op, st)
             if op.flops or op.transcendentals or nbytes:
+                conv = op.prim in CONV_PRIMS
                 t = self.cm.compute_time_s(op.flops / st.compute_div, nbytes, dtype, matmul,
-                                           op.prim in CONV_PRIMS,
-                                           op.transcendentals / st.compute_div)
+                                           conv, op.transcendentals / st.compute_div,
+                                           conv_features(self.g, self.mesh, op, st) if conv
+                                           else math.inf)
                 if pool_grad:   # the measured floor of a max-pool's gradient, when profiled
                     n = _elements(self.g, self.mesh, op.ins[1], _layout_in(st, 1))
                     t = max(t, self.cm.hw.select_scatter_time_s(n) + self.cm.hw.launch_s(nbytes))
@@ -626,6 +628,28 @@ def _elements(graph: Graph, mesh: Mapping[str, int], v: int, layout: Sharding | 
     """Elements of value ``v`` one device holds in ``layout``."""
     val = graph.values[v]
     return math.prod(val.shape) / (shard_factor(layout, mesh) if layout else 1)
+
+
+def conv_features(graph: Graph, mesh: Mapping[str, int], op: Op, st: Strategy) -> float:
+    """The width of convolution ``op`` on one device under ``st``, what ``conv_min_features``
+    prices: the geometric mean of its input features per feature group (the kernel's
+    input-feature dim, or the input's feature dim over the groups, whichever the layouts leave
+    smaller) and its output features, each divided by the mesh axes its layout splits that dim
+    over. ``profile()`` fits the rule on convolutions with as many channels in as out; the mean
+    carries it to others (XLA:CPU runs a 3-in, 1-out convolution 3-7x slower per FLOP than a
+    3-in, 8-out one, and 8-in, 2-out ~30x slower than 8-in, 16-out). The convolutions of a
+    conv's gradient name other dims features (the kernel gradient's input features are the
+    batch) and are priced by their own dimension numbers."""
+    lhs_spec, rhs_spec, out_spec = op.param("dimension_numbers")
+    groups = op.param("feature_group_count", 1) or 1
+
+    def local(v: int, layout: Sharding | None, dim: int) -> float:
+        size = graph.values[v].shape[dim]
+        return size / (math.prod(mesh[a] for a in layout[dim]) if layout else 1)
+
+    lhs, rhs = _layout_in(st, 0), _layout_in(st, 1)
+    fin = min(local(op.ins[0], lhs, lhs_spec[1]) / groups, local(op.ins[1], rhs, rhs_spec[1]))
+    return math.sqrt(fin * local(op.outs[0], st.outs[0], out_spec[1]))
 
 
 def pool_gradient_bytes(graph: Graph, mesh: Mapping[str, int], op: Op, st: Strategy) -> float:
