@@ -46,7 +46,7 @@ activation's (32 KiB) from the forward pass to the second kernel gradient. With 
 net row is within 10%; the auto plans' 0.91 (1x8, 2x4, 4x2) is 252 KiB of temporaries live at
 XLA's peak (the first pool's argmax) against our 236 KiB. The all-gather of the pooled
 activation along channels, which XLA:CPU lays out with the gathered dimension major, makes it
-compute the first pool's operand a second time in that layout (16 KiB; 32 KiB on 2x2x2, 0.90),
+compute the first pool's operand a second time in that layout (16 KiB; 32 KiB on 2x2x2, 0.93),
 not modelled; XLA's pool packs its 252 KiB into 264. ``_pool_gradient_expansion`` counts
 XLA:CPU's rewrite of the max-pool gradient. On the 2x2x2 mesh unrolled GPT is under-predicted by
 up to 17% (XLA holds backward activations gathered to the whole batch longer than the model's
@@ -187,26 +187,27 @@ def _pool_gradient_expansion(prob: Problem, nbytes) -> list[tuple[int, int, floa
     scatter of the cotangent into a zero-filled buffer at those indices. The iotas read nothing,
     so its scheduler starts them at the top of the step and they live until the argmax, which
     runs where the forward pool does; the zero buffer likewise lives until the scatter; the
-    argmax's s32 indices (one per dimension, the pooled shape) are short-lived. Only top-level
-    ops, and only for ``platform="cpu"`` hardware: GPU backends have their own select-and-scatter
-    kernel (not measured here)."""
+    argmax's s32 indices (one per dimension, the pooled shape in the forward pool's layout, not
+    the cotangent's: on 2x2x2 the auto plan's cotangent is split over one more axis) are
+    short-lived. Only top-level ops, and only for ``platform="cpu"`` hardware: GPU backends have
+    their own select-and-scatter kernel (not measured here)."""
     if prob.reshard.cm.hw.platform != "cpu":
         return []
     g = prob.graph
     pooled_at = {}
     for t, op in enumerate(g.ops):
         if op.prim == "reduce_window_max":
-            pooled_at.setdefault(op.ins[0], t)
+            pooled_at.setdefault(op.ins[0], (t, op.outs[0]))
     spans = []
     for t, op in enumerate(g.ops):
         if op.prim != "select_and_scatter_add":
             continue
         source, operand = op.ins[0], op.ins[1]
-        forward = pooled_at.get(operand, t)
+        forward, pooled = pooled_at.get(operand, (t, source))
         rank = len(g.values[operand].shape)
         spans.append((0, forward, rank * 4 * _elements(prob, operand, nbytes)))
         spans.append((0, t, nbytes(operand)))
-        spans.append((forward, forward, rank * 4 * _elements(prob, source, nbytes)))
+        spans.append((forward, forward, rank * 4 * _elements(prob, pooled, nbytes)))
     return spans
 
 
