@@ -16,7 +16,9 @@ that is what ``estimate`` predicts:
     layout a reader needs, shared by all readers that need the same layout, as XLA shares
     identical reshards) from its first to its last reader; at a loop's position, the values
     live at the peak of its body, and the buffers of the body's reductions
-    (``_loop_reductions``);
+    (``_loop_reductions``); on XLA:CPU, the transposed operand copies its convolution
+    canonicalization makes (``_conv_transposes``: a kernel gradient's input, from the value's
+    first reader), which replace the convolution's read of the value or of its resharded copy;
   * results' buffers reused: XLA's buffer assignment puts a temporary into a result's buffer
     when it fits and dies before the result is written (``_pooled``), so only the rest count
     towards the pool. A loop's results are placed the same way: XLA colocates a loop's result
@@ -37,10 +39,18 @@ layer norm of the same per-device shape and on 1x8; which ones is not understood
 counted (those rows ~19-22% over). An MoE's dispatch and combine tensors, replicated in our auto
 plan on 2x4 and read sliced by the expert dots, are computed by XLA only for the local slice (the
 partitioner slices the elementwise chain's operands instead): ~39% over. The conv net's auto
-plans are under-predicted by 19-24% (not diagnosed; its other plans are within 10% since
-``_pool_gradient_expansion`` counts XLA:CPU's rewrite of the max-pool gradient). On the 2x2x2
-mesh unrolled GPT is under-predicted by up to 17% (XLA holds backward activations gathered to
-the whole batch longer than the model's resharded copies).
+plans (channels split over all 8 devices, the image whole on each) were under-predicted by
+19-24% for want of the kernel gradients' transposed inputs (``_conv_transposes``): on 1x8 XLA
+holds the image's (48 KiB) from before the forward pass to the end and the gathered pooled
+activation's (32 KiB) from the forward pass to the second kernel gradient. With them every conv
+net row is within 10%; the auto plans' 0.91 (1x8, 2x4, 4x2) is 252 KiB of temporaries live at
+XLA's peak (the first pool's argmax) against our 236 KiB. The all-gather of the pooled
+activation along channels, which XLA:CPU lays out with the gathered dimension major, makes it
+compute the first pool's operand a second time in that layout (16 KiB; 32 KiB on 2x2x2, 0.93),
+not modelled; XLA's pool packs its 252 KiB into 264. ``_pool_gradient_expansion`` counts
+XLA:CPU's rewrite of the max-pool gradient. On the 2x2x2 mesh unrolled GPT is under-predicted by
+up to 17% (XLA holds backward activations gathered to the whole batch longer than the model's
+resharded copies).
 
 The ILP's memory constraint (``ilp.memory_exprs``) is the linear part of this model: it checks
 the live values at the heaviest points of the schedule (every broadcast buffer included, so it
@@ -82,10 +92,13 @@ def estimate(prob: Problem, choice) -> MemoryEstimate:
     resident = sum(whole(v) for v in prob.const_values)
     temps, inner = _schedule(prob)
     fused = _fused_broadcasts(prob, nbytes)
+    last = _last_untransposed_reads(prob)
+    temps = [(v, a, min(b, last.get(v, b))) for v, a, b in temps]
     looped = [(a, b, nbytes(v)) for v, a, b in temps if g.ops[a].regions]
     spans = [(a, b, nbytes(v)) for v, a, b in temps if not g.ops[a].regions and v not in fused]
     live = np.zeros(len(g.ops) + 1)
-    for a, b, size in _pooled(looped + spans + _reshard_copies(prob, choice),
+    for a, b, size in _pooled(looped + spans + _reshard_copies(prob, choice)
+                              + _conv_operand_transposes(prob, choice, nbytes),
                               _output_slots(prob, whole)):
         live[a: b + 1] += size
     for t, (ids, _) in inner.items():
@@ -174,26 +187,27 @@ def _pool_gradient_expansion(prob: Problem, nbytes) -> list[tuple[int, int, floa
     scatter of the cotangent into a zero-filled buffer at those indices. The iotas read nothing,
     so its scheduler starts them at the top of the step and they live until the argmax, which
     runs where the forward pool does; the zero buffer likewise lives until the scatter; the
-    argmax's s32 indices (one per dimension, the pooled shape) are short-lived. Only top-level
-    ops, and only for ``platform="cpu"`` hardware: GPU backends have their own select-and-scatter
-    kernel (not measured here)."""
+    argmax's s32 indices (one per dimension, the pooled shape in the forward pool's layout, not
+    the cotangent's: on 2x2x2 the auto plan's cotangent is split over one more axis) are
+    short-lived. Only top-level ops, and only for ``platform="cpu"`` hardware: GPU backends have
+    their own select-and-scatter kernel (not measured here)."""
     if prob.reshard.cm.hw.platform != "cpu":
         return []
     g = prob.graph
     pooled_at = {}
     for t, op in enumerate(g.ops):
         if op.prim == "reduce_window_max":
-            pooled_at.setdefault(op.ins[0], t)
+            pooled_at.setdefault(op.ins[0], (t, op.outs[0]))
     spans = []
     for t, op in enumerate(g.ops):
         if op.prim != "select_and_scatter_add":
             continue
         source, operand = op.ins[0], op.ins[1]
-        forward = pooled_at.get(operand, t)
+        forward, pooled = pooled_at.get(operand, (t, source))
         rank = len(g.values[operand].shape)
         spans.append((0, forward, rank * 4 * _elements(prob, operand, nbytes)))
         spans.append((0, t, nbytes(operand)))
-        spans.append((forward, forward, rank * 4 * _elements(prob, source, nbytes)))
+        spans.append((forward, forward, rank * 4 * _elements(prob, pooled, nbytes)))
     return spans
 
 
@@ -293,9 +307,133 @@ def _copies(prob: Problem, choice):
 
 
 def _reshard_copies(prob: Problem, choice) -> list[tuple[int, int, float]]:
-    """(first, last position, per-device bytes) of each resharded copy the plan makes."""
-    return [(min(at), max(at), prob.graph.values[es[0].value].nbytes
-             / shard_factor(need, prob.mesh)) for es, _, need, _, at in _copies(prob, choice)]
+    """(first, last position, per-device bytes) of each resharded copy the plan makes. A
+    non-canonical convolution that reads the copy reads a transposed copy of it instead
+    (``_conv_operand_transposes``), made where the copy's first reader runs: it does not hold
+    the copy past that."""
+    moved = _transposed_reads(prob)
+    out = []
+    for es, _, need, edges, at in _copies(prob, choice):
+        kept = [t for e, t in zip(edges, at) if (e.op, e.value) not in moved]
+        out.append((min(at), max(kept, default=min(at)),
+                    prob.graph.values[es[0].value].nbytes / shard_factor(need, prob.mesh)))
+    return out
+
+
+def _non_canonical_conv_operands(op) -> tuple[int, ...]:
+    """The operands (0: input, 1: kernel) of convolution ``op`` whose dimension order is not
+    the one XLA:CPU's convolution kernel takes: input (batch, spatial..., feature), kernel
+    (spatial..., in feature, out feature); in jax's ``ConvDimensionNumbers`` (batch or out
+    feature, feature or in feature, spatial...) that is ``(0, n-1, 1, ..., n-2)`` and
+    ``(n-1, n-2, 0, ..., n-3)`` for rank ``n``. A forward NHWC/HWIO convolution has none; its
+    kernel gradient both (input and cotangent read with batch as the contracted feature); its
+    input gradient the kernel (in and out swapped)."""
+    specs = op.param("dimension_numbers")
+    if not specs:
+        return ()
+    lhs, rhs = tuple(specs[0]), tuple(specs[1])
+    n = len(lhs)
+    canonical = ((0, n - 1, *range(1, n - 1)), (n - 1, n - 2, *range(n - 2)))
+    return tuple(k for k, (spec, want) in enumerate(zip((lhs, rhs), canonical)) if spec != want)
+
+
+def _conv_transposes(prob: Problem) -> list[tuple[int, int, int, int]]:
+    """(operand value, conv op id, first position, conv position) of each transposed operand
+    copy XLA:CPU makes for a top-level convolution (plan-independent).
+
+    XLA:CPU's ``ConvCanonicalization`` rewrites every top-level convolution its Eigen kernel
+    cannot take (``PotentiallyImplementedAsEigenConvolution``) into transposes of the input and
+    kernel to the canonical order, a canonical convolution and a transpose of its result back
+    (identity transposes are dropped; the result's fuses into its readers). A transposed operand
+    reads nothing else, and XLA's scheduler makes it where the value's first reader runs, not
+    where the convolution does: read from the conv net's buffer assignment (1x8 auto plan), the
+    image's transpose for the first kernel gradient is made before the forward convolution and
+    held to the end of the backward pass (48 KiB there), the gathered pooled activation's from
+    the forward pass to the second kernel gradient (32 KiB). An operand the convolution alone
+    reads, computed by the step, is written transposed by its producer's kernel (the first
+    kernel gradient's cotangent): no second buffer. Only ``platform="cpu"``: the
+    canonicalization is XLA:CPU's (elsewhere every convolution reads its operands in place)."""
+    def make():
+        g = prob.graph
+        if prob.reshard.cm.hw.platform != "cpu":
+            return []
+        readers: dict[int, list[tuple[int, int]]] = {}
+        for t, top in enumerate(g.ops):
+            stack = [top]
+            while stack:
+                o = stack.pop()
+                for v in o.ins:
+                    readers.setdefault(v, []).append((o.id, t))
+                stack.extend(x for r in o.regions for x in r.ops)
+        held = set(g.inputs) | set(g.consts)
+        out = []
+        for t, op in enumerate(g.ops):
+            if op.prim != "conv_general_dilated":
+                continue
+            for k in _non_canonical_conv_operands(op):
+                v = op.ins[k]
+                others = [r for r in readers.get(v, ()) if r[0] != op.id]
+                if v in held or others:
+                    out.append((v, op.id, min(p for _, p in readers[v]), t))
+        return out
+
+    return _memo(prob, "_conv_transposes", make)
+
+
+def _transposed_reads(prob: Problem) -> set[tuple[int, int]]:
+    """(conv op id, value) of each read ``_conv_transposes`` redirects to a transposed copy."""
+    return _memo(prob, "_transposed_reads",
+                 lambda: {(op_id, v) for v, op_id, _, _ in _conv_transposes(prob)})
+
+
+def _last_untransposed_reads(prob: Problem) -> dict[int, int]:
+    """Temporary value -> its last top-level reader other than the convolutions that read a
+    transposed copy of it (at least where that copy is made), for the values whose last reader
+    is such a convolution: XLA frees them once the copy is made."""
+    def make():
+        g, moved = prob.graph, _transposed_reads(prob)
+        made = {}
+        for v, _, first, _ in _conv_transposes(prob):
+            made[v] = min(made.get(v, first), first)
+        last: dict[int, int] = {}
+        plain: dict[int, int] = {}
+        for t, top in enumerate(g.ops):
+            stack = [top]
+            while stack:
+                o = stack.pop()
+                for v in o.ins:
+                    last[v] = t
+                    if v in made and (o.id, v) not in moved:
+                        plain[v] = t
+                stack.extend(x for r in o.regions for x in r.ops)
+        return {v: max(plain.get(v, first), first) for v, first in made.items()
+                if last.get(v) is not None and last[v] > plain.get(v, -1)}
+
+    return _memo(prob, "_last_untransposed_reads", make)
+
+
+def _conv_operand_transposes(prob: Problem, choice, nbytes) -> list[tuple[int, int, float]]:
+    """(first, last position, per-device bytes) of each transposed operand copy
+    (``_conv_transposes``), sized in the layout the convolution reads (a resharded copy's when it
+    reads one). XLA makes one per (value, layout, order)."""
+    g = prob.graph
+    reading = _memo(prob, "_reading_edges", lambda: {
+        (e.op, e.value): (es, e) for es in prob.edge_sets() for e in es if e.op >= 0})
+    spans: dict[tuple, tuple[int, int]] = {}
+    for v, op_id, first, t in _conv_transposes(prob):
+        hit = reading.get((op_id, v))
+        size = nbytes(v)
+        layout = None
+        if hit is not None:
+            _, e = hit
+            layout = e.need[choice[e.dst]]
+            size = g.values[v].nbytes / shard_factor(layout, prob.mesh)
+        specs = g.op(op_id).param("dimension_numbers")
+        k = 0 if g.op(op_id).ins[0] == v else 1
+        key = (v, layout, tuple(specs[k]), size)
+        a, b = spans.get(key, (first, t))
+        spans[key] = (min(a, first), max(b, t))
+    return [(a, b, key[3]) for key, (a, b) in spans.items()]
 
 
 @dataclasses.dataclass(frozen=True)
