@@ -26,8 +26,9 @@ Writes ``benchmarks/results/cpu_measured.md``, ``cpu_measured.csv`` and ``cpu_me
 What each CPU term of the profile changes, on the same measured steps (plans only, no timing):
 
     python benchmarks/cpu_measured.py --reprice benchmarks/results/cpu_measured_profile.json \
-        --without kernel_floor_s          # or conv_efficiency, transcendental_s,
-                                          # select_scatter_s,select_scatter_fixed_s, or several
+        --without kernel_floor_s          # or conv_efficiency, conv_min_features,
+                                          # transcendental_s, select_scatter_s,
+                                          # select_scatter_fixed_s, or several
 """
 from __future__ import annotations
 
@@ -407,8 +408,8 @@ def main(argv=None):
 
 
 # The profile terms --without can switch off, and the values that make them neutral.
-NEUTRAL = {"kernel_floor_s": 0.0, "conv_efficiency": 1.0, "transcendental_s": 0.0,
-           "select_scatter_s": 0.0, "select_scatter_fixed_s": 0.0}
+NEUTRAL = {"kernel_floor_s": 0.0, "conv_efficiency": 1.0, "conv_min_features": 1.0,
+           "transcendental_s": 0.0, "select_scatter_s": 0.0, "select_scatter_fixed_s": 0.0}
 
 
 def _reprice_main(args, out):
@@ -478,7 +479,9 @@ def report(rows, ok, args, runs, time_limit_s, meter, elapsed, hw) -> list[str]:
         f"{hw.hbm_bytes_per_s / 1e9:.2f} GB/s per device, kernel launch "
         f"{hw.kernel_launch_s * 1e6:.1f} us (plus a floor of {hw.kernel_floor_s * 1e6:.0f} us "
         f"from {hw.kernel_floor_bytes / 1024:.1f} KiB per kernel up), convolutions at "
-        f"{hw.conv_efficiency:.2f} x the matmul rate, {hw.transcendental_s * 1e9:.1f} ns per "
+        f"{hw.conv_efficiency:.2f} x the matmul rate (times (c / {hw.conv_min_features:g})^"
+        f"{hw.conv_narrow_power:g} below {hw.conv_min_features:g} channels c per device), "
+        f"{hw.transcendental_s * 1e9:.1f} ns per "
         f"transcendental, a max-pool gradient {hw.select_scatter_fixed_s * 1e6:.0f} us + "
         f"{hw.select_scatter_s * 1e9:.1f} ns per operand element, collective launch "
         f"{hw.collective_launch_s * 1e6:.0f} us, program dispatch {hw.dispatch_s * 1e6:.0f} us.",
