@@ -127,6 +127,24 @@ def test_max_pool_gradient_buffers_are_counted_on_cpu():
     assert peak["cpu"] > 1.5 * peak["h100"], peak
 
 
+def test_conv_net_auto_on_2x4_reduce_scatters_the_pool_gradients_cotangent():
+    """The conv net's auto plan on 2x4 splits conv_1's input features over 'model', so its input
+    gradient is a partial sum, and the max-pool gradient that reads it runs split by channels.
+    XLA reduces it with an all-reduce and a local slice, the reduce-scatter ``autopar.hlo``
+    reports; the plan must say the same. It all-reduced instead (32 KiB) while the
+    narrow-convolution rule priced the reduce-scatter strategy by its scattered result
+    (``problem.conv_features``)."""
+    train_step, state, batch = convnet.concrete(convnet.ConvConfig(), 16)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    step = autopar.autoparallel(train_step, mesh=mesh, hardware="cpu", time_limit_s=3,
+                                deterministic=True)
+    step(state, batch)
+    report = step.verify()
+    predicted = dict(step.plan.cost.comm_bytes_by_kind)
+    assert predicted.get("reduce-scatter", 0) > 0 and not predicted.get("all-reduce"), predicted
+    _holds(report)
+
+
 def test_conv_kernel_gradients_read_transposed_copies_on_cpu():
     """XLA:CPU rewrites a convolution its kernel cannot take into transposes of its operands to
     NHWC/HWIO and a canonical convolution (``planner.memory._conv_transposes``). A kernel
