@@ -634,13 +634,17 @@ def conv_features(graph: Graph, mesh: Mapping[str, int], op: Op, st: Strategy) -
     """The width of convolution ``op`` on one device under ``st``, what ``conv_min_features``
     prices: the geometric mean of its input features per feature group (the kernel's
     input-feature dim, or the input's feature dim over the groups, whichever the layouts leave
-    smaller) and its output features, each divided by the mesh axes its layout splits that dim
-    over. ``profile()`` fits the rule on convolutions with as many channels in as out; the mean
+    smaller) and the output features it computes (the kernel's output-feature dim), each divided
+    by the mesh axes its layout splits that dim over. The output features are read off the
+    kernel, not the result's layout: a strategy that reduce-scatters a partial result onto the
+    feature dim (``|RS`` on it) computes every output feature of its kernel shard and splits
+    only the sum afterwards, as fast as the all-reduce strategy with the same operands.
+    ``profile()`` fits the rule on convolutions with as many channels in as out; the mean
     carries it to others (XLA:CPU runs a 3-in, 1-out convolution 3-7x slower per FLOP than a
     3-in, 8-out one, and 8-in, 2-out ~30x slower than 8-in, 16-out). The convolutions of a
     conv's gradient name other dims features (the kernel gradient's input features are the
     batch) and are priced by their own dimension numbers."""
-    lhs_spec, rhs_spec, out_spec = op.param("dimension_numbers")
+    lhs_spec, rhs_spec, _ = op.param("dimension_numbers")
     groups = op.param("feature_group_count", 1) or 1
 
     def local(v: int, layout: Sharding | None, dim: int) -> float:
@@ -649,7 +653,7 @@ def conv_features(graph: Graph, mesh: Mapping[str, int], op: Op, st: Strategy) -
 
     lhs, rhs = _layout_in(st, 0), _layout_in(st, 1)
     fin = min(local(op.ins[0], lhs, lhs_spec[1]) / groups, local(op.ins[1], rhs, rhs_spec[1]))
-    return math.sqrt(fin * local(op.outs[0], st.outs[0], out_spec[1]))
+    return math.sqrt(fin * local(op.ins[1], rhs, rhs_spec[0]))
 
 
 def pool_gradient_bytes(graph: Graph, mesh: Mapping[str, int], op: Op, st: Strategy) -> float:
