@@ -49,8 +49,15 @@ activation along channels, which XLA:CPU lays out with the gathered dimension ma
 compute the first pool's operand a second time in that layout (16 KiB; 32 KiB on 2x2x2, 0.93),
 not modelled; XLA's pool packs its 252 KiB into 264. ``_pool_gradient_expansion`` counts
 XLA:CPU's rewrite of the max-pool gradient. On the 2x2x2 mesh unrolled GPT is under-predicted by
-up to 17% (XLA holds backward activations gathered to the whole batch longer than the model's
-resharded copies).
+up to 17%. Read from XLA's buffer assignment (dp: pool 452 KiB against our 192): XLA:CPU's
+``BFSMemoryScheduler`` runs an instruction as soon as its operands have run, so a gather that
+reshards a forward activation for a backward weight-gradient dot (the ILP splits the batch over
+data and expert there, and the weight gradients read the attention output and MLP activation
+gathered) is made in the forward pass and held to its reader: four 64 KiB gathers live at XLA's
+peak, which this model makes at their first reader. Holding collective copies from their source
+fixes those three rows (1.03-1.08) but over-counts elsewhere (2x2x2 auto 1.14: ten 16 KiB
+layer-norm products XLA:CPU folds into its reduction fusion, which the missing copies hid; MoE
+and scanned zero3 rows 1.15-1.19), so it is not applied: the rule needs a sharper condition.
 
 The ILP's memory constraint (``ilp.memory_exprs``) is the linear part of this model: it checks
 the live values at the heaviest points of the schedule (every broadcast buffer included, so it
