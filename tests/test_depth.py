@@ -300,3 +300,18 @@ def test_memory_of_sums_each_group_in_order(hf_graphs):
 
         want = total(p.const_values) + max((total(live) for live in p.mem_points), default=0.0)
         assert ilp.memory_of(p, choice) == want
+
+
+def test_memory_points_match_one_slice_per_interval(hf_graphs):
+    """``problem._memory_points`` (one prefix sum over all temporaries) picks the check points
+    and live sets that adding each temporary's bytes to its schedule slice picked."""
+    g = hf_graphs[4]
+    fusion = problem.fuse(g)
+    intervals, inner = schedule = (problem.temporaries(g, fusion), problem.body_peaks(g, fusion))
+    live = np.zeros(len(g.ops) + 1)
+    for v, a, b in intervals:
+        live[a: b + 1] += g.values[v].nbytes
+    for n in (1, 6, 50):
+        points = sorted(np.argsort(-live, kind="stable")[:n])
+        want = [[v for v, a, b in intervals if a <= t <= b] for t in points]
+        assert problem._memory_points(g, n, schedule) == want

@@ -754,13 +754,21 @@ def _memory_points(graph: Graph, n_points: int, schedule) -> list[list[int]]:
     live set at the loop's position (carries and stacked results are the loop op's values).
     ``schedule``: ``(temporaries(...), body_peaks(...))``."""
     intervals, inner = schedule
-    live_bytes = np.zeros(len(graph.ops) + 1)
-    for v, a, b in intervals:
-        live_bytes[a: b + 1] += graph.values[v].nbytes
+    # one difference array for all intervals, not a slice addition each: byte counts are
+    # integers far below 2**53, so the prefix sums are the exact totals the slices added up to
+    n = len(graph.ops) + 1
+    vs = np.array([v for v, _, _ in intervals], dtype=np.int64)
+    starts = np.array([a for _, a, _ in intervals], dtype=np.int64)
+    ends = np.array([b for _, _, b in intervals], dtype=np.int64)
+    sizes = np.array([graph.values[v].nbytes for v in vs.tolist()], dtype=np.float64)
+    delta = np.zeros(n + 1)
+    np.add.at(delta, starts, sizes)
+    np.add.at(delta, ends + 1, -sizes)
+    live_bytes = np.cumsum(delta[:n])
     for t, (_, nbytes) in inner.items():
         live_bytes[t] += nbytes
     points = np.argsort(-live_bytes, kind="stable")[:n_points]
-    return [[v for v, a, b in intervals if a <= t <= b] + inner.get(t, ([], 0))[0]
+    return [vs[(starts <= t) & (t <= ends)].tolist() + inner.get(t, ([], 0))[0]
             for t in sorted(points)]
 
 
