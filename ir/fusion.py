@@ -141,17 +141,21 @@ class _Kernels:
     def __init__(self, ops: Sequence[Op], const: set[int], outputs: set[int], values):
         self.ops, self.const, self.outputs, self.values = list(ops), const, outputs, values
         self.by_id = {op.id: op for op in self.ops}
-        self.pos = {op.id: t for t, op in enumerate(self.ops)}
         self.consumers: dict[int, list[Op]] = defaultdict(list)
         for op in self.ops:
-            for v in set(op.ins):
+            ins = op.ins
+            for v in (ins if len(ins) == 1 else set(ins)):
                 self.consumers[v].append(op)
         self.kernel = {op.id: op.id for op in self.ops}
         self.producer = {v: op for op in self.ops for v in op.outs}
         self.copies: dict[int, set[int]] = defaultdict(set)  # op id -> kernels it is copied into
         self.level = self.unfusible_levels()
+        self.settled: dict[int, int] | None = None   # op id -> kernel id, once fuse() is done
 
     def find(self, op_id: int) -> int:
+        settled = self.settled
+        if settled is not None:
+            return settled[op_id]
         while self.kernel[op_id] != op_id:
             self.kernel[op_id] = self.kernel[self.kernel[op_id]]
             op_id = self.kernel[op_id]
@@ -207,6 +211,8 @@ class _Kernels:
                 self.kernel[op.id] = next(iter(targets))
             elif op.prim not in EXPENSIVE and not self.kept_whole(op, users):
                 self.copies[op.id] = targets
+        # the kernels are final: one look-up per op from here on, not a walk up the union tree
+        self.settled = {i: self.find(i) for i in self.kernel}
 
     def unfusible_levels(self) -> dict[int, int]:
         """Value id -> the most unfusible ops on a path from this op list's inputs to it.
@@ -221,8 +227,10 @@ class _Kernels:
                 here = get(v, 0)
                 if here > up:
                     up = here
-            up += op.prim not in FUSIBLE
-            level.update((v, up) for v in op.outs)
+            if op.prim not in FUSIBLE:
+                up += 1
+            for v in op.outs:
+                level[v] = up
         return level
 
     def kept_whole(self, op: Op, users: list[Op]) -> bool:

@@ -261,3 +261,57 @@ def test_descent_masks_match_one_mask_per_group():
     for r in expected:
         assert np.array_equal(got[r], expected[r]), (r, got[r], expected[r])
     assert got[5] is unary[5]     # a root no set restricts keeps its (memoised) array
+
+
+def test_hf_gpt2_start_restrictions_are_one_set_per_role(hf_graphs):
+    """A hand-written start's input restrictions (``planner._allowed``) give the inputs of
+    repeated layers one shared set per (strategies, layout), so ``descent._masked`` masks as
+    often for 8 unrolled layers as for 4 (counts, not time)."""
+    from autopar import planner, strategies
+
+    seen = []
+    for n in (4, 8):
+        p = problem.build(hf_graphs[n], MESH, CM)
+        strat = strategies.get("fsdp_tp").bind(hf_graphs[n], MESH)
+        allowed = planner._allowed(p, strat.fix_inputs(hf_graphs[n], MESH))
+        seen.append((len(allowed), len({(p.root(g), id(ok)) for g, ok in allowed.items()})))
+    (entries4, masks4), (entries8, masks8) = seen
+    assert entries8 > entries4 and masks8 == masks4 < entries4, seen
+
+
+def test_memory_of_sums_each_group_in_order(hf_graphs):
+    """``ilp.memory_of`` (numpy gathers) is, bit for bit, the per-group sum it replaced."""
+    from autopar.planner import ilp
+
+    p = problem.build(hf_graphs[4], MESH, CM)
+    base, points = ilp._memory_tables(p)
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        choice = tuple(int(rng.integers(g.n)) for g in p.groups)
+
+        def total(values, choice=choice):
+            out: dict[int, np.ndarray] = {}
+            for v in values:
+                g = p.group_of_value.get(v)
+                if g is not None:
+                    b = problem.value_bytes(p, v)
+                    out[g] = out[g] + b if g in out else b
+            return sum(float(arr[choice[g]]) for g, arr in out.items())
+
+        want = total(p.const_values) + max((total(live) for live in p.mem_points), default=0.0)
+        assert ilp.memory_of(p, choice) == want
+
+
+def test_memory_points_match_one_slice_per_interval(hf_graphs):
+    """``problem._memory_points`` (one prefix sum over all temporaries) picks the check points
+    and live sets that adding each temporary's bytes to its schedule slice picked."""
+    g = hf_graphs[4]
+    fusion = problem.fuse(g)
+    intervals, inner = schedule = (problem.temporaries(g, fusion), problem.body_peaks(g, fusion))
+    live = np.zeros(len(g.ops) + 1)
+    for v, a, b in intervals:
+        live[a: b + 1] += g.values[v].nbytes
+    for n in (1, 6, 50):
+        points = sorted(np.argsort(-live, kind="stable")[:n])
+        want = [[v for v, a, b in intervals if a <= t <= b] for t in points]
+        assert problem._memory_points(g, n, schedule) == want

@@ -38,7 +38,8 @@ def _allowed(prob: problem.Problem, fixed: Mapping[int, Sharding]) -> dict[int, 
         ok = seen.get(key)
         if ok is None:
             ok = seen[key] = {i for i, s in enumerate(grp.strategies) if s.outs[0] == want}
-        ok = set(ok)
+        # the inputs of repeated layers share one set object (read only, as ``_filtered``'s
+        # are): ``descent._masked`` then masks once per (root, set), not once per layer
         if not ok:
             t = prob.graph.values[prob.graph.inputs[k]]
             raise ShardingError(

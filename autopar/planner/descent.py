@@ -88,7 +88,9 @@ def _masked(p: Problem, unary: dict, allowed) -> dict:
         entry[1] += 1
     left_out: dict[int, np.ndarray] = {}
     for (r, _), (ok, count) in times.items():
-        out = left_out.setdefault(r, np.zeros(len(unary[r]), dtype=np.int64))
+        out = left_out.get(r)
+        if out is None:
+            out = left_out[r] = np.zeros(len(unary[r]), dtype=np.int64)
         keep = np.zeros(len(out), dtype=bool)
         keep[list(ok)] = True
         out[~keep] += count

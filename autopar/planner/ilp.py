@@ -565,16 +565,25 @@ def _memory_error(p: Problem, cost_model, budget: float, allowed, clock: Clock) 
 
 
 def memory_of(p: Problem, choice) -> float:
-    """Predicted peak per-device bytes of a chosen plan (same model as the constraints)."""
+    """Predicted peak per-device bytes of a chosen plan (same model as the constraints).
+    ``choice``: a strategy index per group, in group order (``_as_tuple``). Each table's
+    entries are gathered with numpy and summed in table order, one float at a time, as a sum
+    over the table's groups would: the same float at any depth, without a Python step per
+    group."""
     base, points = _memory_tables(p)
-    def total(table):
-        return sum(float(arr[choice[g]]) for g, arr in table.items())
+    pick = np.asarray(choice, dtype=np.int64)
+
+    def total(table) -> float:
+        gids, flat, offsets = table
+        return sum(flat[offsets + pick[gids]].tolist())
+
     return float(total(base) + max((total(t) for t in points), default=0.0))
 
 
 def _memory_tables(p: Problem):
     """Per group, the bytes of its always-live values and of its values live at each check
-    point, under each of its strategies (summed once per problem: descent asks per start)."""
+    point, under each of its strategies (summed once per problem: descent asks per start), each
+    table as (group ids, their per-strategy arrays concatenated, each array's offset)."""
     hit = p.__dict__.get("_memory_tables")
     if hit is None:
         def table(values):
@@ -584,7 +593,11 @@ def _memory_tables(p: Problem):
                 if g is not None:
                     b = value_bytes(p, v)
                     out[g] = out[g] + b if g in out else b
-            return out
+            arrays = list(out.values())
+            sizes = np.array([len(a) for a in arrays], dtype=np.int64)
+            offsets = np.cumsum(sizes) - sizes
+            flat = np.concatenate(arrays) if arrays else np.zeros(0)
+            return np.array(list(out), dtype=np.int64), flat, offsets
         hit = p.__dict__["_memory_tables"] = (table(p.const_values),
                                               [table(live) for live in p.mem_points])
     return hit

@@ -20,6 +20,12 @@ costs dictionary look-ups, not rule evaluations; ``merged_edges`` folds edges th
 the same roots with the same layouts into one, summing their multipliers. The problem the solver
 sees (roots and merged edges) is then the same size for 12 layers as for 96.
 
+What still grows with depth (partial): the build materialises a group or member entry, layouts
+and edges for every op, and fusion (``ir.fusion``), the memory schedule, the layer roles and the
+hand-written starts' parameter roles each walk every op once. These are dictionary look-ups, not
+rule or cost evaluations, but at 96 unrolled GPT-3-width layers (48k ops) they are most of the
+build time; a flat build would compute them for one layer of each class and stamp the others.
+
 Regions: a scan body is planned once, not unrolled. Its inputs follow the scan's operands (xs lose
 their leading axis), its outputs feed the scan's results (ys gain it), and a loop-carried value
 pays an edge from the body's carry-out back to its carry-in, ``trip_count`` times.
@@ -253,6 +259,8 @@ class _Builder:
         self.fusion = fuse(graph) if fusion is None else fusion
         self.kernel_bytes = _kernel_bytes(graph, self.fusion)
         self.memo: dict = {}        # op structure (+ operand layouts) -> rule / _Planned
+        self.rule_memo: dict = {}   # op_key's first int -> the op's rule
+        self.follow_memo: dict = {}  # (op_key's second int, id of the followed layouts) -> _Planned
         first = len(graph.inputs) + len(graph.consts)
         labels = node_graph(graph)[0]
         self.labels = {op.id: int(labels[first + j]) for j, op in enumerate(graph.ops)}
@@ -275,18 +283,24 @@ class _Builder:
         in for the first five entries of it. The costs read the fusion role too."""
         if op.regions:
             return None
-        vals, ctx = self.g.values, self.ctx
+        ctx = self.ctx
         label = self.labels.get(op.id)
         producers = tuple(map(ctx.producers.get, op.ins))
         if label is not None:
             structure = (label, producers, op.flops, op.transcendentals, op.bytes_accessed)
         else:
+            vals = self.g.values
             structure = (op.prim, op.params, tuple(vals[v] for v in op.ins),
                          tuple(vals[v] for v in op.outs), tuple(v in ctx.literals for v in op.ins),
                          producers, op.flops, op.transcendentals, op.bytes_accessed)
         ids = self.key_ids
         rid = ids.setdefault(structure, len(ids))
-        return rid, ids.setdefault((rid, self.fusion_role(op)), len(ids))
+        fusion, i = self.fusion, op.id
+        if i in fusion.reads or i in fusion.writes or i in fusion.copies:
+            role = (rid,) + self.fusion_role(op)
+        else:   # most ops of a fused kernel read and write nothing from memory
+            role = (rid, (), (), (), i in fusion.roots, self.kernel_bytes.get(i, 0.0))
+        return rid, ids.setdefault(role, len(ids))
 
     def fusion_role(self, op: Op) -> tuple:
         """What the op's kernel reads (with how often), writes and copies, as positions among its
@@ -380,10 +394,11 @@ class _Builder:
 
     def follow(self, op: Op, operand_value: int, derive, mult: float,
                out_values: Sequence[int] | None = None, key=None) -> tuple[Group, _Planned]:
-        grp = self.groups[self.gv[operand_value]]
+        gv = self.gv
+        grp = self.groups[gv[operand_value]]
         have = grp.shard[operand_value]
-        memo_key = None if key is None else ("follow", key[1], id(have))
-        pl = self.memo.get(memo_key) if memo_key is not None else None
+        fkey = None if key is None else (key[1], id(have))
+        pl = self.follow_memo.get(fkey) if fkey is not None else None
         if pl is None:
             derived_key = None if key is None else ("derived", key[0], id(have))
             per_i = self.memo.get(derived_key) if derived_key is not None else None
@@ -391,15 +406,25 @@ class _Builder:
                 per_i = [derive(s) for s in have]
                 if derived_key is not None:
                     self.memo[derived_key] = per_i
-            pl = self.planned(op, per_i, memo_key)
+            pl = self.planned(op, per_i, None)
+            if fkey is not None:
+                self.follow_memo[fkey] = pl
         if op.prim != "alias":
             grp.members[op.id] = pl.per_i
             grp.mults[op.id] = mult
-        self.add_to(grp, "f", pl, mult)
+        if self.pending is not None:
+            gid = grp.id
+            adds = self.pending.get(gid)
+            if adds is None:
+                adds = self.pending[gid] = []
+            adds.append(("f", pl, mult))
+        else:
+            _add_costs(grp, "f", pl, mult)
         outs = op.outs if out_values is None else out_values
+        shard, gid = grp.shard, grp.id
         for v, layouts in zip(outs, pl.outs):
-            grp.shard[v] = layouts
-            self.gv[v] = grp.id
+            shard[v] = layouts
+            gv[v] = gid
         return grp, pl
 
     def add_to(self, grp: Group, kind: str, what, mult: float) -> None:
@@ -433,10 +458,14 @@ class _Builder:
     def link_inputs(self, op: Op, grp: Group, pl: _Planned, skip: int | None,
                     mult: float) -> None:
         """Edges for every non-literal input the op reads, except the one it follows."""
+        gv, needs = self.gv, pl.needs
         for k, v in enumerate(op.ins):
-            if k == skip or pl.needs[k] is None or v not in self.gv:
+            if k == skip or needs[k] is None:
                 continue
-            self.add_edge(self.gv[v], grp.id, v, pl.needs[k], mult, f"op{op.id}:arg{k}", op.id)
+            src = gv.get(v)
+            if src is None:
+                continue
+            self.add_edge(src, grp.id, v, needs[k], mult, f"op{op.id}:arg{k}", op.id)
 
     def add_edge(self, src: int, dst: int, v: int, need: tuple[Sharding, ...], mult: float,
                  where: str, op: int = -1) -> None:
@@ -506,8 +535,8 @@ class _Builder:
     def rule(self, op: Op, key) -> Choices | Follow:
         """The op's rule, memoised under its key without the fusion role (rules read the op's
         structure only: ops that differ in how many kernels read them share it)."""
-        rule_key = None if key is None else ("rule", key[0])
-        hit = self.memo.get(rule_key) if rule_key is not None else None
+        rule_key = None if key is None else key[0]
+        hit = self.rule_memo.get(rule_key) if rule_key is not None else None
         if hit is not None:
             return hit
         if op.regions:  # while / cond: opaque, replicated
@@ -518,7 +547,7 @@ class _Builder:
         else:
             found = rules.rule_for(op, self.ctx)
         if rule_key is not None:
-            self.memo[rule_key] = found
+            self.rule_memo[rule_key] = found
         return found
 
     def add_op(self, op: Op, mult: float) -> None:
@@ -759,13 +788,21 @@ def _memory_points(graph: Graph, n_points: int, schedule) -> list[list[int]]:
     live set at the loop's position (carries and stacked results are the loop op's values).
     ``schedule``: ``(temporaries(...), body_peaks(...))``."""
     intervals, inner = schedule
-    live_bytes = np.zeros(len(graph.ops) + 1)
-    for v, a, b in intervals:
-        live_bytes[a: b + 1] += graph.values[v].nbytes
+    # one difference array for all intervals, not a slice addition each: byte counts are
+    # integers far below 2**53, so the prefix sums are the exact totals the slices added up to
+    n = len(graph.ops) + 1
+    vs = np.array([v for v, _, _ in intervals], dtype=np.int64)
+    starts = np.array([a for _, a, _ in intervals], dtype=np.int64)
+    ends = np.array([b for _, _, b in intervals], dtype=np.int64)
+    sizes = np.array([graph.values[v].nbytes for v in vs.tolist()], dtype=np.float64)
+    delta = np.zeros(n + 1)
+    np.add.at(delta, starts, sizes)
+    np.add.at(delta, ends + 1, -sizes)
+    live_bytes = np.cumsum(delta[:n])
     for t, (_, nbytes) in inner.items():
         live_bytes[t] += nbytes
     points = np.argsort(-live_bytes, kind="stable")[:n_points]
-    return [[v for v, a, b in intervals if a <= t <= b] + inner.get(t, ([], 0))[0]
+    return [vs[(starts <= t) & (t <= ends)].tolist() + inner.get(t, ([], 0))[0]
             for t in sorted(points)]
 
 
