@@ -364,14 +364,11 @@ def _conv_transposes(prob: Problem) -> list[tuple[int, int, int, int]]:
         g = prob.graph
         if prob.reshard.cm.hw.platform != "cpu":
             return []
+        pos = _positions(prob)
         readers: dict[int, list[tuple[int, int]]] = {}
-        for t, top in enumerate(g.ops):
-            stack = [top]
-            while stack:
-                o = stack.pop()
-                for v in o.ins:
-                    readers.setdefault(v, []).append((o.id, t))
-                stack.extend(x for r in o.regions for x in r.ops)
+        for o in g.all_ops():
+            for v in o.ins:
+                readers.setdefault(v, []).append((o.id, pos[o.id]))
         held = set(g.inputs) | set(g.consts)
         out = []
         for t, op in enumerate(g.ops):
@@ -402,17 +399,15 @@ def _last_untransposed_reads(prob: Problem) -> dict[int, int]:
         made = {}
         for v, _, first, _ in _conv_transposes(prob):
             made[v] = min(made.get(v, first), first)
+        pos = _positions(prob)
         last: dict[int, int] = {}
         plain: dict[int, int] = {}
-        for t, top in enumerate(g.ops):
-            stack = [top]
-            while stack:
-                o = stack.pop()
-                for v in o.ins:
-                    last[v] = t
-                    if v in made and (o.id, v) not in moved:
-                        plain[v] = t
-                stack.extend(x for r in o.regions for x in r.ops)
+        for o in g.all_ops():   # pre-order: positions never decrease
+            t = pos[o.id]
+            for v in o.ins:
+                last[v] = t
+                if v in made and (o.id, v) not in moved:
+                    plain[v] = t
         return {v: max(plain.get(v, first), first) for v, first in made.items()
                 if last.get(v) is not None and last[v] > plain.get(v, -1)}
 

@@ -412,14 +412,7 @@ class _Builder:
         if op.prim != "alias":
             grp.members[op.id] = pl.per_i
             grp.mults[op.id] = mult
-        if self.pending is not None:
-            gid = grp.id
-            adds = self.pending.get(gid)
-            if adds is None:
-                adds = self.pending[gid] = []
-            adds.append(("f", pl, mult))
-        else:
-            _add_costs(grp, "f", pl, mult)
+        self.add_to(grp, "f", pl, mult)
         outs = op.outs if out_values is None else out_values
         shard, gid = grp.shard, grp.id
         for v, layouts in zip(outs, pl.outs):
