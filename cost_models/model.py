@@ -130,8 +130,7 @@ class CostModel:
         ``max(flops / (peak(dtype) * matmul_efficiency * c), bytes / (hbm * memory_efficiency))``,
         ``c`` being ``conv_efficiency`` for a convolution (``conv``), times
         ``min(1, conv_features / conv_min_features) ** conv_narrow_power`` (``conv_features``:
-        the geometric mean of its
-        input and output features per device), else 1, and
+        the geometric mean of its input and output features per device), else 1, and
         ``transcendentals * transcendental_s`` added to the FLOP term,
         plus the kernel's fixed cost ``hw.launch_s(bytes_accessed)`` (``kernel_launch_s``, and
         ``kernel_floor_s`` from ``kernel_floor_bytes`` up); 0 when both counts are 0.

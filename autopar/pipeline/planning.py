@@ -274,11 +274,12 @@ def loop_timeline(model: StagedModel, params, sizes: dict, axis: str, hw, sch: S
     each stage has its own device, what the planner assumes)."""
     layer_bytes, rest_bytes = _param_bytes(model, params, sizes)
     lengths = [b - a for a, b in ranges]
-    carry = tick_carry_bytes(sch, layer_bytes, max(lengths), rest_bytes, act_bytes)
+    longest = max(lengths)
+    carry = tick_carry_bytes(sch, layer_bytes, longest, rest_bytes, act_bytes)
     slot = padded_slot_s(hw, layer_bytes)
 
     def padded(a: S.Action) -> float:
-        return duration(a) + (max(lengths) - lengths[a.chunk]) * slot[a.kind]
+        return duration(a) + (longest - lengths[a.chunk]) * slot[a.kind]
 
     return S.price(sch, padded, cores=cores,
                    tick_s=tick_overhead_s(cost_models.CostModel(hw, sizes), axis, act_bytes,
