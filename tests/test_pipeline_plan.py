@@ -87,6 +87,58 @@ def test_autoparallel_runs_a_pipelined_plan(gpt_step, pinned):
     assert auto.plan is first          # same signature: planned once
 
 
+def test_a_stage_places_the_parameter_layouts_its_costs_priced(gpt_step):
+    """With a tensor axis, the ILP's parameter layouts inside a stage are recorded in
+    ``plan.pipeline``, are the plan's input layouts (parameters and Adam moments) and what the
+    pipelined step places; the run equals the unsharded step."""
+    step, state, batch = gpt_step
+    plan = autopar.plan(step, state, batch, mesh=MESH, hardware="cpu",
+                        pipeline={"schedule": "1f1b", "microbatches": 2})
+    pp = plan.pipeline
+    split = {p: v for p, v in pp.rest_layouts if any(v)}
+    # at this width the ILP splits the embedding tables over the tensor axis (a Megatron stage
+    # would keep them whole): the layouts under test are the ILP's, not the model's tensor_dims
+    assert split.get("wte/embedding") in ((("model",), ()), ((), ("model",))), pp.rest_layouts
+    assert {p for p, _ in pp.layer_layouts} == {
+        "/".join(k.key for k in path) for path, _ in
+        jax.tree_util.tree_leaves_with_path(state["params"]["layers"])}
+    layouts = dict(zip(plan.input_paths, plan.input_shardings))
+    wte = split["wte/embedding"]
+    for path in ("[0]['params']['wte']['embedding']",
+                 "[0]['opt_state'][0].mu['wte']['embedding']"):
+        assert layouts[path] == wte, (path, layouts[path])
+    for name, layout in pp.layer_layouts:      # the stacked layers: stage axis, then the layout
+        keys = "".join(f"['{k}']" for k in name.split("/"))
+        assert layouts[f"[0]['params']['layers']{keys}"] == (("stage",), *layout)
+
+    ref_state, ref_loss = jax.jit(step)(state, batch)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), tuple(MESH))
+    run = autopar.autoparallel(step, mesh=mesh, plan=plan)
+    new, loss = run(state, batch)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(new["params"]), jax.tree.leaves(ref_state["params"])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=5e-5)
+    placed = new["params"]["wte"]["embedding"].sharding.spec
+    assert tuple(placed) + (None,) * (2 - len(placed)) == tuple(
+        (d[0] if d else None) for d in wte)
+
+
+def test_pinned_sub_plans_take_the_given_parameter_layouts(gpt_step):
+    """``ArgLayouts`` pins a sub-plan's parameters and leaves its activations to the ILP: the
+    forward action's plan takes the layouts the backward's plan chose."""
+    step, state, batch = gpt_step
+    sm = PM.staged_model_of(step)
+    layers, rest = sm.split(state["params"])
+    layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), layers)
+    x = jax.ShapeDtypeStruct((2, CFG.seq, CFG.d_model), np.float32)
+    want = tuple((p, (("model",), ()) if p == "mlp/fc1/kernel" else tuple(() for _ in v))
+                 for p, v in PL.arg_layouts(PL._sub_plan(sm.layer, (layer, x), {"model": 2},
+                                                         "cpu", 2.0)))
+    got = PL._sub_plan(sm.layer, (layer, x), {"model": 2}, "cpu", 2.0,
+                       strategy=PL.ArgLayouts(want))
+    assert PL.arg_layouts(got) == want
+
+
 def test_auto_picks_the_fastest_that_fits(gpt_step):
     step, state, batch = gpt_step
     plan = autopar.plan(step, state, batch, mesh=MESH, hardware="cpu", pipeline="auto")

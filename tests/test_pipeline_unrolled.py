@@ -11,9 +11,11 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import autopar
+from autopar import strategies
 from autopar.errors import AutoparError
 from autopar.models import gpt
 from autopar.pipeline import model as PM
+from autopar.pipeline import planning as PL
 from autopar.pipeline import runtime as R
 from autopar.pipeline import schedules as S
 from autopar.pipeline import unrolled as U
@@ -180,7 +182,8 @@ def test_hf_gpt2_stage_runs_megatron_with_all_reduces_only(models):
 
 def test_heads_the_tensor_axis_does_not_divide_stay_whole():
     """3 heads on model=2: attention whole on each device of a stage, the MLP (48 wide) split;
-    the plan states the layouts the runtime places (no raw jax error on an uneven split)."""
+    megatron_3d's plan states the layouts the runtime places (no raw jax error on an uneven
+    split), and so does the auto plan, whose layouts are the ILP's."""
     from transformers import GPT2Config
 
     from autopar.models import hf
@@ -197,11 +200,25 @@ def test_heads_the_tensor_axis_does_not_divide_stay_whole():
     h = run.in_shardings_of(stacked, batch)[0]["params"]["transformer"]["h"]
     assert h["attn"]["c_attn"]["kernel"].spec == P("stage", None, None, None, None)
     assert h["mlp"]["c_fc"]["kernel"].spec == P("stage", "model", None)
-    plan = autopar.plan(step, state, batch, mesh=MESH_A, hardware="cpu",
-                        pipeline={"schedule": "gpipe", "microbatches": 2})
+    plan = strategies.get("megatron_3d", microbatches=2, schedule="gpipe").plan(
+        step, state, batch, mesh=MESH_A, hardware="cpu")
     h = "['params']['transformer']['h']"
     assert tuple(plan.spec_of(f"{h}['attn']['c_attn']['kernel']")) == ("stage",)
     assert tuple(plan.spec_of(f"{h}['mlp']['c_fc']['kernel']")) == ("stage", "model")
+    auto = autopar.plan(step, state, batch, mesh=MESH_A, hardware="cpu",
+                        pipeline={"schedule": "gpipe", "microbatches": 2})
+    for p in (plan, auto):
+        placed = PL.executable(p, step, _mesh(MESH_A)).in_shardings_of(stacked, batch)[0]
+        for name, leaf in jax.tree_util.tree_leaves_with_path(placed["params"]):
+            want = p.spec_of("['params']" + "".join(f"['{k.key}']" for k in name))
+            assert _trim(leaf.spec) == _trim(want), name
+
+
+def _trim(spec) -> tuple:
+    dims = list(spec)
+    while dims and dims[-1] is None:
+        dims.pop()
+    return tuple(dims)
 
 
 def test_hf_gpt2_staged_layer_is_hf_block(models):
@@ -236,14 +253,19 @@ def test_autoparallel_pipelines_hf_gpt2(models):
     pins = {"schedule": "1f1b", "microbatches": 4}
     plan = autopar.plan(step, state, batch, mesh=MESH_A, hardware="cpu", pipeline=pins)
     assert plan.pipeline.layer_ranges == ((0, 2), (2, 4))
-    spec = plan.spec_of("['params']['transformer']['h']['mlp']['c_fc']['kernel']")
-    assert tuple(spec)[:2] == ("stage", "model")
-    spec = plan.spec_of("['params']['transformer']['h']['attn']['c_attn']['kernel']")
-    assert tuple(spec)[:3] == ("stage", None, "model")         # (L, 3, H, Dh, D): heads
     run = autopar.autoparallel(step, mesh=_mesh(MESH_A), plan=plan)
     with pytest.raises(AutoparError, match="stack_state"):
         run(state, batch)
     new, loss = run(run.stack_state(state), batch)
+    # the stacked layers run on their stages in the layouts the stage costs priced
+    layouts = dict(plan.pipeline.layer_layouts)
+    for name in ("mlp/c_fc/kernel", "attn/c_attn/kernel"):
+        keys = "".join(f"['{k}']" for k in name.split("/"))
+        spec = _trim(plan.spec_of(f"['params']['transformer']['h']{keys}"))
+        assert spec == _trim(("stage", *(d[0] if d else None for d in layouts[name])))
+        leaf = functools.reduce(operator.getitem, ["transformer", "h", *name.split("/")],
+                                new["params"])
+        assert _trim(leaf.sharding.spec) == spec
     new = run.unstack_state(new)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
     _close(new["opt_state"][0].mu, ref_state["opt_state"][0].mu, rel=1e-5)

@@ -49,9 +49,10 @@ from autopar.errors import AutoparError
 from autopar.mesh import without_mesh
 from autopar.pipeline import dp
 from autopar.pipeline import schedules as S
-from autopar.pipeline.model import StagedModel
+from autopar.pipeline.model import StagedModel, key_names
 from autopar.pipeline.record import PipelinePlan
 from autopar.pipeline.runtime import TENSOR_AXIS, data_axes, equal_ranges, rows_split
+from autopar.strategies.roles import path_keys
 
 OPTIONS = ("axis", "stages", "microbatches", "schedule", "virtual_stages", "layer_ranges")
 LAYER_RANGES = ("auto", "equal")     # equal chunks or the layer-range DP's split; equal only
@@ -153,6 +154,10 @@ class Costs:
     act_bytes: float
     solve_s: float
     residual_bytes: float = 0.0     # what jax.vjp keeps of one layer that grows with the rows
+    # ((path below the layer's parameters, layout), ...) and the same for the rest (embedding,
+    # head): the parameter layouts every sub-plan was priced with, which the runtime places
+    layer_layouts: tuple = ()
+    rest_layouts: tuple = ()
 
 
 def _spec(a, lead=None):
@@ -175,7 +180,14 @@ def stage_costs(model: StagedModel, params, batch, rows: int, sizes: dict, axis:
     one device of a stage runs them: the data axes are manual in the runtime's shard_map, so a
     device computes its data shard's ``rows / shards`` rows with no data-axis collective (the
     gradients are reduced once per step, after the tick loop: ``price``), planned by the ILP
-    (``strategy="auto"``) or a hand-written strategy on the tensor axis alone."""
+    (``strategy="auto"``) or a hand-written strategy on the tensor axis alone.
+
+    One set of parameter layouts is priced, the one the runtime places (``Costs.layer_layouts``
+    and ``rest_layouts``, recorded in ``PipelinePlan``): the layer's are those its backward
+    action's plan (recompute and backward, the bigger action) chooses, the embedding's and head's
+    those one plan of both their backward actions chooses; the other sub-plans (the forward
+    actions and, for the rest, each backward alone) are then planned with those parameters
+    pinned (``ArgLayouts``) and only their activations free."""
     layers, rest = model.split(params)
     layer = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), layers)
     shard_rows = _shard_rows(rows, sizes, axis)
@@ -183,18 +195,73 @@ def stage_costs(model: StagedModel, params, batch, rows: int, sizes: dict, axis:
     x = jax.eval_shape(model.embed, rest, mb)
     sub = {a: n for a, n in sizes.items() if a == TENSOR_AXIS} or {"data": 1}
     plan = functools.partial(_sub_plan, submesh=sub, hardware=hardware,
-                             time_limit_s=time_limit_s, strategy=strategy)
-    lf = plan(model.layer, (layer, x))
-    lb = plan(lambda p, h, dy: jax.vjp(model.layer, p, h)[1](dy), (layer, x, x))
-    ef = plan(model.embed, (rest, mb))
-    eb = plan(lambda r, b, dy: jax.vjp(lambda r_: model.embed(r_, b), r)[1](dy), (rest, mb, x))
-    hf = plan(model.head_loss, (rest, x, mb))
-    hb = plan(jax.grad(model.head_loss, argnums=(0, 1)), (rest, x, mb))
-    plans = (lf, lb, ef, eb, hf, hb)
+                             time_limit_s=time_limit_s)
+    layer_b, embed_b, head_b = _backward_actions(model)
+    lb = plan(layer_b, (layer, x, x), strategy=strategy)
+    ends = plan(lambda r, b, h, dy: (embed_b(r, b, dy), head_b(r, h, b)), (rest, mb, x, x),
+                strategy=strategy)
+    layer_layouts, rest_layouts = arg_layouts(lb), arg_layouts(ends)
+    auto = isinstance(strategy, str) and strategy == "auto"
+    pin_layer = ArgLayouts(layer_layouts) if auto else strategy
+    pin_rest = ArgLayouts(rest_layouts) if auto else strategy
+    lf = plan(model.layer, (layer, x), strategy=pin_layer)
+    ef = plan(model.embed, (rest, mb), strategy=pin_rest)
+    eb = plan(embed_b, (rest, mb, x), strategy=pin_rest)
+    hf = plan(model.head_loss, (rest, x, mb), strategy=pin_rest)
+    hb = plan(head_b, (rest, x, mb), strategy=pin_rest)
+    plans = (lf, lb, ef, eb, hf, hb, ends)
     act = x.size * x.dtype.itemsize
-    return Costs(*(p.cost.step_time_s for p in plans), lb.cost.peak_memory_bytes, act,
+    return Costs(*(p.cost.step_time_s for p in plans[:6]), lb.cost.peak_memory_bytes, act,
                  sum(p.solver.solve_s + p.solver.build_s for p in plans),
-                 residual_bytes(model.layer, layer, x) / sizes.get(TENSOR_AXIS, 1))
+                 residual_bytes(model.layer, layer, x) / sizes.get(TENSOR_AXIS, 1),
+                 layer_layouts, rest_layouts)
+
+
+# Sub-plans per microbatch size: the six actions' and the one of both backward ends (layouts).
+SUB_PLANS = 7
+
+
+def _backward_actions(model: StagedModel):
+    """The runtime's backward actions as functions of (parameters, inputs, cotangent): a layer's
+    (its recomputed forward and ``jax.vjp``), the embedding's and the head's (loss gradient
+    with respect to the rest and the head's input)."""
+    def layer_b(p, h, dy):
+        return jax.vjp(model.layer, p, h)[1](dy)
+
+    def embed_b(r, b, dy):
+        return jax.vjp(lambda r_: model.embed(r_, b), r)[1](dy)
+
+    return layer_b, embed_b, jax.grad(model.head_loss, argnums=(0, 1))
+
+
+# ---- stage layouts ----------------------------------------------------------------------------
+def arg_layouts(plan) -> tuple:
+    """``((path, layout), ...)`` of a sub-plan's first argument (a layer's parameters, or the
+    embedding's and head's), each leaf by its key path below that argument ("attn/qkv/kernel")."""
+    out = []
+    for path, layout in zip(plan.input_paths, plan.input_shardings):
+        keys = path_keys(path)
+        if keys[:1] == ("0",):
+            out.append(("/".join(keys[1:]), layout))
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class ArgLayouts:
+    """A sub-plan's strategy: the first argument's leaves take ``layouts`` (``arg_layouts``),
+    every other input and every activation is the ILP's."""
+
+    layouts: tuple
+    name: str = "stage parameter layouts"
+
+    def fix_inputs(self, graph, mesh) -> dict[int, tuple]:
+        want = dict(self.layouts)
+        out = {}
+        for k, path in enumerate(graph.input_paths):
+            keys = path_keys(path)
+            if keys[:1] == ("0",) and "/".join(keys[1:]) in want:
+                out[k] = want["/".join(keys[1:])]
+        return out
 
 
 def residual_bytes(layer_fn, layer, x) -> float:
@@ -220,8 +287,16 @@ def _shard_rows(rows: int, sizes: dict, axis: str) -> int:
 
 
 # ---- a candidate priced -----------------------------------------------------------------------
-def _bytes(tree) -> float:
-    return float(sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves(tree)))
+def _bytes(tree, layouts=(), sizes=None) -> float:
+    """Bytes of ``tree``'s leaves; with ``layouts`` (``arg_layouts``), per device of ``sizes``'
+    mesh: each leaf divided by the sizes of the axes its layout splits it over."""
+    want = dict(layouts)
+
+    def split(path) -> int:
+        return math.prod(sizes[a] for d in want.get("/".join(key_names(path)), ()) for a in d)
+
+    return float(sum(a.size * a.dtype.itemsize / (split(path) if want else 1)
+                     for path, a in jax.tree_util.tree_leaves_with_path(tree)))
 
 
 def price(model: StagedModel, params, costs: Costs, sizes: dict, axis: str, hw,
@@ -241,8 +316,8 @@ def price(model: StagedModel, params, costs: Costs, sizes: dict, axis: str, hw,
         return length[a.chunk] * (costs.layer_f if a.kind == "F" else costs.layer_b) + ends
 
     timeline = loop_timeline(model, params, sizes, axis, hw, sch, ranges, duration,
-                             costs.act_bytes)
-    layer_bytes, rest_bytes = _param_bytes(model, params, sizes)
+                             costs.act_bytes, costs=costs)
+    layer_bytes, rest_bytes = _param_bytes(model, params, sizes, costs)
     on = [[length[c] for c in range(s, k, p)] for s in range(p)]     # chunk lengths of stage s
     pad = _layout_overheads(cost_models.CostModel(hw, sizes), ranges, p, layer_bytes, axis,
                             model.num_layers)[1]
@@ -253,7 +328,7 @@ def price(model: StagedModel, params, costs: Costs, sizes: dict, axis: str, hw,
     return PipelinePlan(axis, p, ranges, microbatches, sch.name, virtual,
                         timeline.bubble_fraction, timeline.busy_s, memory, S.in_flight(sch),
                         timeline.makespan_s + after_loop_s(model, params, sizes, axis, hw,
-                                                           ranges),
+                                                           ranges, costs),
                         costs.act_bytes, costs.layer_f, costs.layer_b)
 
 
@@ -265,14 +340,16 @@ TICK_CARRY_COPIES = 1.0
 
 
 def loop_timeline(model: StagedModel, params, sizes: dict, axis: str, hw, sch: S.Schedule,
-                  ranges, duration, act_bytes: float, cores: float | None = None) -> S.Timeline:
+                  ranges, duration, act_bytes: float, cores: float | None = None,
+                  costs: Costs | None = None) -> S.Timeline:
     """The tick loop of ``sch`` priced: ``duration(action)`` seconds per action on its stage
     plus, for a chunk shorter than the longest, its padded slots (``padded_slot_s``), and on
     every tick the runtime's overhead (``tick_overhead_s``) for the busiest stage's
     state (the longest chunk's accumulators). ``cores``: how many stages compute at once at
     the speed ``duration`` assumes (emulated CPU devices sharing a host's cores; ``None``:
-    each stage has its own device, what the planner assumes)."""
-    layer_bytes, rest_bytes = _param_bytes(model, params, sizes)
+    each stage has its own device, what the planner assumes); ``costs``: the stage costs whose
+    parameter layouts size the state (``_param_bytes``)."""
+    layer_bytes, rest_bytes = _param_bytes(model, params, sizes, costs)
     lengths = [b - a for a, b in ranges]
     longest = max(lengths)
     carry = tick_carry_bytes(sch, layer_bytes, longest, rest_bytes, act_bytes)
@@ -317,14 +394,16 @@ def tick_overhead_s(cm, axis: str, act_bytes: float, carry_bytes: float) -> floa
             + TICK_CARRY_COPIES * carry_bytes / hw.hbm_bytes_per_s)
 
 
-def after_loop_s(model: StagedModel, params, sizes: dict, axis: str, hw, ranges) -> float:
+def after_loop_s(model: StagedModel, params, sizes: dict, axis: str, hw, ranges,
+                 costs: Costs | None = None) -> float:
     """Seconds the step spends after the tick loop: the gradient reductions, the optimizer's
-    pass over the busiest stage's parameters and, for unequal ranges, the layer moves."""
+    pass over the busiest stage's parameters and, for unequal ranges, the layer moves
+    (parameters in ``costs``' layouts: ``_param_bytes``)."""
     p = sizes[axis]
     cm = cost_models.CostModel(hw, sizes)
     length = [b - a for a, b in ranges]
     on = [[length[c] for c in range(s, len(ranges), p)] for s in range(p)]
-    layer_bytes, rest_bytes = _param_bytes(model, params, sizes)
+    layer_bytes, rest_bytes = _param_bytes(model, params, sizes, costs)
     sync = _gradient_sync_s(cm, sizes, axis, rest_bytes,
                             layer_bytes * max(sum(n) for n in on))
     move_s = _layout_overheads(cm, ranges, p, layer_bytes, axis, model.num_layers)[0]
@@ -361,10 +440,16 @@ def _layout_overheads(cm, ranges, p: int, layer_bytes: float, axis: str, layers:
     return move, 2 * layer_bytes * max(lengths) * len(ranges) / p + stack
 
 
-def _param_bytes(model: StagedModel, params, sizes: dict) -> tuple[float, float]:
-    """(bytes of one layer's parameters per device of a stage, bytes of the rest)."""
+def _param_bytes(model: StagedModel, params, sizes: dict,
+                 costs: Costs | None = None) -> tuple[float, float]:
+    """(bytes of one layer's parameters per device of a stage, bytes of the rest's), in the
+    layouts ``costs`` records (``stage_costs``); costs without them (hand-made ones) take the
+    layers split over the tensor axis and the rest whole."""
     layers, rest = model.split(params)
-    return _bytes(layers) / model.num_layers / sizes.get(TENSOR_AXIS, 1), _bytes(rest)
+    if costs is None or not (costs.layer_layouts or costs.rest_layouts):
+        return _bytes(layers) / model.num_layers / sizes.get(TENSOR_AXIS, 1), _bytes(rest)
+    return (_bytes(layers, costs.layer_layouts, sizes) / model.num_layers,
+            _bytes(rest, costs.rest_layouts, sizes))
 
 
 def stage_bytes(n_layers, longest, layer_bytes: float, rest_bytes: float, slots: int,
@@ -418,7 +503,7 @@ def layer_split(model: StagedModel, params, costs: Costs, sizes: dict, axis: str
     searches every contiguous split (the runtime runs them padded to the longest chunk)."""
     p, n = sizes[axis], model.num_layers
     slots = _buffer_slots(S.build(schedule, p, 1, microbatches))[0]
-    layer_bytes, rest_bytes = _param_bytes(model, params, sizes)
+    layer_bytes, rest_bytes = _param_bytes(model, params, sizes, costs)
     fb = costs.layer_f + costs.layer_b
 
     def time_of(i, j):
@@ -456,9 +541,9 @@ def candidates(pins: Pins, model: StagedModel, rows: int, sizes: dict):
 
 
 def sub_plan_limit_s(time_limit_s: float, cands) -> float:
-    """Six sub-plans per microbatch size share the time limit (the solver's deterministic
-    clock scales with it, so the same limit gives the same stage costs)."""
-    return max(1.0, time_limit_s / (6 * len({m for _, _, m in cands})))
+    """``SUB_PLANS`` sub-plans per microbatch size share the time limit (the solver's
+    deterministic clock scales with it, so the same limit gives the same stage costs)."""
+    return max(1.0, time_limit_s / (SUB_PLANS * len({m for _, _, m in cands})))
 
 
 def choose(model: StagedModel, params, batch, pins: Pins, sizes: dict, hw, budget: float,
@@ -482,7 +567,10 @@ def choose(model: StagedModel, params, batch, pins: Pins, sizes: dict, hw, budge
     fits = [c for c in priced if max(c.stage_memory_bytes) <= budget]
     best = (min(fits, key=lambda c: (c.step_time_s, max(c.stage_memory_bytes))) if fits
             else min(priced, key=lambda c: (max(c.stage_memory_bytes), c.step_time_s)))
-    return dataclasses.replace(best, why=_why(best, priced, fits, budget))
+    costs = costs_by_rows[rows // best.microbatches]
+    return dataclasses.replace(best, why=_why(best, priced, fits, budget),
+                               layer_layouts=costs.layer_layouts,
+                               rest_layouts=costs.rest_layouts)
 
 
 def _layer_choices(model, params, costs: Costs, sizes: dict, axis: str, hw, name: str,
@@ -579,7 +667,8 @@ def _assemble(model, graph, state, batch, pp: PipelinePlan, sizes, hw, budget, s
     from autopar.plan import Collective, CostBreakdown, Plan, SolverStats
 
     tensor = TENSOR_AXIS if TENSOR_AXIS in sizes else None
-    specs = (state_specs(model, state, pp.axis, tensor, pp.stages, sizes.get(tensor, 1)),
+    specs = (state_specs(model, state, pp.axis, tensor, pp.stages, sizes.get(tensor, 1),
+                         (pp.layer_layouts, pp.rest_layouts)),
              jax.tree_util.tree_map(lambda a: batch_spec(a.ndim, sizes, pp.axis), batch))
     ins = tuple(_sharding(s, len(v.shape)) for s, v in zip(
         jax.tree_util.tree_leaves(specs, is_leaf=_is_spec),
@@ -620,4 +709,4 @@ def executable(plan, fn, mesh):
                            "pipeline=...) or run it with autopar.autoparallel(plan=...)")
     sch = S.build(pp.schedule, pp.stages, pp.virtual_stages, pp.microbatches)
     return build_step(staged_model_of(fn), concrete_mesh(mesh), sch, pp.axis,
-                      ranges=pp.layer_ranges)
+                      ranges=pp.layer_ranges, layouts=(pp.layer_layouts, pp.rest_layouts))

@@ -12,6 +12,7 @@ from autopar import jsonread as J
 from autopar.errors import PlanError
 
 FIELDS_INT = ("stages", "microbatches", "virtual_stages")
+LAYOUTS = ("layer_layouts", "rest_layouts")     # absent in plans written before them: ()
 FIELDS_NUM = ("bubble_fraction", "step_time_s", "p2p_bytes", "layer_forward_s",
               "layer_backward_s")
 
@@ -33,6 +34,12 @@ class PipelinePlan:
     layer_forward_s: float                 # one layer on one microbatch, from the intra-op plan
     layer_backward_s: float                # its recompute + backward
     why: str = ""
+    # The parameter layouts inside a stage, on the tensor axis (the stage axis splits the layer
+    # stack on top): ((path below one layer's parameters, layout), ...) and ((path below the
+    # params without the layers, layout), ...); what the stage costs priced and the runtime
+    # places (``planning.stage_costs``, ``runtime.state_specs``).
+    layer_layouts: tuple = ()
+    rest_layouts: tuple = ()
 
     def summary(self) -> str:
         ms = ", ".join(f"{t * 1e3:.3f}" for t in self.stage_time_s)
@@ -48,7 +55,8 @@ def from_dict(d, mesh: dict) -> PipelinePlan | None:
     """The ``PipelinePlan`` ``dataclasses.asdict`` wrote, checked; ``None`` stays ``None``."""
     if d is None:
         return None
-    J.fields(d, "pipeline", [f.name for f in dataclasses.fields(PipelinePlan)])
+    J.fields(d, "pipeline", [f.name for f in dataclasses.fields(PipelinePlan)],
+             optional=LAYOUTS)
     if d["axis"] not in mesh:
         raise PlanError(f"pipeline.axis {d['axis']!r} is not an axis of the mesh {mesh}")
     for n in FIELDS_INT:
@@ -65,7 +73,19 @@ def from_dict(d, mesh: dict) -> PipelinePlan | None:
                  for n in ("stage_time_s", "stage_memory_bytes", "in_flight")}
     J.text(d["schedule"], "pipeline.schedule")
     J.text(d["why"], "pipeline.why")
-    return PipelinePlan(**{**d, "layer_ranges": ranges, **per_stage})
+    layouts = {n: _layouts(d.get(n, []), mesh, f"pipeline.{n}") for n in LAYOUTS}
+    return PipelinePlan(**{**d, "layer_ranges": ranges, **per_stage, **layouts})
+
+
+def _layouts(x, mesh: dict, where: str) -> tuple:
+    from autopar.validate import layout
+
+    out = []
+    for k, item in enumerate(J.seq(x, where)):
+        path, value = J.seq(item, f"{where}[{k}]", 2)
+        out.append((J.text(path, f"{where}[{k}]"),
+                    layout(value, mesh, f"{where}[{k}] ({path})", PlanError)))
+    return tuple(out)
 
 
 def _range(x, where: str) -> tuple[int, int]:

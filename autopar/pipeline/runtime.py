@@ -12,7 +12,8 @@ mean):
     the embedding and the head live on every stage, run only on the first and last chunk's
     stage, and their gradients are summed over the stage axis;
   * inside ``jax.shard_map`` (manual over the stage and data axes, automatic over the tensor
-    axis, so Megatron layouts inside a stage come from the input layouts; each device holds its
+    axis, so the layouts inside a stage follow the parameters' layouts, ``state_specs``: a
+    plan's, else Megatron's; activations are XLA's choice there; each device holds its
     data shard's rows of every microbatch and computes local means), a ``lax.scan`` walks
     the schedule's ticks (``autopar.pipeline.schedules``). Per tick each device reads its row of
     the schedule's tables and runs at most two actions, each a ``lax.switch`` over {nothing,
@@ -91,17 +92,34 @@ def tables(sch: S.Schedule) -> Tables:
 
 # ---- layouts ----------------------------------------------------------------------------------
 def state_specs(model: StagedModel, state, axis: str, tensor_axis: str | None,
-                stages: int = 1, tensor_size: int = 1):
+                stages: int = 1, tensor_size: int = 1, layouts=None):
     """PartitionSpecs of the state: the stacked layers (and their optimizer moments) split over
     the stage axis on the layer dim (whole on every stage when ``stages`` does not divide the
-    layer count), and the dim ``model.tensor_dims`` names (by the leaf's last three or two path
-    keys) over the tensor axis when its ``tensor_size`` divides it (else whole, as the stage
-    costs price it: ``megatron_3d.StageLayouts``); everything else replicated."""
+    layer count), and inside a stage each parameter (and its moments) in its layout on the
+    tensor axis:
+
+      * ``layouts``: a plan's ``(layer_layouts, rest_layouts)`` (``PipelinePlan``), the layouts
+        its stage costs priced, a layer's leaves by their key path below the layer, the others
+        by theirs below the params (the longest that ends the leaf's path);
+      * None: the dim ``model.tensor_dims`` names (by the leaf's last three or two path keys)
+        over the tensor axis when its ``tensor_size`` divides it (else whole, as the stage costs
+        price it: ``megatron_3d.StageLayouts``), everything else replicated."""
+    layer_want = dict(layouts[0]) if layouts is not None else None
+    rest_want = ({tuple(k.split("/")): v for k, v in layouts[1]} if layouts is not None
+                 else {})
+
     def spec(path, leaf):
         names = key_names(path)
-        if model.layers_key not in names or not getattr(leaf, "ndim", 0):
+        if not getattr(leaf, "ndim", 0):
             return P()
+        below = _below(names, model._path())
+        if below is None:
+            return P(*map(_axes, _longest_suffix(names, rest_want) or ()))
         dims = [axis if leaf.shape[0] % stages == 0 else None] + [None] * (leaf.ndim - 1)
+        if layer_want is not None:
+            for i, d in enumerate(layer_want.get("/".join(below), ())):
+                dims[1 + i] = _axes(d)
+            return P(*dims)
         d = tensor_dim(model.tensor_dims, names)
         if tensor_axis is not None and d is not None and leaf.shape[1 + d] % tensor_size == 0:
             dims[1 + d] = tensor_axis
@@ -110,7 +128,28 @@ def state_specs(model: StagedModel, state, axis: str, tensor_axis: str | None,
     return jax.tree_util.tree_map_with_path(spec, state)
 
 
-TENSOR_AXIS = "model"      # the axis a stage's Megatron layouts split (build_step's default)
+def _below(names: tuple, path: tuple) -> tuple | None:
+    """The keys of ``names`` after the first run of ``path`` in it, or None when absent."""
+    n = len(path)
+    for i in range(len(names) - n + 1):
+        if names[i:i + n] == path:
+            return names[i + n:]
+    return None
+
+
+def _longest_suffix(names: tuple, want: dict):
+    for n in range(len(names), 0, -1):
+        if names[-n:] in want:
+            return want[names[-n:]]
+    return None
+
+
+def _axes(dim: tuple):
+    """A layout's dim (a tuple of mesh axes) as a PartitionSpec entry."""
+    return None if not dim else dim[0] if len(dim) == 1 else tuple(dim)
+
+
+TENSOR_AXIS = "model"      # the axis a stage's parameter layouts split (build_step's default)
 
 
 def data_axes(names, axis: str, tensor_axis: str | None = TENSOR_AXIS) -> tuple[str, ...]:
@@ -177,9 +216,11 @@ class ChunkLayout:
 
 # ---- the step ---------------------------------------------------------------------------------
 def build_step(model: StagedModel, mesh, schedule: S.Schedule, axis: str = "stage",
-               tensor_axis: str | None = TENSOR_AXIS, donate: bool = False, ranges=None):
+               tensor_axis: str | None = TENSOR_AXIS, donate: bool = False, ranges=None,
+               layouts=None):
     """A jitted ``step(state, batch) -> (state, loss)`` running ``schedule`` over ``axis``;
-    ``ranges``: the layers ``[start, end)`` of each chunk (default equal chunks)."""
+    ``ranges``: the layers ``[start, end)`` of each chunk (default equal chunks); ``layouts``:
+    the parameters' layouts inside a stage (``state_specs``; default Megatron's)."""
     _check(model, mesh, schedule, axis, ranges)
     lay = ChunkLayout.of(model.num_layers, schedule, ranges)
     tensor_axis = tensor_axis if tensor_axis in mesh.axis_names else None
@@ -204,7 +245,8 @@ def build_step(model: StagedModel, mesh, schedule: S.Schedule, axis: str = "stag
 
     def shardings(state, batch):
         st = jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), state_specs(
-            model, state, axis, tensor_axis, schedule.stages, sizes.get(tensor_axis, 1)))
+            model, state, axis, tensor_axis, schedule.stages, sizes.get(tensor_axis, 1),
+            layouts))
         bt = jax.tree_util.tree_map(
             lambda x: NamedSharding(mesh, batch_spec(x.ndim, sizes, axis, tensor_axis)), batch)
         return st, bt
