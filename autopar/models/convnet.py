@@ -5,6 +5,7 @@ Shapes in comments: B batch, S image side, C channels, K classes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -51,6 +52,7 @@ def make_train_step(cfg: ConvConfig, lr: float = 1e-3):
         return {"params": optax.apply_updates(state["params"], updates), "batch_stats": stats,
                 "opt_state": opt_state}, loss
 
+    @functools.partial(jax.jit, static_argnums=1)   # one program, not one per initialiser op
     def init_state(rng, batch_size: int):
         image = jnp.zeros((batch_size, cfg.side, cfg.side, cfg.in_channels))
         variables = model.init(rng, image)

@@ -6,6 +6,7 @@ V vocabulary, L layers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -130,6 +131,7 @@ def lm_train_step(model: nn.Module, seq: int, lr: float = 1e-3):
 
     train_step = adamw_step(lambda params, batch: loss_fn(params, model, batch), tx)
 
+    @functools.partial(jax.jit, static_argnums=1)   # one program, not one per initialiser op
     def init_state(rng, batch_size: int):
         tokens = jnp.zeros((batch_size, seq), jnp.int32)
         params = model.init(rng, tokens)["params"]

@@ -4,6 +4,8 @@ Shapes in comments: B batch, I input width, H hidden width, L hidden layers.
 """
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -35,6 +37,7 @@ def make_train_step(d_in: int, hidden: int, layers: int, lr: float = 1e-3):
 
     train_step = adamw_step(loss_fn, tx)
 
+    @functools.partial(jax.jit, static_argnums=1)   # one program, not one per initialiser op
     def init_state(rng, batch_size: int):
         params = model.init(rng, jnp.zeros((batch_size, d_in)))["params"]
         return {"params": params, "opt_state": tx.init(params)}

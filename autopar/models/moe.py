@@ -7,6 +7,7 @@ E experts, C capacity per expert and group, F expert MLP width, V vocabulary.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -100,6 +101,7 @@ def make_train_step(cfg: MoEConfig, lr: float = 1e-3):
 
     train_step = adamw_step(loss_fn, tx)
 
+    @functools.partial(jax.jit, static_argnums=1)   # one program, not one per initialiser op
     def init_state(rng, groups: int):
         params = model.init(rng, jnp.zeros((groups, cfg.seq), jnp.int32))["params"]
         return {"params": params, "opt_state": tx.init(params)}

@@ -143,6 +143,7 @@ def gpt2_train_step(model_or_config, lr: float = 1e-3):
     model = _model(model_or_config)
     step, tx = hf.make_train_step(model, lr)
 
+    @jax.jit                  # one program, not one per initialiser op
     def init_state(rng):
         params = model.init_weights(rng, model.input_shape)
         return {"params": params, "opt_state": tx.init(params)}
