@@ -115,9 +115,22 @@ def test_a_stage_places_the_parameter_layouts_its_costs_priced(gpt_step):
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), tuple(MESH))
     run = autopar.autoparallel(step, mesh=mesh, plan=plan)
     new, loss = run(state, batch)
+    # the predicted peak of a stage, in these layouts, against XLA's (0.954 here; 1.073 for a
+    # 128-wide model of 4 layers, where the ILP also splits the layers Megatron-style)
+    m = PL.executable(plan, step, mesh).jitted(state, batch).lower(
+        state, batch).compile().memory_analysis()
+    measured = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+                - m.alias_size_in_bytes)
+    assert abs(max(pp.stage_memory_bytes) / measured - 1) <= 0.10
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+    # Adam's first moment is 0.1 x the gradient: the gradients agree to rounding; adamw (lr
+    # 1e-3) divides each by its own magnitude, so a near-zero one summed in another order moves
+    # its parameter by up to a few tenths of lr
+    for a, b in zip(jax.tree.leaves(new["opt_state"][0].mu),
+                    jax.tree.leaves(ref_state["opt_state"][0].mu)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-8)
     for a, b in zip(jax.tree.leaves(new["params"]), jax.tree.leaves(ref_state["params"])):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=5e-5)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=3e-4)
     placed = new["params"]["wte"]["embedding"].sharding.spec
     assert tuple(placed) + (None,) * (2 - len(placed)) == tuple(
         (d[0] if d else None) for d in wte)
