@@ -37,8 +37,10 @@ def _trace(fn: Callable, args, types, donate_argnums) -> tuple[ir.Graph, float]:
 
 def plan_graph(graph: ir.Graph, mesh, *, hardware=None, memory_budget=None, strategy="auto",
                time_limit_s: float = 30.0, trace_s: float = 0.0,
-               deterministic: bool | None = None, kernels: str = "never") -> Plan:
-    """Plan an already traced graph (see ``plan``)."""
+               deterministic: bool | None = None, kernels: str = "never",
+               host_inputs: bool = True) -> Plan:
+    """Plan an already traced graph (see ``plan``); ``host_inputs=False``: no input is fed
+    from the host (``PlannerOptions.host_inputs``)."""
     sizes = axis_sizes(mesh)
     hw = hardware_for(hardware, mesh)
     budget = validate.memory_budget(memory_budget)
@@ -57,7 +59,7 @@ def plan_graph(graph: ir.Graph, mesh, *, hardware=None, memory_budget=None, stra
     opts = PlannerOptions(strategy=name, memory_budget=budget, time_limit_s=time_limit_s,
                           fixed_inputs=fixed, op_filter=op_filter, starts=tuple(starts),
                           deterministic=_deterministic(deterministic),
-                          kernels=validate.kernels(kernels, hw, mesh))
+                          kernels=validate.kernels(kernels, hw, mesh), host_inputs=host_inputs)
     notes = tuple(getattr(strat, "notes", ()))
     if notes:
         warnings.warn(f"autopar: strategy {name!r} cannot place every parameter as it intends "

@@ -44,6 +44,10 @@ class PlannerOptions:
       kernels: "auto" (the ILP weighs each fused kernel against XLA's ops), "always" (a kernel
         wherever the layouts allow one) or "never"; ``autopar.plan`` resolves its own "auto"
         to "auto" or "never" by the hardware (``autopar.validate.kernels``).
+      host_inputs: inputs that are not carried state (a batch) arrive from the host every step,
+        and each device pays for the bytes it receives (``planner.problem``); False: every input
+        is already on the devices (a pipeline stage's sub-plans, whose parameters are the
+        runtime's state and whose activations come from the previous stage).
     """
 
     strategy: str = "auto"
@@ -55,6 +59,7 @@ class PlannerOptions:
     starts: tuple[Any, ...] = ()
     deterministic: bool = dataclasses.field(default_factory=deterministic_default)
     kernels: str = "never"
+    host_inputs: bool = True
 
     def replace(self, **changes: Any) -> PlannerOptions:
         return dataclasses.replace(self, **changes)

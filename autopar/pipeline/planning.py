@@ -170,8 +170,10 @@ def _sub_plan(fn, args, submesh: dict, hardware, time_limit_s: float, strategy="
 
     with without_mesh():
         graph = ir.trace(fn, *args)
+    # every input of a sub-plan is on the device: the parameters are the runtime's state and
+    # the activations arrive from the previous stage (priced on the timeline), not the host
     return plan_graph(graph, submesh, hardware=hardware, time_limit_s=time_limit_s,
-                      deterministic=True, strategy=strategy)
+                      deterministic=True, strategy=strategy, host_inputs=False)
 
 
 def stage_costs(model: StagedModel, params, batch, rows: int, sizes: dict, axis: str,

@@ -211,7 +211,7 @@ def _make_plan(graph: Graph, mesh: Mapping[str, int], cost_model, options: Plann
     t0 = time.perf_counter()
     clock = Clock(t0 - trace_s, options.time_limit_s, options.deterministic)
     warn_many_axes(mesh, clock)
-    prob = problem.build(graph, mesh, cost_model, clock=clock)
+    prob = problem.build(graph, mesh, cost_model, clock=clock, host_inputs=options.host_inputs)
     kernel_choice.prepare(prob, cost_model, options.kernels, clock)
     allowed = _allowed_in_time(prob, options, clock)
     if options.op_filter is not None:

@@ -865,7 +865,9 @@ def _body_peak(graph: Graph, op: Op, fusion) -> tuple[list[int], float]:
 
 
 def build(graph: Graph, mesh: Mapping[str, int], cost_model, max_strategies: int = 96,
-          memory_points: int = 6, clock=None) -> Problem:
+          memory_points: int = 6, clock=None, host_inputs: bool = True) -> Problem:
+    """The ILP's problem of ``graph`` on ``mesh``; ``host_inputs``: price the bytes of inputs
+    that are not carried state as fed from the host every step (``_feed_costs``)."""
     b = _Builder(graph, mesh, cost_model, max_strategies, clock)
     input_group = b.add_inputs()
     b.walk(graph.ops, 1.0)
@@ -880,7 +882,8 @@ def build(graph: Graph, mesh: Mapping[str, int], cost_model, max_strategies: int
             continue
         need = b.groups[input_group[k]].shard[v_in]
         b.add_edge(b.gv[v_out], input_group[k], v_out, need, 1.0, f"output{j}->input{k}")
-    _feed_costs(graph, b, input_group, pairs)
+    if host_inputs:
+        _feed_costs(graph, b, input_group, pairs)
     ties = _ties(graph, b)
     schedule = (temporaries(graph, b.fusion), body_peaks(graph, b.fusion))
     prob = Problem(graph, dict(mesh), b.groups, b.edges, b.gv, b.gop, input_group, ties, pairs,
