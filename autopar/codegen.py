@@ -7,7 +7,13 @@ The traced jaxpr is evaluated again, equation by equation, inside ``jax.jit`` wi
   * ``out`` pins constrain an equation's result to the layout its op runs under;
   * ``in`` pins move an operand to the layout its op needs, through the staged chain of layouts
     ``reshard_steps`` gives, each one a step XLA's partitioner performs directly (so no
-    transition falls back to "involuntary full rematerialization");
+    transition falls back to "involuntary full rematerialization"). A value that several
+    equations read through the same chain is moved once and the moved value shared
+    (``PinTable.constrain``), as the planner prices it (``Problem.edge_sets``): XLA's
+    partitioner caches a reshard by the instruction it starts from, so only the first step of
+    identical chains is shared on its own, and each reader's chain would repeat every later step
+    (an MoE's dispatched tokens, gathered once, went through the all-to-all once for the forward
+    expert dot and again for its weight gradient);
   * ``arg``/``res`` pins constrain a loop body's parameters and loop-carried results.
 
 Pins reach everywhere: ``jit`` calls are entered; ``scan``/``while``/``cond`` bodies, ``remat``
@@ -55,11 +61,13 @@ _INLINED_CALLS = ("remat2", "checkpoint", "custom_jvp_call", "custom_vjp_call",
 
 class PinTable:
     """Pins by (path, slot, index), plus the paths that hold pins strictly below them; with a
-    plan's kernels (``autopar.substitute``), the run of the trace in progress as ``kernels``."""
+    plan's kernels (``autopar.substitute``), the run of the trace in progress as ``kernels``;
+    ``moved``: the operands the trace in progress has moved along an ``in`` chain so far."""
 
     def __init__(self, pins: Iterable[Pin], mesh):
         self.mesh = mesh
         self.kernels = None
+        self.moved: dict[tuple, tuple] = {}    # (id(value), chain) -> (value, moved value)
         self.chains: dict[tuple, tuple[NamedSharding, ...]] = {}
         self.inner: set[tuple[int, ...]] = set()
         for p in pins:
@@ -69,11 +77,31 @@ class PinTable:
                 self.inner.add(p.path[:n])
 
     def constrain(self, x, path: tuple[int, ...], slot: str, index: int):
-        if x is DEAD or isinstance(x, Pending):
+        """``x`` through the layouts of the pin at (path, slot, index); an ``in`` chain that
+        already moved ``x`` in this trace gives the value it made (one move for all readers)."""
+        chain = self.chains.get((path, slot, index), ())
+        if x is DEAD or isinstance(x, Pending) or not chain:
             return x
-        for sharding in self.chains.get((path, slot, index), ()):
-            x = jax.lax.with_sharding_constraint(x, sharding)
-        return x
+        key = (id(x), chain) if slot == "in" else None
+        hit = self.moved.get(key)
+        if hit is not None and hit[0] is x:
+            return hit[1]
+        y = x
+        for sharding in chain:
+            y = jax.lax.with_sharding_constraint(y, sharding)
+        if key is not None:
+            self.moved[key] = (x, y)   # holds x: its id is not reused while the entry lives
+        return y
+
+    @contextlib.contextmanager
+    def trace(self):
+        """A new trace (the step, a retraced body): its moves are its own, since a value moved
+        in one trace cannot be read in another."""
+        outer, self.moved = self.moved, {}
+        try:
+            yield
+        finally:
+            self.moved = outer
 
 
 def _read(env, v):
@@ -154,9 +182,10 @@ def _retrace(sub, table: PinTable, path: tuple[int, ...]):
     consts = sub.consts if closed else ()
 
     def body(*args):
-        args = [table.constrain(a, path, "arg", k) for k, a in enumerate(args)]
-        outs = eval_pinned(jaxpr, consts, args, table, path)
-        return [table.constrain(o, path, "res", k) for k, o in enumerate(outs)]
+        with table.trace():
+            args = [table.constrain(a, path, "arg", k) for k, a in enumerate(args)]
+            outs = eval_pinned(jaxpr, consts, args, table, path)
+            return [table.constrain(o, path, "res", k) for k, o in enumerate(outs)]
 
     specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype,
                                   weak_type=getattr(v.aval, "weak_type", False))
@@ -188,7 +217,8 @@ def build(graph, plan, mesh, donate_argnums=()):
         table.kernels = kernels.start(table) if kernels is not None else None   # per trace
         if table.kernels is not None:
             table.kernels.inputs(flat, closed.consts)
-        outs = eval_pinned(closed.jaxpr, closed.consts, flat, table)
+        with table.trace():
+            outs = eval_pinned(closed.jaxpr, closed.consts, flat, table)
         if table.kernels is not None:
             outs = table.kernels.results_of(outs)
         return jax.tree_util.tree_unflatten(graph.out_tree, outs)

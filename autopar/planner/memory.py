@@ -36,9 +36,19 @@ outputs a second time in the layout its weight-gradient dot reads: under-predict
 writes only some of a layer norm's two broadcast buffers in the 2x4 zero3 and megatron plans
 (scale broadcasts for ln1 and ln_f, none for the row statistics), all of them in a standalone
 layer norm of the same per-device shape and on 1x8; which ones is not understood, so all are
-counted (those rows ~19-22% over). An MoE's dispatch and combine tensors, replicated in our auto
-plan on 2x4 and read sliced by the expert dots, are computed by XLA only for the local slice (the
-partitioner slices the elementwise chain's operands instead): ~39% over. The conv net's auto
+counted (those rows ~19-22% over). An MoE's dispatch and combine tensors (G, S, E, C), built
+elementwise from per-token gates and slots, are never written whole when every kernel that reads
+them takes a local slice (the expert dots read them split over more axes than the plan makes
+them): XLA fuses the elementwise chain into one dynamic-slice fusion per reader, which computes
+its part from the (G, S, E) and (G, S) operands. This model holds the whole tensors: the 2x4
+auto plan 1.36 (six 80 KiB tensors at its peak; XLA's buffers hold 20 KiB slices and no
+(G, S, E, C) tensor), 2x2x2 auto 1.15, zero3 1.10, dp 1.09. Dropping such values (each memory
+reader a slice-only transition or a fusible kernel dropped in turn; their operands held to the
+last slice) gives 2x4 auto 0.96 and 2x2x2 auto 0.94, but 2x2x2 zero3 0.83 and megatron 0.90:
+there the over-count hid copies XLA:CPU's scheduler makes early (below; ~150 KiB of backward
+reshards made in the forward pass at the zero3 plan's peak). With the early copies held from
+their source as well every MoE row is within 10% (zero3 0.92, megatron 1.02, auto 1.07), so the
+rule waits for that one. The conv net's auto
 plans (channels split over all 8 devices, the image whole on each) were under-predicted by
 19-24% for want of the kernel gradients' transposed inputs (``_conv_transposes``): on 1x8 XLA
 holds the image's (48 KiB) from before the forward pass to the end and the gathered pooled
