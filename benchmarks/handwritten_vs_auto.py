@@ -28,6 +28,7 @@ hardware), ``handwritten_vs_auto_plans.csv`` (every plan) and ``handwritten_vs_a
 """
 from __future__ import annotations
 
+import csv
 import dataclasses  # noqa: E402
 import math  # noqa: E402
 import textwrap  # noqa: E402
@@ -340,7 +341,56 @@ def headline_lines(summary) -> list[str]:
     return md
 
 
-def method_lines(plans, args, tl_1d: float, tl_2d: float) -> list[str]:
+def _environment_of(md_path) -> str:
+    """The environment a results file names (its first ``Environment: `` line, up to the
+    first period that ends it), or ``"unknown"``."""
+    if not md_path.exists():
+        return "unknown"
+    for line in md_path.read_text().splitlines():
+        if "Environment: " in line:
+            return line.split("Environment: ", 1)[1].split(" (the plans)", 1)[0].rstrip(".")
+    return "unknown"
+
+
+def pipeline_lines(csv_path) -> list[str]:
+    """The 3-D (tensor x pipeline x data) comparison of GPT 39B-175B, from the rows
+    ``benchmarks/pipeline_3d.py`` wrote (its own run, commit and load, named here)."""
+    head = ["## GPT 39B-175B: auto's 3-D pipeline vs the best megatron_3d (predicted)", ""]
+    if not csv_path.exists():
+        return head + [f"No `{csv_path.name}`: run `python benchmarks/pipeline_3d.py`.", ""]
+    with open(csv_path) as fh:
+        rows = list(csv.DictReader(fh))
+    env = _environment_of(csv_path.with_suffix(".md"))
+    table, slower = [], 0
+    for key in dict.fromkeys((r["model"], r["gpus"], r["hardware"]) for r in rows):
+        side = {r["side"]: r for r in rows if (r["model"], r["gpus"], r["hardware"]) == key}
+        hand, auto = side.get("megatron_3d"), side.get("auto")
+        if hand is None or auto is None or "-" in (hand["step_s"], auto["step_s"]):
+            continue
+        ratio = float(hand["step_s"]) / float(auto["step_s"])
+        slower += ratio < 1
+        table.append([f"GPT-{key[0]}", key[1], key[2], ratio,
+                      f"{auto['mesh']} {auto['schedule']} V={auto['virtual']} "
+                      f"M={auto['microbatches']}",
+                      f"{hand['mesh']} {hand['schedule']} V={hand['virtual']} "
+                      f"M={hand['microbatches']}",
+                      float(auto["bubble"]), float(hand["bubble"]), float(auto["peak_gib"])])
+    cols = ("model", "GPUs", "hardware", "auto throughput / megatron_3d", "auto's choice",
+            "megatron_3d's best", "auto bubble", "megatron_3d bubble", "auto peak GiB")
+    return head + [
+        "Whole 3-D configurations, which the 2-D sweep above cannot express: tensor parallel "
+        "inside a node, pipeline stages and data parallel across nodes (`benchmarks/"
+        "pipeline_3d.py`, abstract planning). Auto's search space contains Megatron 3-D's, so "
+        "auto is never predicted slower **by construction** (predicted slower here on "
+        f"{slower} of {len(table)}); what the rows add is what it chose. Why each choice won "
+        "(bubble, memory, communication, its runners-up) is in `pipeline_3d.md`. Both sides are "
+        "predictions on data-sheet profiles; nothing here ran on those GPUs.", "",
+        _common.md_table(cols, table), "", f"Those rows' run: {env}.", ""]
+
+
+def method_lines(plans, args, tl_1d: float, tl_2d: float, planned_in: str = "") -> list[str]:
+    """The method section; ``planned_in``: the environment the plans were made in, when this
+    report is rebuilt from their CSV (else the run's own)."""
     from autopar.options import deterministic_default
 
     elapsed = sum(r["plan_s"] for r in plans)
@@ -377,7 +427,9 @@ def method_lines(plans, args, tl_1d: float, tl_2d: float) -> list[str]:
         f"- This run re-planned only the models whose name contains {args.only!r}; the other "
         "rows come from the plans CSV an earlier run wrote." if args.only is not None else "",
         "", f"Sum of planning wall times {elapsed:.0f} s. Environment: "
-        f"{_common.environment()}.", "",
+        + (f"{planned_in} (the plans); this report was rebuilt from their CSV "
+           f"(`--report-only`) at {_common.environment()}." if planned_in
+           else f"{_common.environment()}."), "",
         "Reproduce: `" + ("AUTOPAR_DETERMINISTIC=1 " if deterministic_default() else "")
         + "python benchmarks/handwritten_vs_auto.py` (`--quick`: a tiny GPT on the "
         "1-D mesh of 8 devices, H100 only; `--only NAME` re-plans the models whose name "
@@ -427,6 +479,7 @@ def write_reports(out, args, plans, n_new: int, missing, limits) -> list[dict]:
     head, table = summary_table(summary, fams)
     _common.write_csv(out / "handwritten_vs_auto.csv", head, table)
     plot(summary, fams, out / "handwritten_vs_auto.png")
+    planned_in = _environment_of(out / "handwritten_vs_auto.md") if args.report_only else ""
     md = (["# autopar vs hand-written strategies (predicted throughput)", ""]
           + (["**Partial: this run stopped before planning** " + "; ".join(
               f"{m} on {n} {hw}" for m, n, hw in missing) + ". Every figure below covers only "
@@ -434,7 +487,8 @@ def write_reports(out, args, plans, n_new: int, missing, limits) -> list[dict]:
           + bug_lines(summary, plans) + headline_lines(summary)
           + ["", _common.md_table(head, table), "",
              "![throughput relative to the best hand-written strategy](handwritten_vs_auto.png)",
-             ""] + method_lines(plans, args, tl_1d, tl_2d))
+             ""] + pipeline_lines(_common.RESULTS / "pipeline_3d.csv")
+          + method_lines(plans, args, tl_1d, tl_2d, planned_in))
     (out / "handwritten_vs_auto.md").write_text("\n".join(md))
     print(f"wrote {out / 'handwritten_vs_auto.md'} ({len(plans)} plans, {n_new} new)", flush=True)
     return summary
