@@ -240,12 +240,15 @@ def _backward_actions(model: StagedModel):
 def arg_layouts(plan) -> tuple:
     """``((path, layout), ...)`` of a sub-plan's first argument (a layer's parameters, or the
     embedding's and head's), each leaf by its key path below that argument ("attn/qkv/kernel")."""
-    out = []
-    for path, layout in zip(plan.input_paths, plan.input_shardings):
-        keys = path_keys(path)
-        if keys[:1] == ("0",):
-            out.append(("/".join(keys[1:]), layout))
-    return tuple(out)
+    return tuple((key, layout) for key, layout in
+                 zip(map(_below_first_arg, plan.input_paths), plan.input_shardings)
+                 if key is not None)
+
+
+def _below_first_arg(path: str) -> str | None:
+    """``"[0]['attn']['qkv']['kernel']"`` -> ``"attn/qkv/kernel"``; None for other arguments."""
+    keys = path_keys(path)
+    return "/".join(keys[1:]) if keys[:1] == ("0",) else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,12 +261,8 @@ class ArgLayouts:
 
     def fix_inputs(self, graph, mesh) -> dict[int, tuple]:
         want = dict(self.layouts)
-        out = {}
-        for k, path in enumerate(graph.input_paths):
-            keys = path_keys(path)
-            if keys[:1] == ("0",) and "/".join(keys[1:]) in want:
-                out[k] = want["/".join(keys[1:])]
-        return out
+        keys = map(_below_first_arg, graph.input_paths)
+        return {k: want[key] for k, key in enumerate(keys) if key in want}
 
 
 def residual_bytes(layer_fn, layer, x) -> float:
