@@ -127,6 +127,19 @@ def test_moe_auto_plan_matches_its_executable():
     _holds(step.verify())
 
 
+def test_moe_dispatch_read_in_slices_is_never_whole():
+    """The 2x4 auto plan makes an MoE's dispatch and combine tensors whole and its expert dots
+    read them split over 'model': XLA computes each reader's slice from the per-token gates and
+    never writes the whole tensors (``planner.memory._recomputed_in_slices``). Counted whole,
+    this plan's peak was 1.36 of XLA's."""
+    train_step, state, batch = moe.concrete(moe.MoEConfig(), 8)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    step = autopar.autoparallel(train_step, mesh=mesh, hardware="cpu", time_limit_s=3,
+                                deterministic=True)
+    step(state, batch)
+    _holds(step.verify())
+
+
 def test_scanned_zero3_plan_matches_its_executable():
     """A scanned model's loop results sit in the results' buffers, its backward body holds each
     weight gradient unreduced and all-reduced at full size, and its results are held in their

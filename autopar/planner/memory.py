@@ -19,6 +19,7 @@ that is what ``estimate`` predicts:
     (``_loop_reductions``); on XLA:CPU, the transposed operand copies its convolution
     canonicalization makes (``_conv_transposes``: a kernel gradient's input, from the value's
     first reader), which replace the convolution's read of the value or of its resharded copy;
+    not the values XLA computes only in slices of them (``_recomputed_in_slices``);
   * results' buffers reused: XLA's buffer assignment puts a temporary into a result's buffer
     when it fits and dies before the result is written (``_pooled``), so only the rest count
     towards the pool. A loop's results are placed the same way: XLA colocates a loop's result
@@ -42,13 +43,11 @@ them takes a local slice (the expert dots read them split over more axes than th
 them): XLA fuses the elementwise chain into one dynamic-slice fusion per reader, which computes
 its part from the (G, S, E) and (G, S) operands. This model holds the whole tensors: the 2x4
 auto plan 1.36 (six 80 KiB tensors at its peak; XLA's buffers hold 20 KiB slices and no
-(G, S, E, C) tensor), 2x2x2 auto 1.15, zero3 1.10, dp 1.09. Dropping such values (each memory
-reader a slice-only transition or a fusible kernel dropped in turn; their operands held to the
-last slice) gives 2x4 auto 0.96 and 2x2x2 auto 0.94, but 2x2x2 zero3 0.83 and megatron 0.90:
-there the over-count hid copies XLA:CPU's scheduler makes early (below; ~150 KiB of backward
-reshards made in the forward pass at the zero3 plan's peak). With the early copies held from
-their source as well every MoE row is within 10% (zero3 0.92, megatron 1.02, auto 1.07), so the
-rule waits for that one. The conv net's auto
+(G, S, E, C) tensor), 2x2x2 auto 1.15, zero3 1.10, dp 1.09. ``_recomputed_in_slices`` drops
+such values: 2x4 auto 0.96, 2x2x2 auto 0.94, but 2x2x2 zero3 0.83 and megatron 0.90: there the
+over-count hid copies XLA:CPU's scheduler makes early (below; ~150 KiB of backward reshards made
+in the forward pass at the zero3 plan's peak). With the early copies held from their source as
+well every MoE row is within 10% (zero3 0.92, megatron 1.02, auto 1.07). The conv net's auto
 plans (channels split over all 8 devices, the image whole on each) were under-predicted by
 19-24% for want of the kernel gradients' transposed inputs (``_conv_transposes``): on 1x8 XLA
 holds the image's (48 KiB) from before the forward pass to the end and the gathered pooled
@@ -87,7 +86,9 @@ import numpy as np
 
 from autopar.planner.first_fit import Slots
 from autopar.planner.problem import Problem, body_peaks, temporaries, value_bytes
+from autopar.planner.reshard import reshard_steps
 from autopar.sharding import shard_factor
+from ir.fusion import FUSIBLE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +111,9 @@ def estimate(prob: Problem, choice) -> MemoryEstimate:
     temps, inner = _schedule(prob)
     fused = _fused_broadcasts(prob, nbytes)
     last = _last_untransposed_reads(prob)
-    temps = [(v, a, min(b, last.get(v, b))) for v, a, b in temps]
+    sliced, held = _recomputed_in_slices(prob, choice)
+    temps = [(v, a, max(min(b, last.get(v, b)), held.get(v, -1))) for v, a, b in temps
+             if v not in sliced]
     looped = [(a, b, nbytes(v)) for v, a, b in temps if g.ops[a].regions]
     spans = [(a, b, nbytes(v)) for v, a, b in temps if not g.ops[a].regions and v not in fused]
     live = np.zeros(len(g.ops) + 1)
@@ -143,6 +146,100 @@ def _fused_broadcasts(prob: Problem, nbytes) -> set[int]:
     f = prob.fusion
     return {v for v, _ in f.broadcasts if v not in f.materialized
             and _elements(prob, v, nbytes) < LIBRARY_REDUCTION_ELEMENTS}
+
+
+def _recomputed_in_slices(prob: Problem, choice) -> tuple[set[int], dict[int, int]]:
+    """(temporaries XLA never writes whole, value -> the position its reads extend to).
+
+    A reader that needs a value split where the plan makes it whole (a transition that is only
+    a local slice) reads a dynamic-slice, and XLA fuses the value's producer kernel into that
+    slice when the producer is elementwise and every kernel that reads it from memory is such a
+    slice or itself fused away: each slice computes only its own part, from the producer's
+    operands, and the whole value never exists (an MoE's dispatch and combine tensors, built
+    from per-token gates and slots and read split by the expert dots: the 2x4 auto plan's
+    480 KiB of whole tensors are 20 KiB slices in XLA's buffers). The producer's operands are
+    then read where the slices are made: they live until the last of them."""
+    cands, writes = _slice_candidates(prob)
+    sliced = set(cands)
+    changed = True
+    while changed:        # drop values some reader needs whole, until none is left to drop
+        changed = False
+        for v in list(sliced):
+            if not all(_reads_a_slice(prob, choice, v, edges) or kernels and all(
+                    writes.get(k) and writes[k] <= sliced for k in kernels)
+                    for _, kernels, edges in cands[v][1]):
+                sliced.discard(v)
+                changed = True
+    return sliced, _held_for_slices(sliced, cands, writes)
+
+
+def _slice_candidates(prob: Problem):
+    """The plan-independent part of ``_recomputed_in_slices``: (top-level temporary whose
+    producer's kernel has only fusible ops -> (that kernel, its readers in other kernels as
+    (position, their kernels, the edges that move the value to them), the values the kernel
+    reads), kernel of only fusible top-level ops -> the values it writes). A reader inside a
+    loop body has neither kernels nor edges here: it reads the value whole."""
+    def make():
+        g, f = prob.graph, prob.fusion
+        ops_of: dict[int, list] = {}
+        for op in g.ops:
+            ops_of.setdefault(f.kernel_of.get(op.id), []).append(op)
+        fusible = {k for k, ops in ops_of.items() if all(o.prim in FUSIBLE for o in ops)}
+        writes = {k: frozenset(w for o in ops_of[k] for w in f.writes.get(o.id, ()))
+                  for k in fusible}
+        producer = {v: op for op in g.ops for v in op.outs}
+        edges: dict[tuple[int, int], list] = {}
+        for es in prob.edge_sets():
+            for e in es:
+                edges.setdefault((e.op, e.value), []).append(e)
+        top, pos = {op.id for op in g.ops}, _positions(prob)
+        temps, _ = _schedule(prob)
+        reads = {k: frozenset(u for o in ops_of[k] for u in f.reads.get(o.id, ()))
+                 for k in fusible}
+        cands = {v: (k, [], reads[k]) for v, _, _ in temps if v in producer
+                 and (k := f.kernel_of.get(producer[v].id)) in fusible}
+        for o in g.all_ops():
+            for v in set(o.ins) & cands.keys():
+                kernels = tuple(f.duplicated.get(o.id) or (f.kernel_of.get(o.id),))
+                if o.id not in top:
+                    cands[v][1].append((pos[o.id], (), []))
+                elif kernels != (cands[v][0],):
+                    cands[v][1].append((pos[o.id], kernels, edges.get((o.id, v), [])))
+        return cands, writes
+
+    return _memo(prob, "_slice_candidates", make)
+
+
+def _reads_a_slice(prob: Problem, choice, v: int, edges) -> bool:
+    """Every move of ``v`` to the reader (``edges``) is a local slice (no collective)."""
+    if not edges:
+        return False
+    src = prob.groups[edges[0].src].shard[v][choice[edges[0].src]]
+    needs = {e.need[choice[e.dst]] for e in edges}
+    return src not in needs and all(step.kind == "slice" for n in needs
+                                    for step in reshard_steps(src, n, prob.mesh))
+
+
+def _held_for_slices(sliced: set[int], cands, writes) -> dict[int, int]:
+    """Value -> the last position a slice of a value in ``sliced`` reads it: the operands of
+    those values' producer kernels, read where each slice is made (a slice of a value read by
+    another such kernel is made where that kernel's own slices are)."""
+    last: dict[int, int] = {}
+
+    def last_read(v: int) -> int:
+        if v not in last:
+            at = [0]
+            for t, kernels, _ in cands[v][1]:
+                made = [w for k in kernels for w in writes.get(k, ()) if w in sliced]
+                at += [last_read(w) for w in made] if made else [t]
+            last[v] = max(at)
+        return last[v]
+
+    held: dict[int, int] = {}
+    for v in sliced:
+        for u in cands[v][2] - sliced:
+            held[u] = max(held.get(u, -1), last_read(v))
+    return held
 
 
 def _output_slots(prob: Problem, nbytes) -> list[tuple[float, int]]:
