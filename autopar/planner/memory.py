@@ -57,16 +57,21 @@ XLA's peak (the first pool's argmax) against our 236 KiB. The all-gather of the 
 activation along channels, which XLA:CPU lays out with the gathered dimension major, makes it
 compute the first pool's operand a second time in that layout (16 KiB; 32 KiB on 2x2x2, 0.93),
 not modelled; XLA's pool packs its 252 KiB into 264. ``_pool_gradient_expansion`` counts
-XLA:CPU's rewrite of the max-pool gradient. On the 2x2x2 mesh unrolled GPT is under-predicted by
-up to 17%. Read from XLA's buffer assignment (dp: pool 452 KiB against our 192): XLA:CPU's
-``BFSMemoryScheduler`` runs an instruction as soon as its operands have run, so a gather that
-reshards a forward activation for a backward weight-gradient dot (the ILP splits the batch over
-data and expert there, and the weight gradients read the attention output and MLP activation
-gathered) is made in the forward pass and held to its reader: four 64 KiB gathers live at XLA's
-peak, which this model makes at their first reader. Holding collective copies from their source
-fixes those three rows (1.03-1.08) but over-counts elsewhere (2x2x2 auto 1.14: ten 16 KiB
-layer-norm products XLA:CPU folds into its reduction fusion, which the missing copies hid; MoE
-and scanned zero3 rows 1.15-1.19), so it is not applied: the rule needs a sharper condition.
+XLA:CPU's rewrite of the max-pool gradient. On the 2x2x2 mesh unrolled GPT was under-predicted
+by up to 17% (dp 0.89, zero3 0.86, megatron 0.83): those plans split the batch over 'data' and
+'expert' and gather forward activations for the backward's weight gradients (the attention
+output to the whole batch, 64 KiB a layer in dp; the MLP's hidden activation over 'expert', 64
+KiB), and XLA:CPU's scheduler (``BFSMemoryScheduler``: an instruction runs once its operands
+have) makes each gather right after its source in the forward pass and holds it to the backward,
+where the model made it at its reader. At the dp plan's peak (the lm_head's weight gradient)
+XLA's pool held four such gathers (256 KiB) of its 452 KiB; the model held 192 KiB in all.
+``_reshard_copies`` now holds a copy that runs a collective from where its source is written
+(dp 1.03, zero3 1.08, megatron 1.07). That exposes an over-count on the 2x2x2 auto plan (0.94 ->
+1.14; temporaries 832 KiB against XLA's 657): the model holds two (16, 16, 64) layer-norm
+products per layer norm (10 x 16 KiB, 4096 elements per device) that XLA's pool does not, whose
+scale broadcast XLA:CPU computes inside the YNNPACK reduction fusion there; likely the broadcast
+buffers ``_fused_broadcasts`` keeps from 4096 elements, not confirmed. ``cut_at`` (the ILP's
+copy cuts) still counts a copy from its first reader.
 
 The ILP's memory constraint (``ilp.memory_exprs``) is the linear part of this model: it checks
 the live values at the heaviest points of the schedule (every broadcast buffer included, so it
@@ -421,17 +426,56 @@ def _copies(prob: Problem, choice):
 
 
 def _reshard_copies(prob: Problem, choice) -> list[tuple[int, int, float]]:
-    """(first, last position, per-device bytes) of each resharded copy the plan makes. A
-    non-canonical convolution that reads the copy reads a transposed copy of it instead
+    """(first, last position, per-device bytes) of each resharded copy the plan makes, held
+    from where its source is written (``_written``) to its last reader. A non-canonical
+    convolution that reads the copy reads a transposed copy of it instead
     (``_conv_operand_transposes``), made where the copy's first reader runs: it does not hold
-    the copy past that."""
+    the copy past that.
+
+    On XLA:CPU a copy is made as soon as its source exists, not where its first reader runs:
+    its scheduler (``BFSMemoryScheduler``, XLA:CPU's default, optimised for concurrency) runs
+    each instruction once its operands have run, in the order they became ready, and the
+    collective or slice that makes a copy reads the source alone. A weight gradient that
+    reads a forward activation in another layout has the copy made in the forward pass and
+    held to the backward (``planner.memory``'s docstring has the figures); a copy of an
+    argument is made at the top of the step. A local slice, which XLA fuses into its readers'
+    kernels where it can, stays at its first reader, and so does every copy on other platforms
+    (their schedulers were not measured)."""
     moved = _transposed_reads(prob)
+    written = _written(prob) if prob.reshard.cm.hw.platform == "cpu" else {}
     out = []
-    for es, _, need, edges, at in _copies(prob, choice):
+    for es, src, need, edges, at in _copies(prob, choice):
         kept = [t for e, t in zip(edges, at) if (e.op, e.value) not in moved]
-        out.append((min(at), max(kept, default=min(at)),
+        first = min(at)
+        if written and _communicates(src, need, prob.mesh):
+            first = min(first, written.get(es[0].value, first))
+        out.append((first, max(kept, default=min(at)),
                     prob.graph.values[es[0].value].nbytes / shard_factor(need, prob.mesh)))
     return out
+
+
+def _communicates(src, need, mesh) -> bool:
+    """Whether resharding ``src`` to ``need`` runs a collective; a local slice (``need`` only
+    adds axes) is a dynamic-slice XLA fuses into its readers' kernels where it can."""
+    return any(step.kind != "slice" for step in reshard_steps(src, need, mesh))
+
+
+def _written(prob: Problem) -> dict[int, int]:
+    """Value -> the top-level schedule position where it exists: its producer's (a loop's for
+    a value its body makes), 0 for arguments and constants."""
+    def make():
+        g = prob.graph
+        out = dict.fromkeys(list(g.inputs) + list(g.consts), 0)
+        for t, top in enumerate(g.ops):
+            stack = [top]
+            while stack:
+                o = stack.pop()
+                for v in o.outs:
+                    out.setdefault(v, t)
+                stack.extend(x for r in o.regions for x in r.ops)
+        return out
+
+    return _memo(prob, "_written", make)
 
 
 def _non_canonical_conv_operands(op) -> tuple[int, ...]:
