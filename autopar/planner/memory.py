@@ -440,8 +440,8 @@ def _reshard_copies(prob: Problem, choice) -> list[tuple[int, int, float]]:
     held to the backward (``planner.memory``'s docstring has the figures). Only copies of
     values the step computes, read by top-level ops that are not loops: a copy read inside a
     loop body is made there, each iteration, and a copy of an argument or read by a loop keeps
-    its first reader (XLA makes some of those early too, but counting them from their source
-    over-predicted the scanned zero3 plan on 1x8 by 15%, not diagnosed); a local slice, which
+    its first reader (XLA makes some of those early too; not measured). A copy of a loop's
+    result is made after the loop (``_written``). A local slice, which
     XLA fuses into its readers' kernels where it can, stays at its first reader, and so does
     every copy on other platforms (their schedulers were not measured)."""
     moved = _transposed_reads(prob)
@@ -466,8 +466,13 @@ def _communicates(src, need, mesh) -> bool:
 
 
 def _written(prob: Problem) -> dict[int, int]:
-    """Value -> the top-level position of the op that writes it (a loop's for a value its body
-    makes); arguments and constants have none."""
+    """Value -> the first top-level position where it exists: its producer's, and the next one
+    for a value a loop makes (a result or a body's value): a loop writes its results when its
+    body has run for the last time, so a copy of one is made after the loop, when the body's
+    temporaries are dead, not beside them at the loop's position (the scanned zero3 plan on
+    1x8 gathers a (16, 16, 64) cotangent the backward loop makes, 64 KiB, for the embedding
+    gradient: held at the loop's position it put the peak 15% over XLA's). Arguments and
+    constants have none."""
     def make():
         g = prob.graph
         out: dict[int, int] = {}
@@ -476,7 +481,7 @@ def _written(prob: Problem) -> dict[int, int]:
             while stack:
                 o = stack.pop()
                 for v in o.outs:
-                    out.setdefault(v, t)
+                    out.setdefault(v, t + 1 if top.regions else t)
                 stack.extend(x for r in o.regions for x in r.ops)
         return out
 
