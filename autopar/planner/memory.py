@@ -19,7 +19,8 @@ that is what ``estimate`` predicts:
     (``_loop_reductions``); on XLA:CPU, the transposed operand copies its convolution
     canonicalization makes (``_conv_transposes``: a kernel gradient's input, from the value's
     first reader), which replace the convolution's read of the value or of its resharded copy;
-    not the values XLA computes only in slices of them (``_recomputed_in_slices``);
+    not the values XLA computes only in slices of them (``_recomputed_in_slices``), nor the
+    broadcast buffers whose readers the plan puts in different layouts (``_unshared_broadcasts``);
   * results' buffers reused: XLA's buffer assignment puts a temporary into a result's buffer
     when it fits and dies before the result is written (``_pooled``), so only the rest count
     towards the pool. A loop's results are placed the same way: XLA colocates a loop's result
@@ -34,10 +35,14 @@ XLA:CPU's library fusion runs the reduction (``_fused_broadcasts``). Known gaps:
 schedule is not modelled (ours is the traced order), nor collectives' buffers outside loop bodies
 beyond the resharded copies, nor layout copies' buffers (an auto plan on 1x8 holds two layer-norm
 outputs a second time in the layout its weight-gradient dot reads: under-predicted ~11%). XLA:CPU
-writes only some of a layer norm's two broadcast buffers in the 2x4 zero3 and megatron plans
-(scale broadcasts for ln1 and ln_f, none for the row statistics), all of them in a standalone
-layer norm of the same per-device shape and on 1x8; which ones is not understood, so all are
-counted (those rows ~19-22% over). An MoE's dispatch and combine tensors (G, S, E, C), built
+writes only some of a layer norm's two broadcast buffers in the 2x4 zero3 and megatron plans:
+none for the layer norms whose forward products the plan splits otherwise than their backward
+reductions (``_unshared_broadcasts``: ln1 and ln_f in zero3, ln2 in megatron), and for the
+others the scale's but not the row statistic's (XLA's buffers of 2x4 zero3: one broadcast of
+the gathered scale per ln2), all of them in a standalone layer norm of the same per-device shape.
+The row statistics' broadcasts are still counted, not understood (zero3 1.10, megatron 1.12;
+1.19 and 1.22 while every buffer was counted). An MoE's dispatch and combine tensors
+(G, S, E, C), built
 elementwise from per-token gates and slots, are never written whole when every kernel that reads
 them takes a local slice (the expert dots read them split over more axes than the plan makes
 them): XLA fuses the elementwise chain into one dynamic-slice fusion per reader, which computes
@@ -66,12 +71,13 @@ have) makes each gather right after its source in the forward pass and holds it 
 where the model made it at its reader. At the dp plan's peak (the lm_head's weight gradient)
 XLA's pool held four such gathers (256 KiB) of its 452 KiB; the model held 192 KiB in all.
 ``_reshard_copies`` now holds a copy that runs a collective from where its source is written
-(dp 1.03, zero3 1.08, megatron 1.07). That exposes an over-count on the 2x2x2 auto plan (0.94 ->
-1.14; temporaries 832 KiB against XLA's 657): the model holds two (16, 16, 64) layer-norm
-products per layer norm (10 x 16 KiB, 4096 elements per device) that XLA's pool does not, whose
-scale broadcast XLA:CPU computes inside the YNNPACK reduction fusion there; likely the broadcast
-buffers ``_fused_broadcasts`` keeps from 4096 elements, not confirmed. ``cut_at`` (the ILP's
-copy cuts) still counts a copy from its first reader.
+(dp 1.03, zero3 1.08, megatron 1.07). That exposed an over-count on the 2x2x2 auto plan (1.11;
+temporaries 800 KiB against XLA's 657): the model held two (16, 16, 64) broadcast buffers per
+layer norm (10 x 16 KiB, 4096 elements per device) that XLA's buffers do not have: its
+backward reductions' library fusions broadcast the row statistic and the scale in place. The
+forward readers of those broadcasts make their results in other layouts than the backward
+reductions, so no CSE merges them (``_unshared_broadcasts``; 0.99). ``cut_at`` (the ILP's copy
+cuts) still counts a copy from its first reader.
 
 The ILP's memory constraint (``ilp.memory_exprs``) is the linear part of this model: it checks
 the live values at the heaviest points of the schedule (every broadcast buffer included, so it
@@ -114,7 +120,7 @@ def estimate(prob: Problem, choice) -> MemoryEstimate:
     whole = _result_sizer(prob, nbytes)
     resident = sum(whole(v) for v in prob.const_values)
     temps, inner = _schedule(prob)
-    fused = _fused_broadcasts(prob, nbytes)
+    fused = _fused_broadcasts(prob, nbytes) | _unshared_broadcasts(prob, choice)
     last = _last_untransposed_reads(prob)
     sliced, held = _recomputed_in_slices(prob, choice)
     temps = [(v, a, max(min(b, last.get(v, b)), held.get(v, -1))) for v, a, b in temps
@@ -151,6 +157,35 @@ def _fused_broadcasts(prob: Problem, nbytes) -> set[int]:
     f = prob.fusion
     return {v for v, _ in f.broadcasts if v not in f.materialized
             and _elements(prob, v, nbytes) < LIBRARY_REDUCTION_ELEMENTS}
+
+
+def _unshared_broadcasts(prob: Problem, choice) -> set[int]:
+    """The broadcast buffers (``Fusion.broadcasts``) of several readers that the plan gives no
+    reader in the reduction's layout but the reduction itself. The single buffer is XLA's CSE
+    of identical broadcasts; when the forward reader (a layer norm's ``rsqrt * scale``) makes
+    its result in another layout than the backward reduction that reads the same broadcast, the
+    per-device broadcasts differ, nothing merges them, and XLA:CPU's library fusion computes the
+    reduction's own in place (2x2x2 auto plan of unrolled GPT: XLA writes none of its ten
+    layer-norm buffers, 16 KiB each, whose forward readers are split over 'data' or not at all
+    and the backward reductions over 'data' and 'expert'). A buffer of one reader alone is
+    still counted (the loss's (16, 16, vocab) buffers are written). Only ``platform="cpu"``."""
+    if prob.reshard.cm.hw.platform != "cpu":
+        return set()
+    g, gov = prob.graph, prob.group_of_value
+
+    def layout(v: int):
+        gid = gov.get(v)
+        return None if gid is None else prob.groups[gid].shard[v][choice[gid]]
+
+    outs = _memo(prob, "_op_outs", lambda: {op.id: op.outs for op in g.all_ops()})
+    out = set()
+    for v, readers in prob.fusion.broadcasts:
+        others = [outs[o][0] for o in readers if outs[o] and outs[o][0] != v]
+        mine = layout(v)
+        if others and mine is not None and all(
+                (theirs := layout(w)) is not None and theirs != mine for w in others):
+            out.add(v)
+    return out
 
 
 def _recomputed_in_slices(prob: Problem, choice) -> tuple[set[int], dict[int, int]]:
