@@ -71,13 +71,14 @@ have) makes each gather right after its source in the forward pass and holds it 
 where the model made it at its reader. At the dp plan's peak (the lm_head's weight gradient)
 XLA's pool held four such gathers (256 KiB) of its 452 KiB; the model held 192 KiB in all.
 ``_reshard_copies`` now holds a copy that runs a collective from where its source is written
-(dp 1.03, zero3 1.08, megatron 1.07). That exposed an over-count on the 2x2x2 auto plan (1.11;
-temporaries 800 KiB against XLA's 657): the model held two (16, 16, 64) broadcast buffers per
-layer norm (10 x 16 KiB, 4096 elements per device) that XLA's buffers do not have: its
-backward reductions' library fusions broadcast the row statistic and the scale in place. The
-forward readers of those broadcasts make their results in other layouts than the backward
-reductions, so no CSE merges them (``_unshared_broadcasts``; 0.99). ``cut_at`` (the ILP's copy
-cuts) still counts a copy from its first reader.
+(dp 1.03, zero3 1.04, megatron 1.06; 0.99, 0.98, 0.98 with ``_unshared_broadcasts``, which
+also moves their 4x2 rows from 1.02-1.08 to 0.97-1.01). That exposed an over-count on the
+2x2x2 auto plan (1.11; temporaries 800 KiB against XLA's 657): the model held two (16, 16, 64)
+broadcast buffers per layer norm (10 x 16 KiB, 4096 elements per device) that XLA's buffers do
+not have: its backward reductions' library fusions broadcast the row statistic and the scale
+in place. The forward readers of those broadcasts make their results in other layouts than the
+backward reductions, so no CSE merges them (``_unshared_broadcasts``; 0.99). ``cut_at`` (the
+ILP's copy cuts) still counts a copy from its first reader.
 
 The ILP's memory constraint (``ilp.memory_exprs``) is the linear part of this model: it checks
 the live values at the heaviest points of the schedule (every broadcast buffer included, so it
