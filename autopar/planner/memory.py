@@ -19,6 +19,8 @@ that is what ``estimate`` predicts:
     (``_loop_reductions``); on XLA:CPU, the transposed operand copies its convolution
     canonicalization makes (``_conv_transposes``: a kernel gradient's input, from the value's
     first reader), which replace the convolution's read of the value or of its resharded copy;
+    not the values XLA computes only in slices of them (``_recomputed_in_slices``), nor the
+    broadcast buffers whose readers the plan puts in different layouts (``_unshared_broadcasts``);
   * results' buffers reused: XLA's buffer assignment puts a temporary into a result's buffer
     when it fits and dies before the result is written (``_pooled``), so only the rest count
     towards the pool. A loop's results are placed the same way: XLA colocates a loop's result
@@ -33,22 +35,24 @@ XLA:CPU's library fusion runs the reduction (``_fused_broadcasts``). Known gaps:
 schedule is not modelled (ours is the traced order), nor collectives' buffers outside loop bodies
 beyond the resharded copies, nor layout copies' buffers (an auto plan on 1x8 holds two layer-norm
 outputs a second time in the layout its weight-gradient dot reads: under-predicted ~11%). XLA:CPU
-writes only some of a layer norm's two broadcast buffers in the 2x4 zero3 and megatron plans
-(scale broadcasts for ln1 and ln_f, none for the row statistics), all of them in a standalone
-layer norm of the same per-device shape and on 1x8; which ones is not understood, so all are
-counted (those rows ~19-22% over). An MoE's dispatch and combine tensors (G, S, E, C), built
+writes only some of a layer norm's two broadcast buffers in the 2x4 zero3 and megatron plans:
+none for the layer norms whose forward products the plan splits otherwise than their backward
+reductions (``_unshared_broadcasts``: ln1 and ln_f in zero3, ln2 in megatron), and for the
+others the scale's but not the row statistic's (XLA's buffers of 2x4 zero3: one broadcast of
+the gathered scale per ln2), all of them in a standalone layer norm of the same per-device shape.
+The row statistics' broadcasts are still counted, not understood (zero3 1.10, megatron 1.12;
+1.19 and 1.22 while every buffer was counted). An MoE's dispatch and combine tensors
+(G, S, E, C), built
 elementwise from per-token gates and slots, are never written whole when every kernel that reads
 them takes a local slice (the expert dots read them split over more axes than the plan makes
 them): XLA fuses the elementwise chain into one dynamic-slice fusion per reader, which computes
 its part from the (G, S, E) and (G, S) operands. This model holds the whole tensors: the 2x4
 auto plan 1.36 (six 80 KiB tensors at its peak; XLA's buffers hold 20 KiB slices and no
-(G, S, E, C) tensor), 2x2x2 auto 1.15, zero3 1.10, dp 1.09. Dropping such values (each memory
-reader a slice-only transition or a fusible kernel dropped in turn; their operands held to the
-last slice) gives 2x4 auto 0.96 and 2x2x2 auto 0.94, but 2x2x2 zero3 0.83 and megatron 0.90:
-there the over-count hid copies XLA:CPU's scheduler makes early (below; ~150 KiB of backward
-reshards made in the forward pass at the zero3 plan's peak). With the early copies held from
-their source as well every MoE row is within 10% (zero3 0.92, megatron 1.02, auto 1.07), so the
-rule waits for that one. The conv net's auto
+(G, S, E, C) tensor), 2x2x2 auto 1.15, zero3 1.10, dp 1.09. ``_recomputed_in_slices`` drops
+such values: 2x4 auto 0.96, 2x2x2 auto 0.94, but 2x2x2 zero3 0.83 and megatron 0.90: there the
+over-count hid copies XLA:CPU's scheduler makes early (below; ~150 KiB of backward reshards made
+in the forward pass at the zero3 plan's peak). With the early copies held from their source as
+well every MoE row is within 10% (zero3 0.92, megatron 1.02, auto 1.07). The conv net's auto
 plans (channels split over all 8 devices, the image whole on each) were under-predicted by
 19-24% for want of the kernel gradients' transposed inputs (``_conv_transposes``): on 1x8 XLA
 holds the image's (48 KiB) from before the forward pass to the end and the gathered pooled
@@ -58,16 +62,23 @@ XLA's peak (the first pool's argmax) against our 236 KiB. The all-gather of the 
 activation along channels, which XLA:CPU lays out with the gathered dimension major, makes it
 compute the first pool's operand a second time in that layout (16 KiB; 32 KiB on 2x2x2, 0.93),
 not modelled; XLA's pool packs its 252 KiB into 264. ``_pool_gradient_expansion`` counts
-XLA:CPU's rewrite of the max-pool gradient. On the 2x2x2 mesh unrolled GPT is under-predicted by
-up to 17%. Read from XLA's buffer assignment (dp: pool 452 KiB against our 192): XLA:CPU's
-``BFSMemoryScheduler`` runs an instruction as soon as its operands have run, so a gather that
-reshards a forward activation for a backward weight-gradient dot (the ILP splits the batch over
-data and expert there, and the weight gradients read the attention output and MLP activation
-gathered) is made in the forward pass and held to its reader: four 64 KiB gathers live at XLA's
-peak, which this model makes at their first reader. Holding collective copies from their source
-fixes those three rows (1.03-1.08) but over-counts elsewhere (2x2x2 auto 1.14: ten 16 KiB
-layer-norm products XLA:CPU folds into its reduction fusion, which the missing copies hid; MoE
-and scanned zero3 rows 1.15-1.19), so it is not applied: the rule needs a sharper condition.
+XLA:CPU's rewrite of the max-pool gradient. On the 2x2x2 mesh unrolled GPT was under-predicted
+by up to 17% (dp 0.89, zero3 0.86, megatron 0.83): those plans split the batch over 'data' and
+'expert' and gather forward activations for the backward's weight gradients (the attention
+output to the whole batch, 64 KiB a layer in dp; the MLP's hidden activation over 'expert', 64
+KiB), and XLA:CPU's scheduler (``BFSMemoryScheduler``: an instruction runs once its operands
+have) makes each gather right after its source in the forward pass and holds it to the backward,
+where the model made it at its reader. At the dp plan's peak (the lm_head's weight gradient)
+XLA's pool held four such gathers (256 KiB) of its 452 KiB; the model held 192 KiB in all.
+``_reshard_copies`` now holds a copy that runs a collective from where its source is written
+(dp 1.03, zero3 1.04, megatron 1.06; 0.99, 0.98, 0.98 with ``_unshared_broadcasts``, which
+also moves their 4x2 rows from 1.02-1.08 to 0.97-1.01). That exposed an over-count on the
+2x2x2 auto plan (1.11; temporaries 800 KiB against XLA's 657): the model held two (16, 16, 64)
+broadcast buffers per layer norm (10 x 16 KiB, 4096 elements per device) that XLA's buffers do
+not have: its backward reductions' library fusions broadcast the row statistic and the scale
+in place. The forward readers of those broadcasts make their results in other layouts than the
+backward reductions, so no CSE merges them (``_unshared_broadcasts``; 0.99). ``cut_at`` (the
+ILP's copy cuts) still counts a copy from its first reader.
 
 The ILP's memory constraint (``ilp.memory_exprs``) is the linear part of this model: it checks
 the live values at the heaviest points of the schedule (every broadcast buffer included, so it
@@ -87,7 +98,9 @@ import numpy as np
 
 from autopar.planner.first_fit import Slots
 from autopar.planner.problem import Problem, body_peaks, temporaries, value_bytes
+from autopar.planner.reshard import reshard_steps
 from autopar.sharding import shard_factor
+from ir.fusion import FUSIBLE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,9 +121,11 @@ def estimate(prob: Problem, choice) -> MemoryEstimate:
     whole = _result_sizer(prob, nbytes)
     resident = sum(whole(v) for v in prob.const_values)
     temps, inner = _schedule(prob)
-    fused = _fused_broadcasts(prob, nbytes)
+    fused = _fused_broadcasts(prob, nbytes) | _unshared_broadcasts(prob, choice)
     last = _last_untransposed_reads(prob)
-    temps = [(v, a, min(b, last.get(v, b))) for v, a, b in temps]
+    sliced, held = _recomputed_in_slices(prob, choice)
+    temps = [(v, a, max(min(b, last.get(v, b)), held.get(v, -1))) for v, a, b in temps
+             if v not in sliced]
     looped = [(a, b, nbytes(v)) for v, a, b in temps if g.ops[a].regions]
     spans = [(a, b, nbytes(v)) for v, a, b in temps if not g.ops[a].regions and v not in fused]
     live = np.zeros(len(g.ops) + 1)
@@ -143,6 +158,129 @@ def _fused_broadcasts(prob: Problem, nbytes) -> set[int]:
     f = prob.fusion
     return {v for v, _ in f.broadcasts if v not in f.materialized
             and _elements(prob, v, nbytes) < LIBRARY_REDUCTION_ELEMENTS}
+
+
+def _unshared_broadcasts(prob: Problem, choice) -> set[int]:
+    """The broadcast buffers (``Fusion.broadcasts``) of several readers that the plan gives no
+    reader in the reduction's layout but the reduction itself. The single buffer is XLA's CSE
+    of identical broadcasts; when the forward reader (a layer norm's ``rsqrt * scale``) makes
+    its result in another layout than the backward reduction that reads the same broadcast, the
+    per-device broadcasts differ, nothing merges them, and XLA:CPU's library fusion computes the
+    reduction's own in place (2x2x2 auto plan of unrolled GPT: XLA writes none of its ten
+    layer-norm buffers, 16 KiB each, whose forward readers are split over 'data' or not at all
+    and the backward reductions over 'data' and 'expert'). A buffer of one reader alone is
+    still counted (the loss's (16, 16, vocab) buffers are written). Only ``platform="cpu"``."""
+    if prob.reshard.cm.hw.platform != "cpu":
+        return set()
+    g, gov = prob.graph, prob.group_of_value
+
+    def layout(v: int):
+        gid = gov.get(v)
+        return None if gid is None else prob.groups[gid].shard[v][choice[gid]]
+
+    outs = _memo(prob, "_op_outs", lambda: {op.id: op.outs for op in g.all_ops()})
+    out = set()
+    for v, readers in prob.fusion.broadcasts:
+        others = [outs[o][0] for o in readers if outs[o] and outs[o][0] != v]
+        mine = layout(v)
+        if others and mine is not None and all(
+                (theirs := layout(w)) is not None and theirs != mine for w in others):
+            out.add(v)
+    return out
+
+
+def _recomputed_in_slices(prob: Problem, choice) -> tuple[set[int], dict[int, int]]:
+    """(temporaries XLA never writes whole, value -> the position its reads extend to).
+
+    A reader that needs a value split where the plan makes it whole (a transition that is only
+    a local slice) reads a dynamic-slice, and XLA fuses the value's producer kernel into that
+    slice when the producer is elementwise and every kernel that reads it from memory is such a
+    slice or itself fused away: each slice computes only its own part, from the producer's
+    operands, and the whole value never exists (an MoE's dispatch and combine tensors, built
+    from per-token gates and slots and read split by the expert dots: the 2x4 auto plan's
+    480 KiB of whole tensors are 20 KiB slices in XLA's buffers). The producer's operands are
+    then read where the slices are made: they live until the last of them."""
+    cands, writes = _slice_candidates(prob)
+    sliced = set(cands)
+    changed = True
+    while changed:        # drop values some reader needs whole, until none is left to drop
+        changed = False
+        for v in list(sliced):
+            if not all(_reads_a_slice(prob, choice, v, edges) or kernels and all(
+                    writes.get(k) and writes[k] <= sliced for k in kernels)
+                    for _, kernels, edges in cands[v][1]):
+                sliced.discard(v)
+                changed = True
+    return sliced, _held_for_slices(sliced, cands, writes)
+
+
+def _slice_candidates(prob: Problem):
+    """The plan-independent part of ``_recomputed_in_slices``: (top-level temporary whose
+    producer's kernel has only fusible ops -> (that kernel, its readers in other kernels as
+    (position, their kernels, the edges that move the value to them), the values the kernel
+    reads), kernel of only fusible top-level ops -> the values it writes). A reader inside a
+    loop body has neither kernels nor edges here: it reads the value whole."""
+    def make():
+        g, f = prob.graph, prob.fusion
+        ops_of: dict[int, list] = {}
+        for op in g.ops:
+            ops_of.setdefault(f.kernel_of.get(op.id), []).append(op)
+        fusible = {k for k, ops in ops_of.items() if all(o.prim in FUSIBLE for o in ops)}
+        writes = {k: frozenset(w for o in ops_of[k] for w in f.writes.get(o.id, ()))
+                  for k in fusible}
+        producer = {v: op for op in g.ops for v in op.outs}
+        edges: dict[tuple[int, int], list] = {}
+        for es in prob.edge_sets():
+            for e in es:
+                edges.setdefault((e.op, e.value), []).append(e)
+        top, pos = {op.id for op in g.ops}, _positions(prob)
+        temps, _ = _schedule(prob)
+        reads = {k: frozenset(u for o in ops_of[k] for u in f.reads.get(o.id, ()))
+                 for k in fusible}
+        cands = {v: (k, [], reads[k]) for v, _, _ in temps if v in producer
+                 and (k := f.kernel_of.get(producer[v].id)) in fusible}
+        for o in g.all_ops():
+            for v in set(o.ins) & cands.keys():
+                kernels = tuple(f.duplicated.get(o.id) or (f.kernel_of.get(o.id),))
+                if o.id not in top:
+                    cands[v][1].append((pos[o.id], (), []))
+                elif kernels != (cands[v][0],):
+                    cands[v][1].append((pos[o.id], kernels, edges.get((o.id, v), [])))
+        return cands, writes
+
+    return _memo(prob, "_slice_candidates", make)
+
+
+def _reads_a_slice(prob: Problem, choice, v: int, edges) -> bool:
+    """Every move of ``v`` to the reader (``edges``) is a local slice (no collective)."""
+    if not edges:
+        return False
+    src = prob.groups[edges[0].src].shard[v][choice[edges[0].src]]
+    needs = {e.need[choice[e.dst]] for e in edges}
+    return src not in needs and all(step.kind == "slice" for n in needs
+                                    for step in reshard_steps(src, n, prob.mesh))
+
+
+def _held_for_slices(sliced: set[int], cands, writes) -> dict[int, int]:
+    """Value -> the last position a slice of a value in ``sliced`` reads it: the operands of
+    those values' producer kernels, read where each slice is made (a slice of a value read by
+    another such kernel is made where that kernel's own slices are)."""
+    last: dict[int, int] = {}
+
+    def last_read(v: int) -> int:
+        if v not in last:
+            at = [0]
+            for t, kernels, _ in cands[v][1]:
+                made = [w for k in kernels for w in writes.get(k, ()) if w in sliced]
+                at += [last_read(w) for w in made] if made else [t]
+            last[v] = max(at)
+        return last[v]
+
+    held: dict[int, int] = {}
+    for v in sliced:
+        for u in cands[v][2] - sliced:
+            held[u] = max(held.get(u, -1), last_read(v))
+    return held
 
 
 def _output_slots(prob: Problem, nbytes) -> list[tuple[float, int]]:
@@ -324,17 +462,66 @@ def _copies(prob: Problem, choice):
 
 
 def _reshard_copies(prob: Problem, choice) -> list[tuple[int, int, float]]:
-    """(first, last position, per-device bytes) of each resharded copy the plan makes. A
-    non-canonical convolution that reads the copy reads a transposed copy of it instead
+    """(first, last position, per-device bytes) of each resharded copy the plan makes, held
+    from where its source is written (``_written``) to its last reader. A non-canonical
+    convolution that reads the copy reads a transposed copy of it instead
     (``_conv_operand_transposes``), made where the copy's first reader runs: it does not hold
-    the copy past that."""
+    the copy past that.
+
+    On XLA:CPU a copy is made as soon as its source exists, not where its first reader runs:
+    its scheduler (``BFSMemoryScheduler``, XLA:CPU's default, optimised for concurrency) runs
+    each instruction once its operands have run, in the order they became ready, and the
+    collective or slice that makes a copy reads the source alone. A weight gradient that
+    reads a forward activation in another layout has the copy made in the forward pass and
+    held to the backward (``planner.memory``'s docstring has the figures). Only copies of
+    values the step computes, read by top-level ops that are not loops: a copy read inside a
+    loop body is made there, each iteration, and a copy of an argument or read by a loop keeps
+    its first reader (XLA makes some of those early too; not measured). A copy of a loop's
+    result is made after the loop (``_written``). A local slice, which
+    XLA fuses into its readers' kernels where it can, stays at its first reader, and so does
+    every copy on other platforms (their schedulers were not measured)."""
     moved = _transposed_reads(prob)
+    written = _written(prob) if prob.reshard.cm.hw.platform == "cpu" else {}
     out = []
-    for es, _, need, edges, at in _copies(prob, choice):
+    for es, src, need, edges, at in _copies(prob, choice):
         kept = [t for e, t in zip(edges, at) if (e.op, e.value) not in moved]
-        out.append((min(at), max(kept, default=min(at)),
+        first = min(at)
+        top = all(prob.graph.ops[t].id == e.op and not prob.graph.ops[t].regions
+                  for e, t in zip(edges, at))
+        if written and top and _communicates(src, need, prob.mesh):
+            first = min(first, written.get(es[0].value, first))
+        out.append((first, max(kept, default=min(at)),
                     prob.graph.values[es[0].value].nbytes / shard_factor(need, prob.mesh)))
     return out
+
+
+def _communicates(src, need, mesh) -> bool:
+    """Whether resharding ``src`` to ``need`` runs a collective; a local slice (``need`` only
+    adds axes) is a dynamic-slice XLA fuses into its readers' kernels where it can."""
+    return any(step.kind != "slice" for step in reshard_steps(src, need, mesh))
+
+
+def _written(prob: Problem) -> dict[int, int]:
+    """Value -> the first top-level position where it exists: its producer's, and the next one
+    for a value a loop makes (a result or a body's value): a loop writes its results when its
+    body has run for the last time, so a copy of one is made after the loop, when the body's
+    temporaries are dead, not beside them at the loop's position (the scanned zero3 plan on
+    1x8 gathers a (16, 16, 64) cotangent the backward loop makes, 64 KiB, for the embedding
+    gradient: held at the loop's position it put the peak 15% over XLA's). Arguments and
+    constants have none."""
+    def make():
+        g = prob.graph
+        out: dict[int, int] = {}
+        for t, top in enumerate(g.ops):
+            stack = [top]
+            while stack:
+                o = stack.pop()
+                for v in o.outs:
+                    out.setdefault(v, t + 1 if top.regions else t)
+                stack.extend(x for r in o.regions for x in r.ops)
+        return out
+
+    return _memo(prob, "_written", make)
 
 
 def _non_canonical_conv_operands(op) -> tuple[int, ...]:
