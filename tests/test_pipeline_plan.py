@@ -120,6 +120,15 @@ def test_a_stage_places_the_parameter_layouts_its_costs_priced(gpt_step):
     new, loss = run(state, batch)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
     _same_update(new, ref_state)
+    # a plan written before the layouts were recorded runs the Megatron layouts it ran then
+    written = json.loads(plan.to_json())
+    del written["pipeline"]["layer_layouts"], written["pipeline"]["rest_layouts"]
+    old = autopar.Plan.from_json(json.dumps(written))
+    placed = PL.executable(old, step, mesh).in_shardings_of(state, batch)[0]["params"]
+    for name, layout in differ:
+        leaf = functools.reduce(operator.getitem, ["layers", *name.split("/")], placed)
+        spec = tuple(leaf.spec) + (None,) * (1 + len(layout) - len(tuple(leaf.spec)))
+        assert spec == ("stage", *("model" if d else None for d in megatron(name, layout)))
     for name, layout in differ:
         leaf = functools.reduce(operator.getitem, ["layers", *name.split("/")], new["params"])
         spec = tuple(leaf.sharding.spec)

@@ -669,7 +669,7 @@ def _assemble(model, graph, state, batch, pp: PipelinePlan, sizes, hw, budget, s
 
     tensor = TENSOR_AXIS if TENSOR_AXIS in sizes else None
     specs = (state_specs(model, state, pp.axis, tensor, pp.stages, sizes.get(tensor, 1),
-                         (pp.layer_layouts, pp.rest_layouts)),
+                         pp.stage_layouts()),
              jax.tree_util.tree_map(lambda a: batch_spec(a.ndim, sizes, pp.axis), batch))
     ins = tuple(_sharding(s, len(v.shape)) for s, v in zip(
         jax.tree_util.tree_leaves(specs, is_leaf=_is_spec),
@@ -710,4 +710,4 @@ def executable(plan, fn, mesh):
                            "pipeline=...) or run it with autopar.autoparallel(plan=...)")
     sch = S.build(pp.schedule, pp.stages, pp.virtual_stages, pp.microbatches)
     return build_step(staged_model_of(fn), concrete_mesh(mesh), sch, pp.axis,
-                      ranges=pp.layer_ranges, layouts=(pp.layer_layouts, pp.rest_layouts))
+                      ranges=pp.layer_ranges, layouts=pp.stage_layouts())

@@ -41,6 +41,13 @@ class PipelinePlan:
     layer_layouts: tuple = ()
     rest_layouts: tuple = ()
 
+    def stage_layouts(self):
+        """``(layer_layouts, rest_layouts)`` for ``runtime.state_specs``, or None for a plan
+        written before they were recorded (its stages ran the model's Megatron layouts)."""
+        if not (self.layer_layouts or self.rest_layouts):
+            return None
+        return self.layer_layouts, self.rest_layouts
+
     def summary(self) -> str:
         ms = ", ".join(f"{t * 1e3:.3f}" for t in self.stage_time_s)
         gib = ", ".join(f"{b / 2**30:.3f}" for b in self.stage_memory_bytes)
