@@ -178,10 +178,9 @@ def _unshared_broadcasts(prob: Problem, choice) -> set[int]:
         gid = gov.get(v)
         return None if gid is None else prob.groups[gid].shard[v][choice[gid]]
 
-    outs = _memo(prob, "_op_outs", lambda: {op.id: op.outs for op in g.all_ops()})
     out = set()
     for v, readers in prob.fusion.broadcasts:
-        others = [outs[o][0] for o in readers if outs[o] and outs[o][0] != v]
+        others = [w[0] for w in (g.op(o).outs for o in readers) if w and w[0] != v]
         mine = layout(v)
         if others and mine is not None and all(
                 (theirs := layout(w)) is not None and theirs != mine for w in others):
@@ -510,16 +509,9 @@ def _written(prob: Problem) -> dict[int, int]:
     gradient: held at the loop's position it put the peak 15% over XLA's). Arguments and
     constants have none."""
     def make():
-        g = prob.graph
-        out: dict[int, int] = {}
-        for t, top in enumerate(g.ops):
-            stack = [top]
-            while stack:
-                o = stack.pop()
-                for v in o.outs:
-                    out.setdefault(v, t + 1 if top.regions else t)
-                stack.extend(x for r in o.regions for x in r.ops)
-        return out
+        g, pos = prob.graph, _positions(prob)
+        return {v: pos[o.id] + bool(g.ops[pos[o.id]].regions)
+                for o in g.all_ops() for v in o.outs}
 
     return _memo(prob, "_written", make)
 
