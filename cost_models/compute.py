@@ -33,7 +33,14 @@ CONV_PRIMS: frozenset[str] = frozenset({"conv_general_dilated"})
 def conv_factor(hw: Hardware, features: float = math.inf) -> float:
     """``e_c`` of a convolution ``features`` channels wide per device (the geometric mean of
     its input features per feature group and its output features)."""
-    return hw.conv_efficiency * min(1.0, features / hw.conv_min_features) ** hw.conv_narrow_power
+    return hw.conv_efficiency * narrow_factor(features, hw.conv_min_features,
+                                              hw.conv_narrow_power)
+
+
+def narrow_factor(features: float, min_features: float, power: float) -> float:
+    """``min(1, features / min_features) ** power``: the rate of a convolution that narrow
+    relative to a wide one (``Hardware.conv_min_features``, ``conv_narrow_power``)."""
+    return min(1.0, features / min_features) ** power
 
 
 def compute_bound_time_s(flops: float, hw: Hardware, dtype: str, is_matmul: bool,

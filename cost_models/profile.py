@@ -47,6 +47,7 @@ import jax
 import numpy as np
 
 from cost_models.collectives import COLLECTIVE_TERMS, KINDS
+from cost_models.compute import narrow_factor
 from cost_models.fit import (
     CollectiveFit,
     ComputeFit,
@@ -234,7 +235,7 @@ def conv_efficiency(devices: Sequence[jax.Device], sweep: Sweep,
     specs += [matmul_chain_spec(n, n, n, FALLBACK_DTYPE) for n in sweep.conv_matmuls]
     ms = measure_chains(devices, specs, **reps)
     k = len(sweep.conv_shapes)
-    conv = [m.flops / m.time_s / min(1.0, c / min_features) ** power
+    conv = [m.flops / m.time_s / narrow_factor(c, min_features, power)
             for m, (_, _, c) in zip(ms[:k], sweep.conv_shapes) if m.time_s > 0]
     mm = [m.flops / m.time_s for m in ms[k:] if m.time_s > 0]
     if not conv or not mm:   # no usable timing (noise ate the chains' slope): as matmuls
