@@ -203,7 +203,7 @@ def stage_costs(model: StagedModel, params, batch, rows: int, sizes: dict, axis:
     ends = plan(lambda r, b, h, dy: (embed_b(r, b, dy), head_b(r, h, b)), (rest, mb, x, x),
                 strategy=strategy)
     layer_layouts, rest_layouts = arg_layouts(lb), arg_layouts(ends)
-    auto = isinstance(strategy, str) and strategy == "auto"
+    auto = strategy == "auto"          # a hand-written stage strategy pins its own layouts
     pin_layer = ArgLayouts(layer_layouts) if auto else strategy
     pin_rest = ArgLayouts(rest_layouts) if auto else strategy
     lf = plan(model.layer, (layer, x), strategy=pin_layer)
