@@ -30,6 +30,7 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
+from ir import collector
 from ir.dce import effectful, eliminate_dead_ops
 from ir.errors import UnsupportedPrimitiveError
 from ir.flops import FLOP_RULES, NOT_CONST, Cost, fold, op_cost
@@ -318,6 +319,11 @@ def trace(fn: Callable[..., Any], *args: Any, donate_argnums: int | Sequence[int
       The graph; ``input_paths`` are ``jax.tree_util.keystr`` of each leaf with the args wrapped
       in a tuple, e.g. ``"[0]['params']['wte']['embedding']"``.
     """
+    with collector.paused():   # see ir.collector: a quarter of a deep trace went to collections
+        return _trace(fn, args, donate_argnums, dce, kwargs)
+
+
+def _trace(fn, args, donate_argnums, dce: bool, kwargs) -> Graph:
     bound = functools.partial(fn, **kwargs) if kwargs else fn
     closed, out_shape = jax.make_jaxpr(bound, return_shape=True)(*args)
     donate = {donate_argnums} if isinstance(donate_argnums, int) else set(donate_argnums)

@@ -160,19 +160,27 @@ def test_hf_gpt2_rules_and_costs_are_evaluated_once_per_role(hf_graphs, monkeypa
     assert seen[0] == seen[1] and seen[0]["rule"] > 0 and seen[0]["costs"] > 0, seen
 
 
-def test_planning_restores_the_cycle_collector():
-    """Planning pauses Python's cycle collector (its full collections walk the traced graph) and
-    leaves it as it found it, on or off."""
+def test_tracing_and_planning_restore_the_cycle_collector():
+    """Tracing and planning pause Python's cycle collector (its full collections walk the traced
+    program) while they run, and leave it as they found it, on or off."""
     import gc
 
-    graph = ir.trace(*gpt.abstract(gpt.GPTConfig(layers=1, d_model=16, heads=2, d_ff=32, seq=8,
-                                                 vocab=32), 8))
+    cfg = gpt.GPTConfig(layers=1, d_model=16, heads=2, d_ff=32, seq=8, vocab=32)
+    fn, state, batch = gpt.abstract(cfg, 8)
+    seen = []
+
+    def step(state, batch):
+        seen.append(gc.isenabled())    # runs while jax traces it
+        return fn(state, batch)
+
     was = gc.isenabled()
     try:
-        for state in (True, False):
-            (gc.enable if state else gc.disable)()
+        for on in (True, False):
+            (gc.enable if on else gc.disable)()
+            graph = ir.trace(step, state, batch)
+            assert gc.isenabled() is on and seen[-1] is False
             _plan(graph)
-            assert gc.isenabled() is state
+            assert gc.isenabled() is on
     finally:
         (gc.enable if was else gc.disable)()
 
