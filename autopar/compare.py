@@ -12,7 +12,9 @@ Each strategy is planned on one traced graph (hand-written ones pin the inputs, 
 ``autopar.strategies``; ``"auto"`` is planned last, starting from the best hand-written plan). When
 the mesh's devices are here and the arguments are arrays, each plan is compiled (the same codegen as
 ``autopar.autoparallel(fn, mesh=..., plan=plan)``), XLA's ``memory_analysis()`` peak is read and
-the step is timed: the median of ``runs`` runs after one warm-up, each ``block_until_ready``. The
+the step is timed: once every plan is compiled, each runs once to warm up, then ``runs`` rounds run
+every plan once in turn (``block_until_ready`` each), and a plan's time is the median of its
+rounds, so no timed run shares the CPU with a compile and the plans see the same load. The
 arguments are not donated: every strategy runs on the same arrays. A strategy that fails (does not
 fit the memory budget, cannot be planned, fails to compile) becomes a row with its error; the
 other rows are unaffected.
@@ -152,7 +154,8 @@ def compare(fn: Callable, *args, mesh, hardware=None,
       strategies: names from ``autopar.strategies.NAMES``, strategy objects, and ``"auto"``.
       measure: compile and time each plan when the mesh's devices are present.
       memory_budget: per-device bytes every plan must fit; default the hardware's memory.
-      runs: timed runs per strategy (after one warm-up); the median is reported.
+      runs: timed rounds (after one warm-up), each running every plan once; a plan's
+        median is reported.
       time_limit_s: the planner's time limit per strategy.
       progress: print one line per strategy to stderr.
       seed_auto: start ``"auto"`` from the best hand-written plan of this call, so it is never
@@ -175,18 +178,23 @@ def compare(fn: Callable, *args, mesh, hardware=None,
     hw = hardware_for(hardware, mesh)
     names = [s if isinstance(s, str) else getattr(s, "name", type(s).__name__)
              for s in strategies]
-    # Compiles run on a worker thread while the next strategy is planned (XLA releases the GIL);
-    # timing waits until every plan is made, so no run shares the CPU with the planner.
+    # Compiles run on a worker thread while the next strategy is planned (XLA releases the GIL).
+    # Timing starts once every compile is done, so no timed run shares the CPU with the planner
+    # or a compile, and the plans are timed round robin, so a change in the machine's load
+    # during the timing falls on every plan alike.
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
         rows, compiling = _plan_all(graph, mesh, hw, strategies, names, memory_budget,
                                     time_limit_s, trace_s, progress, seed_auto,
                                     None if run_mesh is None else
                                     lambda plan: pool.submit(_compile, fn, args, run_mesh, plan),
                                     (fn, args))
+        ready = {}
         for i, job in compiling.items():
-            rows[i] = _measure_row(rows[i], job, args, runs)
-            if progress:
-                _report(rows[i], "measured")
+            rows[i], ready[i] = _compiled_row(rows[i], job, args)
+    for i, row in _timed(rows, {i: r for i, r in ready.items() if r is not None}, runs).items():
+        rows[i] = row
+        if progress:
+            _report(row, "measured")
     return Comparison(axis_sizes(mesh), hw.name, tuple(rows[i] for i in range(len(names))))
 
 
@@ -294,22 +302,43 @@ def _compile(fn, args, mesh, plan: Plan):
     return compiled, time.perf_counter() - t0, args
 
 
-def _measure_row(row: Row, job: concurrent.futures.Future, args, runs: int) -> Row:
-    """Wait for the compile, read XLA's memory peak and time ``runs`` steps (median)."""
+def _compiled_row(row: Row, job: concurrent.futures.Future, args) -> tuple[Row, tuple | None]:
+    """Wait for the compile and read XLA's memory peak: (the row, (the executable, its placed
+    arguments) or None when compiling or placing failed, the row then saying why)."""
     try:
         compiled, compile_s, args = job.result()
         placed = jax.device_put(args, compiled.input_shardings[0])
-        jax.block_until_ready(compiled(*placed))       # warm-up
-        times = []
-        for _ in range(max(1, runs)):
-            t0 = time.perf_counter()
-            jax.block_until_ready(compiled(*placed))
-            times.append(time.perf_counter() - t0)
     except Exception as e:  # noqa: BLE001 - keep the prediction, report the failure
-        return dataclasses.replace(row, error="measuring failed: " + _text(e))
-    return dataclasses.replace(row, measured_step_s=statistics.median(times),
-                               measured_peak_bytes=_xla_peak(compiled), compile_s=compile_s,
-                               compiled=compiled)
+        return dataclasses.replace(row, error="measuring failed: " + _text(e)), None
+    return dataclasses.replace(row, measured_peak_bytes=_xla_peak(compiled), compile_s=compile_s,
+                               compiled=compiled), (compiled, placed)
+
+
+def _timed(rows: dict[int, Row], ready: dict[int, tuple], runs: int) -> dict[int, Row]:
+    """Each executable of ``ready`` run once to warm up, then ``runs`` rounds that run each once
+    (``block_until_ready``); a row's time is the median of its rounds."""
+    times: dict[int, list[float]] = {i: [] for i in ready}
+    failed: dict[int, Row] = {}
+
+    def run(i: int) -> float:
+        compiled, placed = ready[i]
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(*placed))
+        return time.perf_counter() - t0
+
+    for round_ in range(max(1, runs) + 1):     # round 0 warms up
+        for i in times:
+            if i in failed:
+                continue
+            try:
+                t = run(i)
+            except Exception as e:  # noqa: BLE001 - keep the prediction, report the failure
+                failed[i] = dataclasses.replace(rows[i], error="measuring failed: " + _text(e))
+                continue
+            if round_:
+                times[i].append(t)
+    return {i: failed.get(i) or dataclasses.replace(rows[i], measured_step_s=statistics.median(ts))
+            for i, ts in times.items()}
 
 
 def _xla_peak(compiled) -> float | None:
