@@ -36,7 +36,7 @@ import numpy as np
 
 import cost_models
 import ir
-from autopar import distributed, validate
+from autopar import distributed, hlo, validate
 from autopar.api import autoparallel, plan_graph
 from autopar.errors import PlanError
 from autopar.mesh import axis_sizes, concrete_mesh, hardware_for
@@ -342,14 +342,10 @@ def _timed(rows: dict[int, Row], ready: dict[int, tuple], runs: int) -> dict[int
 
 
 def _xla_peak(compiled) -> float | None:
-    m = compiled.memory_analysis()
-    if m is None:
-        return None
-    peak = getattr(m, "peak_memory_in_bytes", 0)
-    if peak:
-        return float(peak)
-    return float(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-                 - m.alias_size_in_bytes)
+    """What the executable holds at once per device, as ``autopar.verify`` reads it
+    (``hlo.memory``: arguments + outputs + temporaries - donated aliases); XLA:CPU's own
+    ``peak_memory_in_bytes`` leaves the temporaries out."""
+    return hlo.memory(compiled).get("peak")
 
 
 def _text(e: Exception) -> str:
