@@ -17,7 +17,9 @@ that is what ``estimate`` predicts:
     identical reshards) from its first to its last reader, but for a local slice of a value no
     kernel writes, read by fusing kernels (``_never_written``); at a loop's position, the values
     live at the peak of its body, and the buffers of the body's reductions
-    (``_loop_reductions``); on XLA:CPU, the transposed operand copies its convolution
+    (``_loop_reductions``); a top-level reduction's unreduced operand, held until XLA's
+    combiners run it merged with the other reductions of its level (``_combined_reductions``:
+    a backward pass's gradients live together until its end); on XLA:CPU, the transposed operand copies its convolution
     canonicalization makes (``_conv_transposes``: a kernel gradient's input, from the value's
     first reader) and its layout assignment makes of a dot's operand whose dimensions are not in
     the order the dot emitter takes (``_dot_transposes``: from the value's first reader, or as
@@ -38,7 +40,8 @@ assignments: a layer norm's ``x - mean`` is recomputed in its readers, the resid
 the row statistics stay (``ir.fusion``'s rules); a reduction's broadcast buffer exists only when
 XLA:CPU's library fusion runs the reduction (``_fused_broadcasts``). Known gaps: XLA's own
 schedule is not modelled (ours is the traced order), nor collectives' buffers outside loop bodies
-beyond the resharded copies. The unrolled GPT's auto plan on 1x8 was under-predicted by 11% for want
+beyond the resharded copies and the merged reductions' operands; the ILP's memory constraint sees
+neither (a plan they push over the budget is reported so, ``_warn_over_budget``). The unrolled GPT's auto plan on 1x8 was under-predicted by 11% for want
 of the dots' layout copies (``_dot_transposes``): at XLA's peak (the lm_head's gradients) its weight
 gradient reads the gathered (16, 16, vocab) loss cotangent as a transposed copy (128 KiB), XLA holds
 the attention's q, k and v only as copies in the attention dots' order and each attention output
