@@ -17,9 +17,7 @@ that is what ``estimate`` predicts:
     identical reshards) from its first to its last reader, but for a local slice of a value no
     kernel writes, read by fusing kernels (``_never_written``); at a loop's position, the values
     live at the peak of its body, and the buffers of the body's reductions
-    (``_loop_reductions``); a top-level reduction's unreduced operand, held until XLA's
-    combiners run it merged with the other reductions of its level (``_combined_reductions``:
-    a backward pass's gradients live together until its end); on XLA:CPU, the transposed operand copies its convolution
+    (``_loop_reductions``); on XLA:CPU, the transposed operand copies its convolution
     canonicalization makes (``_conv_transposes``: a kernel gradient's input, from the value's
     first reader) and its layout assignment makes of a dot's operand whose dimensions are not in
     the order the dot emitter takes (``_dot_transposes``: from the value's first reader, or as
@@ -40,8 +38,7 @@ assignments: a layer norm's ``x - mean`` is recomputed in its readers, the resid
 the row statistics stay (``ir.fusion``'s rules); a reduction's broadcast buffer exists only when
 XLA:CPU's library fusion runs the reduction (``_fused_broadcasts``). Known gaps: XLA's own
 schedule is not modelled (ours is the traced order), nor collectives' buffers outside loop bodies
-beyond the resharded copies and the merged reductions' operands; the ILP's memory constraint sees
-neither (a plan they push over the budget is reported so, ``_warn_over_budget``). The unrolled GPT's auto plan on 1x8 was under-predicted by 11% for want
+beyond the resharded copies. The unrolled GPT's auto plan on 1x8 was under-predicted by 11% for want
 of the dots' layout copies (``_dot_transposes``): at XLA's peak (the lm_head's gradients) its weight
 gradient reads the gathered (16, 16, vocab) loss cotangent as a transposed copy (128 KiB), XLA holds
 the attention's q, k and v only as copies in the attention dots' order and each attention output
@@ -130,7 +127,6 @@ import math
 
 import numpy as np
 
-from autopar.planner.combine import levels
 from autopar.planner.first_fit import Slots
 from autopar.planner.problem import Problem, body_peaks, temporaries, value_bytes
 from autopar.planner.reshard import reshard_steps
@@ -165,7 +161,7 @@ def estimate(prob: Problem, choice) -> MemoryEstimate:
     spans = [(a, b, nbytes(v)) for v, a, b in temps if not g.ops[a].regions and v not in fused]
     live = np.zeros(len(g.ops) + 1)
     copies, made = _copy_spans(prob, choice)
-    for a, b, size in _pooled(looped + spans + copies + _combined_reductions(prob, choice)
+    for a, b, size in _pooled(looped + spans + copies
                               + _transposed_operands(prob, choice, nbytes, made),
                               _output_slots(prob, whole)):
         live[a: b + 1] += size
@@ -396,82 +392,6 @@ def _loop_reductions(prob: Problem, choice) -> dict[int, float]:
         if size:
             out[t] = out.get(t, 0.0) + size
     return out
-
-
-# XLA's all-reduce and reduce-scatter combiners merge independent reductions over one device group
-# up to this many bytes and operands per merged call (the GPU defaults of
-# ``xla_gpu_all_reduce_combine_threshold_bytes`` and the count XLA passes; XLA:CPU merged every
-# gradient reduction of the plans measured, some 3 MiB, so the same bound is assumed there).
-COMBINE_BYTES = 30 * 2**20
-COMBINE_COUNT = 256
-
-
-def _combined_reductions(prob: Problem, choice) -> list[tuple[int, int, float]]:
-    """(first, last position, per-device bytes) of the unreduced operands that XLA's combiners
-    keep until the merged reduction runs.
-
-    XLA merges the top-level reductions (all-reduces, reduce-scatters; XLA:CPU runs a
-    reduce-scatter as an all-reduce and a slice) over one device group that do not depend on
-    each other into one call (``planner.combine``'s levels tell which), which runs once its
-    last operand is written: a backward pass's weight gradients, each reduce-scattered in the
-    plan right where it is made, are all held whole (unreduced, at the comm's bytes) until the
-    end of the backward, and the merged call holds its operands and its results together.
-    Counted here: each reduction's operand from its op to the merged call, and its result there
-    too when the op's own value does not hold it (a reduce-scatter's result is the scattered
-    value, made only then; an all-reduce's result is the op's value, counted from the op)."""
-    issued = []
-    for gid, t, op_id, strategies in _top_reducers(prob):
-        for c in strategies[choice[gid]].comms:
-            if c.kind in _REDUCING:
-                issued.append((op_id, t, c))
-    if not issued:
-        return []
-    level = levels(prob.graph, {op for op, _, _ in issued})
-    sets: dict[tuple, list] = {}
-    for op, t, c in sorted(issued, key=lambda r: r[1]):
-        sets.setdefault((level.get(op, 0), tuple(sorted(c.axes))), []).append((t, c))
-    spans = []
-    for members in sets.values():
-        for chunk in _chunks(members):
-            end = max(t for t, _ in chunk)
-            for t, c in chunk:
-                spans.append((t, end, c.nbytes))          # the unreduced operand
-                if c.kind == "reduce-scatter":
-                    spans.append((end, end, c.nbytes))    # the whole result, then its slice
-    return spans
-
-
-def _chunks(members: list) -> list[list]:
-    """``members`` (schedule order) cut into the merged calls the combiner's bounds allow."""
-    out, size = [[]], 0.0
-    for t, c in members:
-        if out[-1] and (size + c.nbytes > COMBINE_BYTES or len(out[-1]) >= COMBINE_COUNT):
-            out.append([])
-            size = 0.0
-        out[-1].append((t, c))
-        size += c.nbytes
-    return out
-
-
-def _top_reducers(prob: Problem) -> list[tuple[int, int, int, tuple]]:
-    """(group id, top-level position, op id, per-strategy list) of each top-level group member
-    some strategy of which reduces (plan-independent)."""
-    def top():
-        g, where = prob.graph, _positions(prob)
-        reduces: dict[int, bool] = {}   # per distinct strategy list: members share them
-        out = []
-        for grp in prob.groups:
-            for op_id, strategies in (grp.members or {grp.leader: grp.strategies}).items():
-                hit = reduces.get(id(strategies))
-                if hit is None:
-                    hit = reduces[id(strategies)] = any(
-                        c.kind in _REDUCING for st in strategies for c in st.comms)
-                t = where.get(op_id) if hit else None
-                if t is not None and g.ops[t].id == op_id:
-                    out.append((grp.id, t, op_id, strategies))
-        return out
-
-    return _memo(prob, "_top_reducers", top)
 
 
 def _nested_members(prob: Problem) -> list[tuple[int, int, tuple]]:
