@@ -30,8 +30,8 @@ HEADER = ("model", "mesh", "strategy", "collective bytes pred/XLA (worst kind)",
           "peak memory KiB pred", "peak memory KiB XLA", "memory pred/XLA", "memory ok",
           "HBM pred/XLA", "HBM ok")
 TINY = gpt.GPTConfig(vocab=128, seq=16, d_model=64, heads=4, d_ff=128, layers=2)
-# make demo's GPT: its weights outweigh its activations, which TINY's do not (a top-level
-# gradient's lifetime, held whole until XLA's merged reduction, showed only here)
+# make demo's GPT: its weights outweigh its activations, which TINY's do not, so the gradients
+# XLA holds whole until its merged reduction (not in autopar.planner.memory) show only here
 WIDE = gpt.GPTConfig(vocab=256, seq=32, d_model=128, heads=4, d_ff=512, layers=2)
 MESHES = {"1x8": ((8,), ("data",)), "2x4": ((2, 4), ("data", "model")),
           "4x2": ((4, 2), ("data", "model")), "2x2x2": ((2, 2, 2), ("data", "model", "expert"))}

@@ -38,7 +38,16 @@ assignments: a layer norm's ``x - mean`` is recomputed in its readers, the resid
 the row statistics stay (``ir.fusion``'s rules); a reduction's broadcast buffer exists only when
 XLA:CPU's library fusion runs the reduction (``_fused_broadcasts``). Known gaps: XLA's own
 schedule is not modelled (ours is the traced order), nor collectives' buffers outside loop bodies
-beyond the resharded copies. The unrolled GPT's auto plan on 1x8 was under-predicted by 11% for want
+beyond the resharded copies. Among those: XLA's combiners merge the top-level reductions of one
+level over one device group into one call that runs once its last operand is written, so a
+backward pass's weight gradients stay whole (unreduced) until its end; the model frees each at
+its op. Where weights outweigh activations (``make demo``'s GPT, d_model 128, d_ff 512, 2x4)
+that under-predicts zero3 at 0.81 of XLA's peak and auto at 0.87
+(``benchmarks/results/verify_matrix_wide.md``). Counting it (branch ``wip-combined-reductions``:
+each operand from its op to the merged call) brings them to 0.99 but needs the ILP's memory
+constraint to see it too, and over-counts where XLA's schedule computes a gradient just before
+the merged call (scanned GPT 1x8 zero3: 1.09 -> 1.12).
+The unrolled GPT's auto plan on 1x8 was under-predicted by 11% for want
 of the dots' layout copies (``_dot_transposes``): at XLA's peak (the lm_head's gradients) its weight
 gradient reads the gathered (16, 16, vocab) loss cotangent as a transposed copy (128 KiB), XLA holds
 the attention's q, k and v only as copies in the attention dots' order and each attention output
