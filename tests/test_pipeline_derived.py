@@ -245,14 +245,10 @@ def test_a_step_without_layers_names_the_derivation():
 
 
 def test_readme_derived_example_runs_as_written(capsys):
-    import pathlib
-    import re
+    from test_readme import run_block
 
     pytest.importorskip("transformers", reason="the dev extra installs transformers 4.x")
-    text = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
-    part = text.split("* **Any loss over numbered layers**", 1)[1]
-    code = re.search(r"```python\n(.*?)```", part, re.S).group(1)
-    exec(compile(code, "README.md#derive", "exec"), {"__name__": "readme"})
+    run_block("* **Any loss over numbered layers**", "derive")
     out = capsys.readouterr().out.splitlines()
     loss, ref = map(float, out[0].split())
     assert abs(loss - ref) <= 1e-6 * abs(ref)

@@ -216,13 +216,9 @@ def test_megatron_on_plain_dict_splits_the_hidden_layer():
 
 
 def test_readme_third_party_example_runs_as_written(capsys):
-    import pathlib
-    import re
+    from test_readme import run_block
 
-    text = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
-    part = text.split("### Third-party models", 1)[1]
-    code = re.search(r"```python\n(.*?)```", part, re.S).group(1)
-    exec(compile(code, "README.md#third-party", "exec"), {"__name__": "readme"})
+    run_block("### Third-party models", "third-party")
     out = capsys.readouterr().out.splitlines()
     loss, ref = map(float, out[0].split())
     assert abs(loss - ref) <= 1e-5 * abs(ref)
