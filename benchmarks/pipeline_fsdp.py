@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 import autopar
+from autopar import hlo
 from autopar.models import gpt
 from autopar.pipeline import model as PM
 from autopar.pipeline import planning as PL
@@ -39,12 +40,6 @@ HEADER = ("mesh", "fsdp", "predicted_step_ms", "measured_step_ms", "step_ratio",
 
 def _mesh(shape: dict):
     return jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(*shape.values()), tuple(shape))
-
-
-def _measured_bytes(compiled) -> float:
-    m = compiled.memory_analysis()
-    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-            - m.alias_size_in_bytes)
 
 
 def run_mesh(cfg, mesh: dict, runs: int) -> list[tuple]:
@@ -69,7 +64,7 @@ def run_mesh(cfg, mesh: dict, runs: int) -> list[tuple]:
     for fsdp, (plan, compiled, _) in made.items():
         pp = plan.pipeline
         meas = statistics.median(times[fsdp])
-        mem = _measured_bytes(compiled)
+        mem = hlo.memory(compiled)["peak"]
         args = compiled.memory_analysis().argument_size_in_bytes
         rows.append((_common.mesh_str(mesh), fsdp, pp.step_time_s * 1e3, meas * 1e3,
                      meas / pp.step_time_s, max(pp.stage_memory_bytes) / 2**20, mem / 2**20,
