@@ -48,6 +48,8 @@ def test_quick(script, tmp_path):
         with open(tmp_path / "plan_time.csv") as fh:
             row = next(csv.DictReader(fh))
         assert not row["status"].startswith("error") and float(row["total_s"]) > 0, row
+        # the whole plan call holds its build and solve, and then the Plan's assembly
+        assert float(row["plan_s"]) >= float(row["build_s"]) + float(row["solve_s"]), row
 
 
 def test_pipeline_cpu_pads_a_chunk_as_the_runtime_does(monkeypatch):
