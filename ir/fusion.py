@@ -378,7 +378,16 @@ def _fuse_list(ops: Sequence[Op], const: set[int], outputs: set[int], result: di
 
 
 def fuse(graph: Graph) -> Fusion:
-    """The kernels XLA makes of ``graph`` (see the module docstring)."""
+    """The kernels XLA makes of ``graph`` (see the module docstring). Cached on the graph, as
+    its roles are: every plan of one graph (``autopar.compare`` plans it once per strategy)
+    asks for the same kernels."""
+    hit = graph.__dict__.get("_fusion")
+    if hit is None:
+        hit = graph.__dict__["_fusion"] = _fuse(graph)
+    return hit
+
+
+def _fuse(graph: Graph) -> Fusion:
     const = _constants(graph)
     result: dict = {"kernel_of": {}, "reads": {}, "writes": {}, "roots": set(), "copies": {},
                     "values": graph.values, "broadcasts": [], "duplicated": {}}

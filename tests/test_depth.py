@@ -136,6 +136,25 @@ def test_depth_shortcuts_keep_the_plan(hf_graphs, hf_plans, monkeypatch):
     assert fast.cost.hbm_bytes > 0 and fast.cost.peak_memory_bytes > 0
 
 
+def test_a_graph_is_fused_once_for_all_its_plans(hf_graphs, hf_plans, monkeypatch):
+    """A second plan of one graph (``compare`` plans it once per strategy) reuses the fusion,
+    schedule and kernel bytes cached on the graph, and plans exactly as a fresh copy of the
+    graph, which computes them again."""
+    from ir import fusion
+
+    g, computed = hf_graphs[4], []
+    real = fusion._fuse
+    monkeypatch.setattr(fusion, "_fuse", lambda graph: computed.append(graph) or real(graph))
+    again = _plan(g)                   # hf_plans planned g already
+    copy = dataclasses.replace(g)      # the same graph without its caches
+    fresh = _plan(copy)
+    assert computed == [copy]
+    assert g.__dict__["_schedule"][0] is fusion.fuse(g)
+    for plan in (again, fresh):
+        assert plan.choices == hf_plans[4].choices and plan.pins == hf_plans[4].pins
+        assert plan.cost == hf_plans[4].cost
+
+
 def test_hf_gpt2_rules_and_costs_are_evaluated_once_per_role(hf_graphs, monkeypatch):
     """Building the problem asks the rules and prices strategies as often for 8 unrolled layers
     as for 4: a repeated layer's ops reuse the first layer's results (counts, not time)."""

@@ -137,7 +137,7 @@ import math
 import numpy as np
 
 from autopar.planner.first_fit import Slots
-from autopar.planner.problem import Problem, body_peaks, temporaries, value_bytes
+from autopar.planner.problem import Problem, schedule_of, value_bytes
 from autopar.planner.reshard import reshard_steps
 from autopar.sharding import shard_factor
 from ir.fusion import ABSORBING, FUSIBLE
@@ -520,8 +520,7 @@ def _positions(prob: Problem) -> dict[int, int]:
 def _schedule(prob: Problem):
     """The plan-independent part: top-level temporaries and loop-body peaks (``problem.build``
     stores them; a restricted copy of the problem recomputes them once)."""
-    return _memo(prob, "_schedule", lambda: (temporaries(prob.graph, prob.fusion),
-                                             body_peaks(prob.graph, prob.fusion)))
+    return _memo(prob, "_schedule", lambda: schedule_of(prob.graph, prob.fusion))
 
 
 def _memo(prob: Problem, key: str, make):

@@ -257,7 +257,11 @@ class _Builder:
         self.gop: dict[int, int] = {}
         self.reshard = ReshardCache(cost_model, mesh)
         self.fusion = fuse(graph) if fusion is None else fusion
-        self.kernel_bytes = _kernel_bytes(graph, self.fusion)
+        hit = graph.__dict__.get("_kernel_bytes")    # plan-independent, like the fusion
+        if hit is None or hit[0] is not self.fusion:
+            hit = graph.__dict__["_kernel_bytes"] = (self.fusion,
+                                                     _kernel_bytes(graph, self.fusion))
+        self.kernel_bytes = hit[1]
         self.memo: dict = {}        # op structure (+ operand layouts) -> rule / _Planned
         self.rule_memo: dict = {}   # op_key's first int -> the op's rule
         self.follow_memo: dict = {}  # (op_key's second int, id of the followed layouts) -> _Planned
@@ -822,6 +826,17 @@ def _intervals(ops: Sequence[Op], keep, fusion: Fusion) -> list[tuple[int, int, 
     return spans
 
 
+def schedule_of(graph: Graph, fusion: Fusion) -> tuple:
+    """``(temporaries, body_peaks)`` of ``graph`` under its ``fusion``: plan-independent, so
+    cached on the graph beside the fusion (read only: the memory model and the memory points
+    only read it)."""
+    hit = graph.__dict__.get("_schedule")
+    if hit is None or hit[0] is not fusion:
+        hit = graph.__dict__["_schedule"] = (fusion, (temporaries(graph, fusion),
+                                                      body_peaks(graph, fusion)))
+    return hit[1]
+
+
 def temporaries(graph: Graph, fusion: Fusion) -> list[tuple[int, int, int]]:
     """(value, first, last top-level position) of each temporary a kernel writes: not an
     argument or result, not a folded constant."""
@@ -885,7 +900,7 @@ def build(graph: Graph, mesh: Mapping[str, int], cost_model, max_strategies: int
     if host_inputs:
         _feed_costs(graph, b, input_group, pairs)
     ties = _ties(graph, b)
-    schedule = (temporaries(graph, b.fusion), body_peaks(graph, b.fusion))
+    schedule = schedule_of(graph, b.fusion)
     prob = Problem(graph, dict(mesh), b.groups, b.edges, b.gv, b.gop, input_group, ties, pairs,
                    _memory_points(graph, memory_points, schedule), _resident(graph, pairs),
                    b.reshard, b.fusion)
