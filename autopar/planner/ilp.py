@@ -354,8 +354,9 @@ def solve(p: Problem, cost_model, memory_budget: float | None = None, time_limit
     and a plan kept without the ILP is labelled by where it came from (``hint_name`` for
     ``hint`` itself). A model with more than ``FULL_MODEL_PAIRS`` flow pairs is solved over
     candidates: per root group the strategies of the start and of ``seeds`` (other good
-    solutions, e.g. each hand-written start's), plus the ``CANDIDATES`` cheapest given the start;
-    the solution then says so (``candidates``) and its gap is over those candidates.
+    solutions, e.g. each hand-written start's), plus the ``CANDIDATES`` cheapest given the start,
+    then again around each better solution (``_solve_candidates``); the solution then says so
+    (``candidates``) and its gap is over the last round's candidates.
     ``cuts``: ``memory.CopyCut``s, memory constraints that count resharded copies (added by
     ``make_plan`` when a solution's full estimate exceeds the budget)."""
     clock = clock or Clock(time.perf_counter(), time_limit_s)
@@ -384,7 +385,26 @@ class _Run:
 
 
 def _solve_candidates(p: Problem, allowed, start, seeds, run: _Run) -> Solution:
-    """``_solve_model`` over each root's candidate strategies (``_candidates``)."""
+    """``_solve_model`` over each root's candidate strategies (``_candidates``), then again
+    around each better solution (its strategies, the cheapest given it, the earlier
+    solutions'), ``NEIGHBOURHOOD_ROUNDS`` times at most, while time is left."""
+    sol = _solve_round(p, allowed, start, seeds, run)
+    for _ in range(NEIGHBOURHOOD_ROUNDS):
+        if run.clock.spent(SEARCH_BEFORE):
+            break
+        here = dict(enumerate(sol.choice))
+        nxt = _solve_round(p, allowed, here, tuple(seeds) + (start,), run)
+        if nxt.objective_s >= sol.objective_s * (1 - 1e-9):
+            break
+        seeds, start, sol = tuple(seeds) + (start,), here, nxt
+    return sol
+
+
+# Candidate solves around each better solution found (``_solve_candidates``).
+NEIGHBOURHOOD_ROUNDS = 4
+
+
+def _solve_round(p: Problem, allowed, start, seeds, run: _Run) -> Solution:
     from autopar.planner.descent import local_costs
 
     local = local_costs(p, run.cost_model, {g: start[g] for g in start if p.root(g) == g})
