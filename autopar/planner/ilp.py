@@ -390,10 +390,13 @@ def _solve_candidates(p: Problem, allowed, start, seeds, run: _Run) -> Solution:
     solutions'), ``NEIGHBOURHOOD_ROUNDS`` times at most, while time is left."""
     sol = _solve_round(p, allowed, start, seeds, run)
     for _ in range(NEIGHBOURHOOD_ROUNDS):
-        if run.clock.spent(SEARCH_BEFORE):
+        if not sol.candidates or run.clock.spent(SEARCH_BEFORE):   # whole model: exact
             break
         here = dict(enumerate(sol.choice))
-        nxt = _solve_round(p, allowed, here, tuple(seeds) + (start,), run)
+        try:
+            nxt = _solve_round(p, allowed, here, tuple(seeds) + (start,), run, whole=False)
+        except PlanError:
+            break
         if nxt.objective_s >= sol.objective_s * (1 - 1e-9):
             break
         seeds, start, sol = tuple(seeds) + (start,), here, nxt
@@ -404,7 +407,9 @@ def _solve_candidates(p: Problem, allowed, start, seeds, run: _Run) -> Solution:
 NEIGHBOURHOOD_ROUNDS = 4
 
 
-def _solve_round(p: Problem, allowed, start, seeds, run: _Run) -> Solution:
+def _solve_round(p: Problem, allowed, start, seeds, run: _Run, whole: bool = True) -> Solution:
+    """One candidate solve around ``start``; ``whole``: when the candidates miss what fits the
+    budget, solve the whole model instead (a later round keeps the solution it has)."""
     from autopar.planner.descent import local_costs
 
     local = local_costs(p, run.cost_model, {g: start[g] for g in start if p.root(g) == g})
@@ -417,6 +422,8 @@ def _solve_round(p: Problem, allowed, start, seeds, run: _Run) -> Solution:
         sol = _solve_model(small, small_allowed, small_start, dataclasses.replace(
             run, cuts=tuple(_restrict_cut(p, c, cands) for c in run.cuts)))
     except PlanError:   # the candidates may miss what fits the budget: the whole model decides
+        if not whole:
+            raise
         return _solve_model(p, allowed, start, run)
     choice = tuple(cands[p.root(g.id)][j] for g, j in zip(p.groups, sol.choice))
     return dataclasses.replace(sol, choice=choice, candidates=max(map(len, cands.values())))
