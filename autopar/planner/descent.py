@@ -56,6 +56,8 @@ def edge_matrices(p: Problem, cm):
 
 def descend(p: Problem, cm, start: dict[int, int] | None = None, sweeps: int = 20,
             allowed=None) -> dict[int, int]:
+    """A descent solution (see the module docstring) from ``start``, else the best of three
+    starts of its own."""
     unary, pair = edge_matrices(p, cm)
     unary = _masked(p, dict(unary), allowed or {})
     incident = defaultdict(list)
@@ -68,7 +70,9 @@ def descend(p: Problem, cm, start: dict[int, int] | None = None, sweeps: int = 2
         return _expand(p, _icm(unary, pair, incident, choice, sweeps))
     best = None
     cheapest_alone = {r: int(np.argmin(u)) for r, u in unary.items()}
-    for init in (_propagate(unary, pair, incident), cheapest_alone):
+    ops_first = sorted(unary, key=lambda r: (p.groups[r].leader < 0, r))
+    for init in (_propagate(unary, pair, incident), cheapest_alone,
+                 _propagate(unary, pair, incident, ops_first)):
         choice = _icm(unary, pair, incident, init, sweeps)
         cost = _cost(unary, pair, choice)
         if best is None or cost < best[0]:
@@ -124,11 +128,15 @@ def _cost(unary, pair, choice) -> float:
                  + sum(m[choice[s], choice[d]] for s, d, m in pair))
 
 
-def _propagate(unary, pair, incident) -> dict[int, int]:
+def _propagate(unary, pair, incident, order=None) -> dict[int, int]:
     """Greedy sharding propagation: in creation (topological) order, each group takes what is
-    cheapest given the groups already decided, so a batch or head split flows through."""
+    cheapest given the groups already decided, so a batch or head split flows through.
+    ``order``: another order; ops before inputs lets the computation choose its layouts and
+    each parameter and batch input take what its readers chose (in creation order the inputs
+    come first and, alone, take what makes their optimizer update cheapest: split as far as
+    the mesh allows, which can set every op after them on a poor course)."""
     choice: dict[int, int] = {}
-    for r in sorted(unary):
+    for r in (sorted(unary) if order is None else order):
         total = unary[r].copy()
         for k in incident[r]:
             s, d, m = pair[k]
