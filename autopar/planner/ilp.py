@@ -391,7 +391,8 @@ def _solve_candidates(p: Problem, allowed, start, seeds, run: _Run) -> Solution:
     and time is left."""
     sol = _solve_round(p, allowed, start, seeds, run)
     for _ in range(NEIGHBOURHOOD_ROUNDS):
-        if not sol.candidates or run.clock.spent(SEARCH_BEFORE):   # whole model: exact
+        if (not sol.candidates or sol.num_vars > ROUND_MAX_VARS   # whole model: exact
+                or run.clock.spent(SEARCH_BEFORE)):
             break
         here = dict(enumerate(sol.choice))
         try:
@@ -408,11 +409,14 @@ def _solve_candidates(p: Problem, allowed, start, seeds, run: _Run) -> Solution:
 
 
 # Candidate solves around each better solution found (``_solve_candidates``), while the last
-# one gained at least ROUND_GAIN: a round costs a model build and a solve (about 2 s for
-# transformers' 2-layer T5 on 2x4, whose second round gains 1.8%; 0.3 s for GPT-6.7B on 8x8,
-# whose unseeded rounds gain 30%, 9%, 1.5%).
+# one gained at least ROUND_GAIN, on candidate models of at most ROUND_MAX_VARS variables. A
+# round costs about what the first candidate solve did: 0.3 s on GPT-6.7B at 8x8 (its layers
+# tie: 7-9.5k variables), where a poor start's rounds gained 30%, 9% and 1.5%, and the wide
+# conv net at 8x8 (4.5k variables) gains 6%; but 2-3 s on transformers' 2-layer Whisper at 2x4
+# (few ties, 40k variables), whose rounds doubled its plan for 3.3%.
 NEIGHBOURHOOD_ROUNDS = 4
 ROUND_GAIN = 0.02
+ROUND_MAX_VARS = 20_000
 
 
 def _solve_round(p: Problem, allowed, start, seeds, run: _Run, whole: bool = True) -> Solution:
