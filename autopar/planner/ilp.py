@@ -387,8 +387,8 @@ class _Run:
 def _solve_candidates(p: Problem, allowed, start, seeds, run: _Run) -> Solution:
     """``_solve_model`` over each root's candidate strategies (``_candidates``), then again
     around each better solution (its strategies, the cheapest given it, the earlier
-    solutions'), ``NEIGHBOURHOOD_ROUNDS`` times at most, while a round gains ``ROUND_GAIN``
-    and time is left."""
+    solutions'), ``NEIGHBOURHOOD_ROUNDS`` times at most, while a round gains ``ROUND_GAIN``,
+    the candidate model has at most ``ROUND_MAX_VARS`` variables and time is left."""
     sol = _solve_round(p, allowed, start, seeds, run)
     for _ in range(NEIGHBOURHOOD_ROUNDS):
         if (not sol.candidates or sol.num_vars > ROUND_MAX_VARS   # whole model: exact
