@@ -394,15 +394,15 @@ def _solve_candidates(p: Problem, allowed, start, seeds, run: _Run) -> Solution:
         if (not sol.candidates or sol.num_vars > ROUND_MAX_VARS   # whole model: exact
                 or run.clock.spent(SEARCH_BEFORE)):
             break
-        here = dict(enumerate(sol.choice))
+        here, wider = dict(enumerate(sol.choice)), tuple(seeds) + (start,)
         try:
-            nxt = _solve_round(p, allowed, here, tuple(seeds) + (start,), run, whole=False)
+            nxt = _solve_round(p, allowed, here, wider, run, whole=False)
         except PlanError:
             break
         if nxt.objective_s >= sol.objective_s * (1 - 1e-9):
             break
         gain = 1 - nxt.objective_s / sol.objective_s
-        seeds, start, sol = tuple(seeds) + (start,), here, nxt
+        seeds, start, sol = wider, here, nxt
         if gain < ROUND_GAIN:
             break
     return sol

@@ -518,9 +518,9 @@ def _positions(prob: Problem) -> dict[int, int]:
 
 
 def _schedule(prob: Problem):
-    """The plan-independent part: top-level temporaries and loop-body peaks (``problem.build``
-    stores them; a restricted copy of the problem recomputes them once)."""
-    return _memo(prob, "_schedule", lambda: schedule_of(prob.graph, prob.fusion))
+    """The plan-independent part: top-level temporaries and loop-body peaks (cached on the
+    graph, ``problem.schedule_of``)."""
+    return schedule_of(prob.graph, prob.fusion)
 
 
 def _memo(prob: Problem, key: str, make):

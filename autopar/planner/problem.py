@@ -257,11 +257,7 @@ class _Builder:
         self.gop: dict[int, int] = {}
         self.reshard = ReshardCache(cost_model, mesh)
         self.fusion = fuse(graph) if fusion is None else fusion
-        hit = graph.__dict__.get("_kernel_bytes")    # plan-independent, like the fusion
-        if hit is None or hit[0] is not self.fusion:
-            hit = graph.__dict__["_kernel_bytes"] = (self.fusion,
-                                                     _kernel_bytes(graph, self.fusion))
-        self.kernel_bytes = hit[1]
+        self.kernel_bytes = _on_graph(graph, "_kernel_bytes", self.fusion, _kernel_bytes)
         self.memo: dict = {}        # op structure (+ operand layouts) -> rule / _Planned
         self.rule_memo: dict = {}   # op_key's first int -> the op's rule
         self.follow_memo: dict = {}  # (op_key's second int, id of the followed layouts) -> _Planned
@@ -827,13 +823,18 @@ def _intervals(ops: Sequence[Op], keep, fusion: Fusion) -> list[tuple[int, int, 
 
 
 def schedule_of(graph: Graph, fusion: Fusion) -> tuple:
-    """``(temporaries, body_peaks)`` of ``graph`` under its ``fusion``: plan-independent, so
-    cached on the graph beside the fusion (read only: the memory model and the memory points
-    only read it)."""
-    hit = graph.__dict__.get("_schedule")
+    """``(temporaries, body_peaks)`` of ``graph`` under its ``fusion`` (``_on_graph``: read
+    only, the memory model and the memory points only read it)."""
+    return _on_graph(graph, "_schedule", fusion,
+                     lambda g, f: (temporaries(g, f), body_peaks(g, f)))
+
+
+def _on_graph(graph: Graph, key: str, fusion: Fusion, make):
+    """``make(graph, fusion)``, a plan-independent fact, cached on the graph beside the fusion
+    it was made under (``ir.fusion.fuse`` caches the graph's own fusion the same way)."""
+    hit = graph.__dict__.get(key)
     if hit is None or hit[0] is not fusion:
-        hit = graph.__dict__["_schedule"] = (fusion, (temporaries(graph, fusion),
-                                                      body_peaks(graph, fusion)))
+        hit = graph.__dict__[key] = (fusion, make(graph, fusion))
     return hit[1]
 
 
@@ -904,7 +905,6 @@ def build(graph: Graph, mesh: Mapping[str, int], cost_model, max_strategies: int
     prob = Problem(graph, dict(mesh), b.groups, b.edges, b.gv, b.gop, input_group, ties, pairs,
                    _memory_points(graph, memory_points, schedule), _resident(graph, pairs),
                    b.reshard, b.fusion)
-    prob.__dict__["_schedule"] = schedule          # planner.memory reads it again
     return prob
 
 
