@@ -42,9 +42,9 @@ beyond the resharded copies. Among those: XLA's combiners merge the top-level re
 level over one device group into one call that runs once its last operand is written, so a
 backward pass's weight gradients stay whole (unreduced) until its end; the model frees each at
 its op. Where weights outweigh activations (``make demo``'s GPT, d_model 128, d_ff 512, 2x4)
-that under-predicts zero3 at 0.81 of XLA's peak and auto at 0.87
-(``benchmarks/results/verify_matrix_wide.md``). Counting it (branch ``wip-combined-reductions``:
-each operand from its op to the merged call) brings them to 0.99 but needs the ILP's memory
+that under-predicts zero3 at 0.81 of XLA's peak and auto at 0.89 (the "GPT wide unrolled" rows
+of ``benchmarks/results/verify_matrix.md``). Counting it (tried and withdrawn: each operand
+from its op to the merged call) brings them to 0.99 but needs the ILP's memory
 constraint to see it too, and over-counts where XLA's schedule computes a gradient just before
 the merged call (scanned GPT 1x8 zero3: 1.09 -> 1.12).
 The unrolled GPT's auto plan on 1x8 was under-predicted by 11% for want
