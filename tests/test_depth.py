@@ -205,13 +205,16 @@ def test_tracing_and_planning_restore_the_cycle_collector():
 
 
 def test_hf_gpt2_ilp_does_not_grow_with_depth(hf_graphs, hf_plans):
-    """The solver's model (variables, constraints, decision groups) for 8 unrolled layers is the
-    one for 4."""
+    """The solver's model for 8 unrolled layers is the one for 4: the same decision groups, and
+    as many variables and constraints to within the few a cost-ranked candidate makes (the
+    candidate rounds pick each group's cheapest strategies, and a layer's cost against the
+    embedding's or head's changes with depth), where growing with depth would double them."""
     four, eight = (hf_plans[n].solver for n in (4, 8))
     assert len(hf_graphs[8].ops) > 1.8 * len(hf_graphs[4].ops)
-    assert (four.num_vars, four.num_constraints, four.num_groups) == (
-        eight.num_vars, eight.num_constraints, eight.num_groups)
+    assert four.num_groups == eight.num_groups
     assert four.num_vars > 0
+    assert abs(eight.num_vars - four.num_vars) <= 0.01 * four.num_vars
+    assert abs(eight.num_constraints - four.num_constraints) <= 0.01 * four.num_constraints
 
 
 def test_first_fit_matches_one_by_one():

@@ -396,7 +396,8 @@ def _solve_candidates(p: Problem, allowed, start, seeds, run: _Run) -> Solution:
             break
         here, wider = dict(enumerate(sol.choice)), tuple(seeds) + (start,)
         try:
-            nxt = _solve_round(p, allowed, here, wider, run, whole=False)
+            nxt = _solve_round(p, allowed, here, wider, run, whole=False,
+                               width=ROUND_CANDIDATES)
         except PlanError:
             break
         if nxt.objective_s >= sol.objective_s * (1 - 1e-9):
@@ -417,15 +418,22 @@ def _solve_candidates(p: Problem, allowed, start, seeds, run: _Run) -> Solution:
 NEIGHBOURHOOD_ROUNDS = 4
 ROUND_GAIN = 0.02
 ROUND_MAX_VARS = 20_000
+# A round searches more candidates per group than the first solve (CANDIDATES): a better plan
+# can need several groups to leave the start together (GPT-1.3B at 8x2 unseeded: megatron's
+# attention layouts), each no better than the start's alone. The rounds' ROUND_MAX_VARS limit
+# keeps the wider models small.
+ROUND_CANDIDATES = 10
 
 
-def _solve_round(p: Problem, allowed, start, seeds, run: _Run, whole: bool = True) -> Solution:
-    """One candidate solve around ``start``; ``whole``: when the candidates miss what fits the
-    budget, solve the whole model instead (a later round keeps the solution it has)."""
+def _solve_round(p: Problem, allowed, start, seeds, run: _Run, whole: bool = True,
+                 width: int = CANDIDATES) -> Solution:
+    """One candidate solve around ``start`` over ``width`` candidates besides the start's and
+    the seeds'; ``whole``: when the candidates miss what fits the budget, solve the whole model
+    instead (a later round keeps the solution it has)."""
     from autopar.planner.descent import local_costs
 
     local = local_costs(p, run.cost_model, {g: start[g] for g in start if p.root(g) == g})
-    cands = {r: _candidates(r, cost, start, seeds, allowed) for r, cost in local.items()}
+    cands = {r: _candidates(r, cost, start, seeds, allowed, width) for r, cost in local.items()}
     small = restrict(p, cands)
     small_allowed = {g: {j for j, i in enumerate(cands[p.root(g)]) if i in ok}
                      for g, ok in (allowed or {}).items()}
@@ -457,14 +465,14 @@ def _restrict_cut(p: Problem, cut, cands):
     return dataclasses.replace(cut, copies=tuple(copies))
 
 
-def _candidates(r: int, cost, start, seeds, allowed) -> list[int]:
-    """The start's strategy, the seeds' and the cheapest others (allowed ones only)."""
+def _candidates(r: int, cost, start, seeds, allowed, width: int = CANDIDATES) -> list[int]:
+    """The start's strategy, the seeds' and the ``width`` cheapest others (allowed ones only)."""
     ok = (allowed or {}).get(r)
     picks = [start[r]] + [s[r] for s in seeds if r in s]
     order = [int(i) for i in np.argsort(cost, kind="stable") if ok is None or i in ok]
     out = list(dict.fromkeys(i for i in picks if ok is None or i in ok))
     for i in order:
-        if len(out) >= len(set(picks)) + CANDIDATES:
+        if len(out) >= len(set(picks)) + width:
             break
         if i not in out:
             out.append(i)
