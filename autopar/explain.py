@@ -25,7 +25,10 @@ def collective_rows(plan):
 
 def _over(stats) -> str:
     n = getattr(stats, "candidates", 0)
-    return f" over the best {n} candidate strategies of each group" if n else ""
+    folded = getattr(stats, "folded", 0)
+    return ((f" over the best {n} candidate strategies of each group" if n else "")
+            + (f", with {folded} copies of a repeated layer folded into one (ir.fold)"
+               if folded else ""))
 
 
 def kernel_rows(plan):

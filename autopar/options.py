@@ -48,6 +48,10 @@ class PlannerOptions:
         and each device pays for the bytes it receives (``planner.problem``); False: every input
         is already on the devices (a pipeline stage's sub-plans, whose parameters are the
         runtime's state and whose activations come from the previous stage).
+      fold: plan an unrolled model's repeated layers on a graph with their middle copies
+        removed (``ir.fold``) and map the plan back, when nothing pins inputs, filters ops,
+        hints groups or chooses kernels; if that plan breaks ``memory_budget``, the full graph
+        is planned. False: always the full graph.
     """
 
     strategy: str = "auto"
@@ -60,6 +64,7 @@ class PlannerOptions:
     deterministic: bool = dataclasses.field(default_factory=deterministic_default)
     kernels: str = "never"
     host_inputs: bool = True
+    fold: bool = True
 
     def replace(self, **changes: Any) -> PlannerOptions:
         return dataclasses.replace(self, **changes)

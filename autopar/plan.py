@@ -107,6 +107,7 @@ class SolverStats:
     num_vars: int
     num_constraints: int
     candidates: int = 0      # > 0: solved over at most this many strategies per decision group
+    folded: int = 0          # > 0: planned with this many copies of a repeated layer folded out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -381,9 +382,9 @@ def _kind_pairs(x, where: str) -> tuple[tuple[str, float], ...]:
 
 def _solver_stats(x) -> SolverStats:
     d = J.fields(x, "solver", [f.name for f in dataclasses.fields(SolverStats)],
-                 optional=("candidates",))
-    d = {"candidates": 0, **d}
-    ints = ("num_groups", "num_vars", "num_constraints", "candidates")
+                 optional=("candidates", "folded"))
+    d = {"candidates": 0, "folded": 0, **d}
+    ints = ("num_groups", "num_vars", "num_constraints", "candidates", "folded")
     return SolverStats(status=J.text(d["status"], "solver.status"),
                        **{n: J.number(d[n], f"solver.{n}") for n in ("gap", "solve_s", "build_s",
                                                                   "trace_s")},

@@ -4,7 +4,9 @@
 data parallel on ``1x8``, at 2 to 16 layers. A fusion rule that is wrong by a constant shows as a
 constant ratio; one that duplicates work across layers (the residual stream re-added in every
 later layer's kernels, before ``ir.fusion``'s ``kept_whole`` rule) shows as a ratio that grows
-with depth.
+with depth. Then ``auto`` on ``2x4`` at each depth: from 8 layers it is planned on the folded
+graph (``ir.fold``: the first three copies and the last), so its predictions for the removed
+layers come from their representative and meet XLA's measurement here.
 
     python benchmarks/hbm_depth.py                 # 2, 4, 8, 16 layers (~2 minutes)
     python benchmarks/hbm_depth.py --quick         # 2 and 4 layers
@@ -23,11 +25,14 @@ def main(argv=None):
     args = _common.parser(__doc__).parse_args(argv)
     out = _common.out_dir(args)
     rows = []
-    for layers in (2, 4) if args.quick else (2, 4, 8, 16):
-        model = gpt.concrete(dataclasses.replace(TINY, layers=layers), 16)
-        rows.append(row(f"GPT unrolled, {layers} layers", model, "1x8", "dp"))
-        print("  " + "  ".join(_common._cell(x) for x in rows[-1]), flush=True)
-    hbm = [r[9] for r in rows]
+    depths = (2, 4) if args.quick else (2, 4, 8, 16)
+    for mesh, strategy in (("1x8", "dp"), ("2x4", "auto")):
+        for layers in depths:
+            model = gpt.concrete(dataclasses.replace(TINY, layers=layers), 16)
+            rows.append(row(f"GPT unrolled, {layers} layers", model, mesh, strategy))
+            print("  " + "  ".join(_common._cell(x) for x in rows[-1]), flush=True)
+    hbm = [r[9] for r in rows[:len(depths)]]
+    auto = rows[len(depths):]
     text = [
         "# Predicted HBM bytes and memory against XLA, by depth",
         "",
@@ -36,7 +41,12 @@ def main(argv=None):
         "",
         _common.md_table(HEADER, rows),
         "",
-        f"HBM pred/XLA from {hbm[0]:.3f} ({rows[0][0]}) to {hbm[-1]:.3f} ({rows[-1][0]}).",
+        f"HBM pred/XLA from {hbm[0]:.3f} ({rows[0][0]}) to {hbm[-1]:.3f} "
+        f"({rows[len(depths) - 1][0]}), dp on 1x8.",
+        "",
+        "auto on 2x4 (planned on the folded graph from 8 layers, `ir.fold`): memory pred/XLA "
+        + ", ".join(f"{r[7]:.3f}" for r in auto) + "; HBM pred/XLA "
+        + ", ".join(f"{r[9]:.3f}" for r in auto) + f" at {', '.join(map(str, depths))} layers.",
         "",
         f"Environment: {_common.environment()}.",
     ]

@@ -237,9 +237,12 @@ def test_hf_gpt2_repeated_work_is_done_once_per_case(hf_graphs, monkeypatch):
     and maps hand-written layouts as often as planning 4 (counts, not time): the build sums a
     repeated layer's groups once (``_Builder.add_pending``; groups that run through every layer,
     like the residual stream's, are one list at any depth), assembly memoises collective prices
-    and ``HandWritten.fix_inputs`` maps each (names, shape) once."""
+    and ``HandWritten.fix_inputs`` maps each (names, shape) once. On the full graphs: folding
+    (``ir.fold``, which plans 8 layers on a 4-copy graph) is turned off."""
     import cost_models.model
-    from autopar import strategies
+    from autopar import planner, strategies
+
+    monkeypatch.setattr(planner, "fold", lambda graph: None)
 
     calls = {"collective": 0, "layouts": 0}
     for name, (owner, attr) in {"collective": (cost_models.model.CostModel, "collective_time_s"),

@@ -19,9 +19,11 @@ from autopar.plan import Collective, CostBreakdown, Plan, SolverStats
 from autopar.planner import combine, ilp, kernel_choice, memory, pins, problem
 from autopar.planner.budget import LOG, SEARCH_BEFORE, START_BEFORE, Clock, warn_many_axes
 from autopar.planner.reshard import reshard_steps, step_bytes, step_hbm_bytes
+from autopar.planner.unfold import unfold
 from autopar.sharding import Sharding, fmt
 from cost_models.collectives import hbm_bytes as collective_hbm_bytes
 from ir import Graph, collector
+from ir.fold import fold
 
 __all__ = ["make_plan"]
 
@@ -184,16 +186,39 @@ def make_plan(graph: Graph, mesh: Mapping[str, int], cost_model,
     the cheapest that fits the budget is the solver's starting point, so the plan is never
     predicted slower than the starts' descent solutions.
     """
+    options = options or PlannerOptions()
     with collector.paused():   # see ir.collector: a sixth of a deep plan went to collections
-        return _make_plan(graph, mesh, cost_model, options or PlannerOptions(), trace_s)
+        t0 = time.perf_counter()
+        folded = _foldable(graph, options)
+        if folded is not None:
+            try:
+                plan = _make_plan(folded.graph, mesh, cost_model, options, trace_s, t0, folded)
+            except PlanError:     # the full graph's own planning says what does not fit
+                plan = None
+            budget = options.memory_budget
+            if plan is not None and (budget is None or plan.cost.peak_memory_bytes <= budget):
+                return unfold(plan, folded)
+            trace_s += time.perf_counter() - t0    # the full graph plans in what is left
+            t0 = time.perf_counter()
+        return _make_plan(graph, mesh, cost_model, options, trace_s, t0)
+
+
+def _foldable(graph: Graph, options: PlannerOptions):
+    """``ir.fold.fold(graph)`` when the plan may be made on it (``PlannerOptions.fold``):
+    nothing pins inputs, filters ops, hints groups or chooses kernels by the full graph's
+    indices."""
+    if (not options.fold or options.fixed_inputs or options.op_filter is not None
+            or options.hint or options.kernels != "never"):
+        return None
+    return fold(graph)
 
 
 def _make_plan(graph: Graph, mesh: Mapping[str, int], cost_model, options: PlannerOptions,
-               trace_s: float) -> Plan:
-    t0 = time.perf_counter()
+               trace_s: float, t0: float, folded=None) -> Plan:
     clock = Clock(t0 - trace_s, options.time_limit_s, options.deterministic)
     warn_many_axes(mesh, clock)
-    prob = problem.build(graph, mesh, cost_model, clock=clock, host_inputs=options.host_inputs)
+    prob = problem.build(graph, mesh, cost_model, clock=clock, host_inputs=options.host_inputs,
+                         folded=folded)
     kernel_choice.prepare(prob, cost_model, options.kernels, clock)
     allowed = _allowed_in_time(prob, options, clock)
     if options.op_filter is not None:
@@ -216,7 +241,8 @@ def _make_plan(graph: Graph, mesh: Mapping[str, int], cost_model, options: Plann
     plan = assemble(prob, sol.choice, cost_model, cost_model.hw.name, options.strategy,
                     options.memory_budget, stats, peak)
     plan = kernel_choice.finish(plan, prob, sol.choice, cost_model)
-    _warn_over_budget(plan, options.memory_budget)
+    if folded is None:      # a folded plan over the budget is planned again on the full graph
+        _warn_over_budget(plan, options.memory_budget)
     return plan
 
 

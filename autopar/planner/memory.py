@@ -133,6 +133,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
+from collections import Counter
 
 import numpy as np
 
@@ -168,6 +169,8 @@ def estimate(prob: Problem, choice) -> MemoryEstimate:
              if v not in sliced]
     looped = [(a, b, nbytes(v)) for v, a, b in temps if g.ops[a].regions]
     spans = [(a, b, nbytes(v)) for v, a, b in temps if not g.ops[a].regions and v not in fused]
+    # a folded graph's removed copies' values live across the gap: a buffer each (ir.fold)
+    spans += [(a, b, nbytes(v)) for v, a, b, copies in prob.phantoms for _ in range(copies)]
     live = np.zeros(len(g.ops) + 1)
     copies, made = _copy_spans(prob, choice)
     for a, b, size in _pooled(looped + spans + copies
@@ -379,7 +382,11 @@ def _output_slots(prob: Problem, nbytes) -> list[tuple[float, int]]:
         return {v: t for t, op in enumerate(g.ops) for v in op.outs if v in resident}
 
     memo = _memo(prob, "_written_at", written_at)
-    return sorted(((nbytes(v), t) for v, t in memo.items()), key=lambda s: -s[0])
+    # a folded graph's results stand for their removed twins too (``problem.Problem.gap``):
+    # one buffer each, written where the kept one is
+    copies = Counter(prob.const_values) if prob.gap is not None else {}
+    return sorted(((nbytes(v), t) for v, t in memo.items() for _ in range(copies.get(v, 1))),
+                  key=lambda s: -s[0])
 
 
 _REDUCING = ("all-reduce", "reduce-scatter")
@@ -590,10 +597,30 @@ def _copy_spans(prob: Problem, choice) -> tuple[list[tuple[int, int, float]], di
         top = all(g.ops[t].id == e.op and not g.ops[t].regions for e, t in zip(edges, at))
         if written and top and _communicates(src, need, prob.mesh):
             first = min(first, written.get(es[0].value, first))
-        out.append((first, max(kept, default=first if dots else min(at)),
-                    g.values[es[0].value].nbytes / shard_factor(need, prob.mesh)))
+        size = g.values[es[0].value].nbytes / shard_factor(need, prob.mesh)
+        out.append((first, max(kept, default=first if dots else min(at)), size))
         made.update(((e.op, e.value), first) for e in dots)
+        if prob.gap is not None:
+            out += _gap_copies(prob, es[0].value, edges, at, size)
     return out, made
+
+
+def _gap_copies(prob: Problem, v: int, edges, at, size: float) -> list:
+    """The copy of ``v`` each removed copy of a folded graph's representative makes
+    (``problem.Gap``): made where the removed copies make ``v`` (or, of an argument, where
+    its first reader runs), held to where its last reader would run."""
+    gap = prob.gap
+    producer = prob.graph.producer(v)
+    weights = [gap.weight.get(e.op, 0) for e in edges]
+    lo = gap.born(producer.id) if producer is not None else None
+    if lo is None:
+        if producer is not None or not any(weights):
+            return []
+        first = min(range(len(at)), key=at.__getitem__)
+        lo = gap.read(edges[first].op)
+    hi = max(gap.read(e.op) for e in edges)
+    w = gap.weight[producer.id] if producer is not None else max(weights)
+    return [(lo, hi, size)] * w if lo <= hi else []
 
 
 def _never_written(prob: Problem) -> frozenset[int]:
@@ -832,4 +859,5 @@ def cut_at(prob: Problem, position: int) -> CopyCut:
     intervals, inner = _schedule(prob)
     live = [v for v, a, b in intervals if a <= position <= b] + list(
         inner.get(position, ((), 0))[0])
+    live += [v for v, a, b, n in prob.phantoms if a <= position <= b for _ in range(n)]
     return CopyCut(position, tuple(live), tuple(copies))

@@ -45,6 +45,7 @@ from autopar.planner.rules import Choices, Follow, RuleContext, Strategy
 from autopar.sharding import Sharding, replicated, shard_factor
 from cost_models.compute import CONV_PRIMS, MATMUL_PRIMS
 from ir import Graph, Op
+from ir.fold import Folded
 from ir.fusion import Fusion, fuse
 from ir.layers import _walk as walk_ops
 from ir.layers import node_graph
@@ -97,6 +98,10 @@ class Problem:
     fusion: Fusion                                # the kernels XLA makes of the graph
     kernel_sites: list = dataclasses.field(default_factory=list)   # planner.kernel_sites.Site
     kernel_mode: str = "never"                    # PlannerOptions.kernels
+    # a folded graph (``ir.fold``): (value, first, last position, copies) of the removed
+    # layers' values live across the gap, each the representative's value ``copies`` times
+    phantoms: list[tuple[int, int, int, int]] = dataclasses.field(default_factory=list)
+    gap: Gap | None = None                        # a folded graph's gap (``Gap``)
 
     def reshard_s(self, v: int, src: Sharding, dst: Sharding) -> float:
         return self.reshard(self.graph.values[v], src, dst)
@@ -271,6 +276,8 @@ class _Builder:
         # ("e", self-edge seconds, mult): summed by ``add_pending`` once per distinct list
         self.pending: dict[int, list] | None = {}
         self.initial: dict[int, tuple] = {}   # group id -> what its arrays started from
+        self.weight: Mapping[int, int] = {}   # a folded graph's op -> removed ops it stands for
+        self.shared: frozenset = frozenset()  # (op, operand) all of those read as it does
 
     def intern(self, layouts: tuple) -> tuple:
         return self.interned.setdefault(layouts, layouts)
@@ -451,14 +458,15 @@ class _Builder:
     def link_inputs(self, op: Op, grp: Group, pl: _Planned, skip: int | None,
                     mult: float) -> None:
         """Edges for every non-literal input the op reads, except the one it follows."""
-        gv, needs = self.gv, pl.needs
+        gv, needs, shared = self.gv, pl.needs, self.shared
         for k, v in enumerate(op.ins):
             if k == skip or needs[k] is None:
                 continue
             src = gv.get(v)
             if src is None:
                 continue
-            self.add_edge(src, grp.id, v, needs[k], mult, f"op{op.id}:arg{k}", op.id)
+            m = mult / (1 + self.weight[op.id]) if shared and (op.id, k) in shared else mult
+            self.add_edge(src, grp.id, v, needs[k], m, f"op{op.id}:arg{k}", op.id)
 
     def add_edge(self, src: int, dst: int, v: int, need: tuple[Sharding, ...], mult: float,
                  where: str, op: int = -1) -> None:
@@ -544,6 +552,9 @@ class _Builder:
         return found
 
     def add_op(self, op: Op, mult: float) -> None:
+        w = self.weight.get(op.id)
+        if w:
+            mult = mult * (1 + w)
         key = self.op_key(op)
         rule = self.rule(op, key)
         if isinstance(rule, Follow) and op.ins[rule.operand] in self.gv:
@@ -771,7 +782,7 @@ def _ties(graph: Graph, b: _Builder) -> dict[int, int]:
     return ties
 
 
-def _memory_points(graph: Graph, n_points: int, schedule) -> list[list[int]]:
+def _memory_points(graph: Graph, n_points: int, schedule, phantoms=()) -> list[list[int]]:
     """Live temporaries at the ``n_points`` schedule positions with most live bytes.
 
     XLA allocates a step's arguments and results for the whole execution (``_resident``) and
@@ -794,8 +805,11 @@ def _memory_points(graph: Graph, n_points: int, schedule) -> list[list[int]]:
     live_bytes = np.cumsum(delta[:n])
     for t, (_, nbytes) in inner.items():
         live_bytes[t] += nbytes
+    for v, a, b, copies in phantoms:      # a folded graph's removed copies, live across the gap
+        live_bytes[a: b + 1] += copies * graph.values[v].nbytes
     points = np.argsort(-live_bytes, kind="stable")[:n_points]
     return [vs[(starts <= t) & (t <= ends)].tolist() + inner.get(t, ([], 0))[0]
+            + [v for v, a, b, copies in phantoms if a <= t <= b for _ in range(copies)]
             for t in sorted(points)]
 
 
@@ -851,13 +865,20 @@ def body_peaks(graph: Graph, fusion: Fusion) -> dict[int, tuple[list[int], float
     return {t: _body_peak(graph, op, fusion) for t, op in enumerate(graph.ops) if op.regions}
 
 
-def _resident(graph: Graph, pairs: Mapping[int, int]) -> list[int]:
+def _resident(graph: Graph, pairs: Mapping[int, int], folded: Folded | None = None
+              ) -> list[int]:
     """Values held for the whole step: arguments, constants and results, except a result that
-    lands in a donated argument's buffer (XLA aliases the two)."""
+    lands in a donated argument's buffer (XLA aliases the two). A folded graph's inputs and
+    results appear once more for each removed twin they stand for."""
     aliased = {graph.outputs[j] for j, k in pairs.items() if graph.donated[k]}
     out = dict.fromkeys(list(graph.inputs) + list(graph.consts))
     out.update(dict.fromkeys(v for v in graph.outputs if v not in aliased))
-    return list(out)
+    values = list(out)
+    if folded is not None:
+        values += [v for v, w in zip(graph.inputs, folded.input_weight) for _ in range(w)]
+        values += [v for v, w in zip(graph.outputs, folded.output_weight)
+                   if v not in aliased and v not in graph.inputs for _ in range(w)]
+    return values
 
 
 def _body_peak(graph: Graph, op: Op, fusion) -> tuple[list[int], float]:
@@ -881,10 +902,15 @@ def _body_peak(graph: Graph, op: Op, fusion) -> tuple[list[int], float]:
 
 
 def build(graph: Graph, mesh: Mapping[str, int], cost_model, max_strategies: int = 96,
-          memory_points: int = 6, clock=None, host_inputs: bool = True) -> Problem:
+          memory_points: int = 6, clock=None, host_inputs: bool = True,
+          folded: Folded | None = None) -> Problem:
     """The ILP's problem of ``graph`` on ``mesh``; ``host_inputs``: price the bytes of inputs
-    that are not carried state as fed from the host every step (``_feed_costs``)."""
+    that are not carried state as fed from the host every step (``_feed_costs``); ``folded``:
+    ``graph`` is ``folded.graph``, whose weighted ops, inputs and outputs also stand for the
+    removed layers' (``ir.fold``)."""
     b = _Builder(graph, mesh, cost_model, max_strategies, clock)
+    if folded is not None:
+        b.weight, b.shared = folded.weight, folded.shared
     input_group = b.add_inputs()
     b.walk(graph.ops, 1.0)
     b.add_pending()
@@ -897,15 +923,82 @@ def build(graph: Graph, mesh: Mapping[str, int], cost_model, max_strategies: int
         if v_out == v_in or v_out not in b.gv:
             continue
         need = b.groups[input_group[k]].shard[v_in]
-        b.add_edge(b.gv[v_out], input_group[k], v_out, need, 1.0, f"output{j}->input{k}")
+        copies = 1 + (folded.output_weight[j] if folded is not None else 0)
+        b.add_edge(b.gv[v_out], input_group[k], v_out, need, float(copies),
+                   f"output{j}->input{k}")
     if host_inputs:
         _feed_costs(graph, b, input_group, pairs)
     ties = _ties(graph, b)
     schedule = schedule_of(graph, b.fusion)
+    gap = _gap(graph, folded) if folded is not None else None
+    phantoms = _phantoms(graph, gap, schedule[0])
     prob = Problem(graph, dict(mesh), b.groups, b.edges, b.gv, b.gop, input_group, ties, pairs,
-                   _memory_points(graph, memory_points, schedule), _resident(graph, pairs),
-                   b.reshard, b.fusion)
+                   _memory_points(graph, memory_points, schedule, phantoms),
+                   _resident(graph, pairs, folded), b.reshard, b.fusion, phantoms=phantoms,
+                   gap=gap)
     return prob
+
+
+@dataclasses.dataclass(frozen=True)
+class Gap:
+    """Where a folded graph's removed copies would run in its schedule: their forward ops
+    after position ``fwd_next - 1`` (the representative's last forward op), their backward
+    ops before ``bwd_start`` (its first backward op); ``weight`` and ``stage`` as
+    ``ir.fold.Folded``'s, ``at`` each top-level op's position."""
+
+    fwd_next: int
+    bwd_start: int
+    weight: Mapping[int, int]
+    stage: Mapping[int, str]
+    at: Mapping[int, int]
+
+    def born(self, op_id: int) -> int | None:
+        """Where the removed copies of ``op_id``'s results are made: None if not a weighted
+        forward or backward op (they are then never live at a kept op, or are its twins')."""
+        s = self.stage.get(op_id)
+        if not self.weight.get(op_id) or s not in ("f", "b"):
+            return None
+        return self.fwd_next if s == "f" else self.bwd_start
+
+    def read(self, op_id: int) -> int:
+        """Where the removed copies of a value's reader ``op_id`` read it: inside the gap for a
+        forward or backward op of the layer, where the reader itself runs for any other."""
+        s = self.stage.get(op_id)
+        if s == "f":
+            return self.fwd_next - 1
+        if s == "b":
+            return self.bwd_start - 1
+        return self.at[op_id]
+
+
+def _gap(graph: Graph, folded: Folded) -> Gap | None:
+    at = {op.id: t for t, op in enumerate(graph.ops)}
+    rep = [i for i in folded.representative if i in at]
+    fwd = [at[i] for i in rep if folded.stage[i] == "f"]
+    bwd = [at[i] for i in rep if folded.stage[i] == "b"]
+    if not fwd or not bwd:
+        return None
+    return Gap(1 + max(fwd), min(bwd), folded.weight, folded.stage, at)
+
+
+def _phantoms(graph: Graph, gap: Gap | None, intervals) -> list[tuple[int, int, int, int]]:
+    """(value, first, last position, copies) of the removed copies' temporaries that are live
+    across the gap in the folded schedule (``Gap``): born where the removed copies run, dead
+    where their last reader would run (a producer duplicated into later kernels, ``ir.fusion``,
+    reads its operands there). What is born and read inside the gap is never live at a kept
+    op: not counted."""
+    if gap is None:
+        return []
+    out = []
+    for v, first, last in intervals:   # from its producer (a broadcast buffer: its first
+        p = graph.ops[first].id          # reader) to its last reader's kernel
+        lo = gap.born(p)
+        if lo is None:
+            continue
+        hi = gap.read(graph.ops[last].id) if last < len(graph.ops) else last
+        if lo <= hi:
+            out.append((v, lo, hi, gap.weight[p]))
+    return out
 
 
 def flow_pairs(problem: Problem) -> int:

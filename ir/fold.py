@@ -1,0 +1,280 @@
+"""Fold the middle copies of an unrolled model's repeated layer out of its graph.
+
+An unrolled model's graph repeats one block (a layer's forward and backward ops, ``ir.layers``)
+``n`` times. Every copy does the same work under the same decisions (the planner ties equal
+roles), so a planner needs only a few of them: ``fold`` keeps the first ``KEEP_HEAD`` copies and
+the last, and removes the ``n - KEEP_HEAD - 1`` copies between, with everything that only they
+used (their parameters, optimizer state, optimizer updates and results). The kept copy before
+the gap, the *representative*, stands for the removed ones: each of its ops carries a
+``weight``, the number of removed ops it copies, and so does each kept op or input whose
+structural twin (``ir.layers.roles``) was removed.
+
+    full:    ... f0 f1 f2 f3 ... f94 f95  loss  b95 b94 ... b3 b2 b1 b0  adam(0..95)
+    folded:  ... f0 f1 f2 ---------- f95  loss  b95 ---------- b2 b1 b0  adam(0, 1, 2, 95)
+
+Reads across the gap are spliced: the last copy's forward reads the representative's forward
+values where it read copy 94's, and the representative's backward reads the last copy's
+backward values where it read copy 3's; the values are of equal type and role.
+
+What carries over exactly (``tests/test_fold.py`` checks it): every op's cost times its weight,
+and every resharding between copies, is the full graph's cost for the same decisions, since the
+representative's neighbours are tied to it. What is modelled: memory. The removed copies'
+values that are live across the gap (activations a forward keeps for its backward, gradients
+waiting for the optimizer) are the representative's, times its weight, over the span they
+would be live in the folded schedule (``phantoms``); the removed parameters, optimizer state
+and results count as their kept twins do.
+
+``Folded.expand`` maps what a plan decides for the folded graph back onto the full one: each
+removed op takes its copy's layouts, each removed input and output its twin's.
+
+Not folded (``fold`` returns None): fewer than ``MIN_COPIES`` copies, a family whose copies
+hold loops, or one whose removed ops or inputs have no kept twin (a reduction over every
+layer's gradients, as global-norm clipping makes, reads them all: nothing can be removed).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Mapping
+
+from ir.graph import Graph, Layer, Op
+from ir.layers import Roles
+from ir.layers import roles as layer_roles
+
+# Copies kept at the front (the last of them represents the removed ones) and the fewest copies
+# worth folding: with 3 kept in front and the last, 8 copies lose half their ops.
+KEEP_HEAD = 3
+MIN_COPIES = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Folded:
+    """A folded graph and how it maps onto the full one (see the module docstring).
+
+    Attributes:
+      graph: the folded graph (the full graph's kept ops and values, same ids).
+      full: the graph it was folded from.
+      weight: folded op id -> the removed ops it stands for (ops absent: 0).
+      input_weight: per folded input, the removed inputs it stands for.
+      output_weight: per folded output, the removed outputs it stands for.
+      op_of: removed full op id -> the folded op it copies.
+      input_of: per full input, its index among the folded graph's inputs (its twin's).
+      output_of: per full output, its index among the folded graph's outputs (its twin's).
+      representative: the representative copy's op ids.
+      stage: kept copy's op id -> "f" (a forward op: the removed copies' run after the
+        representative's), "b" (a backward op: theirs run before the representative's) or "o"
+        (an optimizer update, run in the parameters' pytree order).
+      shared: (kept op id, operand index) where every removed op the kept op stands for reads
+        the same value as it does (one value, moved once for all its readers).
+      copies / removed: the family's copies, and how many were removed.
+    """
+
+    graph: Graph
+    full: Graph
+    weight: Mapping[int, int]
+    input_weight: tuple[int, ...]
+    output_weight: tuple[int, ...]
+    op_of: Mapping[int, int]
+    input_of: tuple[int, ...]
+    output_of: tuple[int, ...]
+    representative: tuple[int, ...]
+    stage: Mapping[int, str]
+    shared: frozenset[tuple[int, int]]
+    copies: int
+    removed: int
+
+
+def fold(graph: Graph, keep_head: int = KEEP_HEAD, min_copies: int = MIN_COPIES
+         ) -> Folded | None:
+    """``graph`` with the middle copies of its largest repeated layer family removed, or None
+    when there is nothing safe to remove (see the module docstring)."""
+    family = _largest_family(graph)
+    n = len(family)
+    if n < max(min_copies, keep_head + 2):
+        return None
+    ops_by = graph._op_index()
+    rep, last = keep_head - 1, n - 1
+    removed = range(keep_head, last)
+    gone = {i for j in removed for i in family[j].op_ids}
+    if any(ops_by[i].regions for i in gone):
+        return None
+    copy_of, pos_of = {}, {}
+    for j, layer in enumerate(family):
+        for p, i in enumerate(layer.op_ids):
+            copy_of[i], pos_of[i] = j, p
+    made = {v: (op.id, k) for op in graph.ops for k, v in enumerate(op.outs)}
+    gone_vals = {v for i in gone for v in ops_by[i].outs}
+
+    def splice(v: int, reader: int) -> int:
+        """The kept value of equal role across the gap: the representative's for a later
+        copy (forward flow), the last copy's for an earlier one (backward flow)."""
+        i, k = made[v]
+        to = last if reader < copy_of[i] else rep
+        return ops_by[family[to].op_ids[pos_of[i]]].outs[k]
+
+    kept, dropped = _splice(graph, gone, gone_vals, copy_of, splice)
+    kept, dead = _dead_code(graph, kept)
+    dropped += dead
+    roles = layer_roles(graph)
+    weight = Counter({i: len(removed) for i in family[rep].op_ids})
+    op_of = {i: family[rep].op_ids[pos_of[i]] for i in gone}
+    twin = {}
+    for op in kept:
+        twin.setdefault(roles.op[op.id], op.id)
+    for op in dropped:
+        t = twin.get(roles.op[op.id])
+        if t is None:
+            return None
+        weight[t] += 1
+        op_of[op.id] = t
+    # reads where every op a kept op stands for reads the kept op's very value (an attention
+    # mask, a learning rate): one value, resharded once for all of them, not once per copy
+    same = Counter((t, k) for i, t in op_of.items() for k, v in enumerate(ops_by[i].ins)
+                   if k < len(ops_by[t].ins) and ops_by[t].ins[k] == v)
+    shared = frozenset(key for key, n in same.items() if n == weight[key[0]])
+    ids = {op.id for op in kept}
+    stages = _stages(family, rep, last)
+    if stages is None:
+        return None
+    folded, input_of, input_weight, output_of, output_weight = _rebuild(graph, kept, ids, roles)
+    if folded is None:
+        return None
+    stage = {i: stages[p] for j, layer in enumerate(family) if j not in removed
+             for p, i in enumerate(layer.op_ids)}
+    return Folded(folded, graph, dict(weight), input_weight, output_weight, op_of, input_of,
+                  output_of, family[rep].op_ids, stage, shared, n, len(removed))
+
+
+def _largest_family(graph: Graph) -> list[Layer]:
+    """The unrolled layers of the signature that covers most ops, in graph order."""
+    families: dict[str, list[Layer]] = {}
+    for layer in graph.layers:
+        if layer.kind == "unrolled":
+            families.setdefault(layer.signature, []).append(layer)
+    if not families:
+        return []
+    family = max(families.values(), key=lambda f: len(f) * len(f[0].op_ids))
+    return sorted(family, key=lambda layer: layer.op_ids[0])
+
+
+def _splice(graph: Graph, gone: set[int], gone_vals: set[int], copy_of, splice):
+    """(kept ops, with reads across the gap spliced; ops outside the family that read a
+    removed value: the removed copies' optimizer updates, dropped with what they make)."""
+    kept: list[Op] = []
+    dropped: list[Op] = []
+    for op in graph.ops:
+        if op.id in gone:
+            continue
+        if gone_vals.isdisjoint(op.ins):
+            kept.append(op)
+            continue
+        c = copy_of.get(op.id)
+        if c is None:
+            dropped.append(op)
+            gone_vals.update(op.outs)
+            continue
+        kept.append(dataclasses.replace(op, ins=tuple(
+            splice(v, c) if v in gone_vals else v for v in op.ins)))
+    return kept, dropped
+
+
+def _dead_code(graph: Graph, kept: list[Op]) -> tuple[list[Op], list[Op]]:
+    """Kept ops whose results nothing kept reads any more (a removed layer's weight decay reads
+    its parameter alone) are dropped too."""
+    made = {v for op in kept for v in op.outs}
+    readers = Counter(v for op in kept for v in op.ins)
+    for v in graph.outputs:
+        if v in made:
+            readers[v] += 1
+    dead: list[Op] = []
+    alive = set()
+    for op in reversed(kept):
+        if op.regions or any(readers[v] for v in op.outs):
+            alive.add(op.id)
+            continue
+        dead.append(op)
+        for v in op.ins:
+            readers[v] -= 1
+    return [op for op in kept if op.id in alive], dead
+
+
+def _stages(family: list[Layer], rep: int, last: int) -> list[str] | None:
+    """Per position in a copy: "f" where the copies run in order before the gap's forward
+    (the representative's op precedes the last copy's first op), "b" where they run in
+    reverse (a backward pass: the copy before the representative runs after it), "o" where
+    they run in order after (optimizer updates, in the parameters' pytree order). None when
+    the copies are not ordered so."""
+    first_of_last = min(family[last].op_ids)
+    out = []
+    for mine, before in zip(family[rep].op_ids, family[rep - 1].op_ids):
+        if before > mine:
+            out.append("b")
+        elif mine < first_of_last:
+            out.append("f")
+        else:
+            out.append("o")
+    return out if "f" in out and "b" in out else None
+
+
+def _rebuild(graph: Graph, kept: list[Op], ids: set[int], roles: Roles):
+    """The folded Graph over ``kept``, with each removed input and output mapped to a kept
+    twin of equal role: (graph, input_of, input_weight, output_of, output_weight), or Nones
+    when some has no twin."""
+    read = {v for op in kept for v in op.ins}
+    for op in kept:
+        for region in op.regions:
+            read.update(v for o in region.ops for v in o.ins)
+    made = {v: op.id for op in kept for v in op.outs}
+    outputs = set(graph.outputs)
+    keep_in = [k for k, v in enumerate(graph.inputs) if v in read or v in outputs]
+    in_index = {k: j for j, k in enumerate(keep_in)}
+    in_twin: dict[int, int] = {}
+    for k in keep_in:
+        in_twin.setdefault(roles.input[k], in_index[k])
+    input_of, in_weight = [], Counter()
+    for k in range(len(graph.inputs)):
+        j = in_index.get(k, in_twin.get(roles.input[k]))
+        if j is None:
+            return None, None, None, None, None
+        input_of.append(j)
+        if k not in in_index:
+            in_weight[j] += 1
+    kept_inputs = {graph.inputs[k] for k in keep_in}
+    keep_out = [j for j, v in enumerate(graph.outputs) if v in made or v in kept_inputs]
+    out_index = {j: i for i, j in enumerate(keep_out)}
+
+    def out_role(j: int):
+        v = graph.outputs[j]
+        producer = graph.producer(v)
+        if producer is not None:
+            return ("op", roles.op[producer.id])
+        return ("input", roles.input[graph.inputs.index(v)]) if v in graph.inputs else None
+
+    out_twin: dict = {}
+    for j in keep_out:
+        out_twin.setdefault(out_role(j), out_index[j])
+    output_of, out_weight = [], Counter()
+    for j in range(len(graph.outputs)):
+        i = out_index.get(j, out_twin.get(out_role(j)))
+        if i is None:
+            return None, None, None, None, None
+        output_of.append(i)
+        if j not in out_index:
+            out_weight[i] += 1
+    layers = tuple(dataclasses.replace(layer, index=i) for i, layer in enumerate(
+        layer for layer in graph.layers if ids.issuperset(layer.op_ids)))
+    folded = dataclasses.replace(
+        graph, ops=tuple(kept), inputs=tuple(graph.inputs[k] for k in keep_in),
+        outputs=tuple(graph.outputs[j] for j in keep_out),
+        input_paths=tuple(graph.input_paths[k] for k in keep_in),
+        output_paths=tuple(graph.output_paths[j] for j in keep_out),
+        donated=tuple(graph.donated[k] for k in keep_in), layers=layers)
+    for key in list(folded.__dict__):
+        if key.startswith("_"):          # caches copied from the full graph
+            del folded.__dict__[key]
+    # the full graph's roles: the folded graph's own would tell the representative from its
+    # neighbours (the splice changes who reads whom), and ties must be the full graph's
+    folded.__dict__["_roles"] = Roles({op.id: roles.op[op.id] for op in kept},
+                                      tuple(roles.input[k] for k in keep_in))
+    return (folded, tuple(input_of), tuple(in_weight[j] for j in range(len(keep_in))),
+            tuple(output_of), tuple(out_weight[i] for i in range(len(keep_out))))
