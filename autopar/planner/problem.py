@@ -20,11 +20,16 @@ costs dictionary look-ups, not rule evaluations; ``merged_edges`` folds edges th
 the same roots with the same layouts into one, summing their multipliers. The problem the solver
 sees (roots and merged edges) is then the same size for 12 layers as for 96.
 
-What still grows with depth (partial): the build materialises a group or member entry, layouts
-and edges for every op, and fusion (``ir.fusion``), the memory schedule, the layer roles and the
-hand-written starts' parameter roles each walk every op once. These are dictionary look-ups, not
-rule or cost evaluations, but at 96 unrolled GPT-3-width layers (48k ops) they are most of the
-build time; a flat build would compute them for one layer of each class and stamp the others.
+Folded graphs (``ir.fold``): the planner builds the problem of an unrolled model on its graph
+with the middle copies of the repeated layer removed (``build(..., folded=...)``). Each kept op
+of the representative copy, and each kept op, input or result with removed twins, weighs what it
+stands for (its multiplier and its input edges times ``1 + weight``, except reads of a value all
+of them share; result edges times their removed twins); the removed copies' memory is what of
+theirs is live across the gap (``Gap``, ``phantoms``, and ``memory``'s resharded copies and
+result buffers), and resident values repeat once per removed twin. The objective of a plan is
+then the full graph's objective for the same decisions, and the build, the memory estimate and
+the assembly walk a graph of the same size at any depth; what still grows is the fold itself
+and mapping the plan back (``planner.unfold``: the pins of every op, the graph's fingerprint).
 
 Regions: a scan body is planned once, not unrolled. Its inputs follow the scan's operands (xs lose
 their leading axis), its outputs feed the scan's results (ys gain it), and a loop-carried value
