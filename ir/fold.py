@@ -87,7 +87,17 @@ class Folded:
 def fold(graph: Graph, keep_head: int = KEEP_HEAD, min_copies: int = MIN_COPIES
          ) -> Folded | None:
     """``graph`` with the middle copies of its largest repeated layer family removed, or None
-    when there is nothing safe to remove (see the module docstring)."""
+    when there is nothing safe to remove (see the module docstring). The default fold is
+    cached on the graph, as its fusion and roles are: every plan of one graph plans the same
+    folded graph and reuses what is cached on it."""
+    if (keep_head, min_copies) != (KEEP_HEAD, MIN_COPIES):
+        return _fold(graph, keep_head, min_copies)
+    if "_fold" not in graph.__dict__:
+        graph.__dict__["_fold"] = _fold(graph, keep_head, min_copies)
+    return graph.__dict__["_fold"]
+
+
+def _fold(graph: Graph, keep_head: int, min_copies: int) -> Folded | None:
     family = _largest_family(graph)
     n = len(family)
     if n < max(min_copies, keep_head + 2):
@@ -269,9 +279,6 @@ def _rebuild(graph: Graph, kept: list[Op], ids: set[int], roles: Roles):
         input_paths=tuple(graph.input_paths[k] for k in keep_in),
         output_paths=tuple(graph.output_paths[j] for j in keep_out),
         donated=tuple(graph.donated[k] for k in keep_in), layers=layers)
-    for key in list(folded.__dict__):
-        if key.startswith("_"):          # caches copied from the full graph
-            del folded.__dict__[key]
     # the full graph's roles: the folded graph's own would tell the representative from its
     # neighbours (the splice changes who reads whom), and ties must be the full graph's
     folded.__dict__["_roles"] = Roles({op.id: roles.op[op.id] for op in kept},

@@ -48,6 +48,7 @@ def test_fold_keeps_the_first_copies_and_the_last():
     assert len(f.op_of) + len(kept) == len(g.ops)
     assert sum(f.weight.values()) == len(f.op_of)
     assert sum(f.input_weight) + len(f.graph.inputs) == len(g.inputs)
+    assert fold(g) is f        # cached on the graph: every plan of it plans one folded graph
     # no fold below MIN_COPIES copies
     assert fold(ir.trace(*hf.concrete("gpt2", hf.tiny("gpt2", layers=4), batch_size=8))) is None
 
