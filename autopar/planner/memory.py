@@ -138,7 +138,7 @@ from collections import Counter
 import numpy as np
 
 from autopar.planner.first_fit import Slots
-from autopar.planner.problem import Problem, schedule_of, value_bytes
+from autopar.planner.problem import Problem, phantoms_at, schedule_of, value_bytes
 from autopar.planner.reshard import reshard_steps
 from autopar.sharding import shard_factor
 from ir.fusion import ABSORBING, FUSIBLE
@@ -379,14 +379,14 @@ def _output_slots(prob: Problem, nbytes) -> list[tuple[float, int]]:
     def written_at():
         g = prob.graph
         resident = set(prob.const_values).intersection(g.outputs) - set(g.inputs) - set(g.consts)
-        return {v: t for t, op in enumerate(g.ops) for v in op.outs if v in resident}
+        # a folded graph's results stand for their removed twins too (``problem.Problem.gap``:
+        # ``const_values`` repeats them): one buffer each, written where the kept one is
+        copies = Counter(prob.const_values)
+        return [(v, t) for t, op in enumerate(g.ops) for v in op.outs if v in resident
+                for _ in range(copies[v])]
 
     memo = _memo(prob, "_written_at", written_at)
-    # a folded graph's results stand for their removed twins too (``problem.Problem.gap``):
-    # one buffer each, written where the kept one is
-    copies = Counter(prob.const_values) if prob.gap is not None else {}
-    return sorted(((nbytes(v), t) for v, t in memo.items() for _ in range(copies.get(v, 1))),
-                  key=lambda s: -s[0])
+    return sorted(((nbytes(v), t) for v, t in memo), key=lambda s: -s[0])
 
 
 _REDUCING = ("all-reduce", "reduce-scatter")
@@ -859,5 +859,5 @@ def cut_at(prob: Problem, position: int) -> CopyCut:
     intervals, inner = _schedule(prob)
     live = [v for v, a, b in intervals if a <= position <= b] + list(
         inner.get(position, ((), 0))[0])
-    live += [v for v, a, b, n in prob.phantoms if a <= position <= b for _ in range(n)]
+    live += phantoms_at(prob.phantoms, position)
     return CopyCut(position, tuple(live), tuple(copies))

@@ -814,8 +814,13 @@ def _memory_points(graph: Graph, n_points: int, schedule, phantoms=()) -> list[l
         live_bytes[a: b + 1] += copies * graph.values[v].nbytes
     points = np.argsort(-live_bytes, kind="stable")[:n_points]
     return [vs[(starts <= t) & (t <= ends)].tolist() + inner.get(t, ([], 0))[0]
-            + [v for v, a, b, copies in phantoms if a <= t <= b for _ in range(copies)]
-            for t in sorted(points)]
+            + phantoms_at(phantoms, t) for t in sorted(points)]
+
+
+def phantoms_at(phantoms, t: int) -> list[int]:
+    """The ``phantoms`` live at position ``t``, each value once per removed copy (the memory
+    check points and ``memory.cut_at`` count them as live values)."""
+    return [v for v, a, b, copies in phantoms if a <= t <= b for _ in range(copies)]
 
 
 def _intervals(ops: Sequence[Op], keep, fusion: Fusion) -> list[tuple[int, int, int]]:
