@@ -79,9 +79,10 @@ FLAKY = textwrap.dedent("""
     keys = ("JAX_COORDINATOR_ADDRESS", "AUTOPAR_NUM_PROCESSES", "AUTOPAR_PROCESS_ID",
             "AUTOPAR_RESTART", "AUTOPAR_NODE", "XLA_FLAGS")
     env = {k: os.environ.get(k) for k in keys}
-    with open(os.path.join(sys.argv[1], f"{env['AUTOPAR_RESTART']}.{env['AUTOPAR_PROCESS_ID']}"),
-              "w") as f:
+    name = os.path.join(sys.argv[1], f"{env['AUTOPAR_RESTART']}.{env['AUTOPAR_PROCESS_ID']}")
+    with open(name + ".part", "w") as f:       # the launcher may stop a process mid-write:
         json.dump(dict(env, pid=os.getpid()), f)
+    os.replace(name + ".part", name)           # a record is whole or absent
     if env["AUTOPAR_RESTART"] == "0" and env["AUTOPAR_PROCESS_ID"] == "1":
         sys.exit(3)
     if sys.argv[2:] == ["hang"]:
@@ -97,7 +98,7 @@ def test_launcher_restarts_on_the_processes_left(tmp_path):
     assert result.ok
     assert [a.num_processes for a in result.attempts] == [3, 2]
     assert result.attempts[0].failed == (1,) and result.attempts[0].exit_codes[1] == 3
-    seen = {f.name: json.loads(f.read_text()) for f in tmp_path.iterdir() if f.suffix != ".py"}
+    seen = {f.name: json.loads(f.read_text()) for f in tmp_path.iterdir() if f.suffix not in (".py", ".part")}
     assert {"0.1", "1.0", "1.1"} <= set(seen)    # attempt 0's others may be stopped unstarted
     assert seen["0.1"]["JAX_COORDINATOR_ADDRESS"] != seen["1.0"]["JAX_COORDINATOR_ADDRESS"]
     assert seen["1.1"]["AUTOPAR_NUM_PROCESSES"] == "2"
