@@ -10,6 +10,8 @@ vocabulary 51200, bfloat16 compute) on 64 devices ``{data: 8, model: 8}``:
 
 * ``HF GPT-2 unrolled``: transformers' Flax GPT-2 (its Python loop over ``h/0 .. h/L-1``), as a
   user would bring it, at 12, 48 and 96 layers;
+* ``+ global-norm clip``: the same with ``optax.clip_by_global_norm`` before adamw, whose norm
+  reads every layer's gradients;
 * ``autopar GPT scan``: ``autopar.models.gpt`` with its layers in one ``nn.scan``;
 * ``GPT-175B scan+remat``: the paper configuration (96 layers, 1 sequence per device).
 
@@ -48,13 +50,13 @@ REPEAT = 3          # fresh processes per depth row; the table shows each column
 FIRST_REPEAT = 1    # first-call rows and the tracing floor: one fresh process each (minutes)
 # time_limit_s (the whole call's wall-clock budget, tracing included): the 30 s the issue allows
 # an unrolled model (a loaded machine traces 96 layers in over 10 s of it), 10 s for GPT-175B.
-LIMIT_S = {"hf": 30.0, "scan": 30.0, "175B": 10.0, "tiny": 2.0}
+LIMIT_S = {"hf": 30.0, "clip": 30.0, "scan": 30.0, "175B": 10.0, "tiny": 2.0}
 FULL_LIMIT_S = 60.0   # deterministic seconds for the whole-ILP reference solve
 
 
 # What ``--only`` selects: depth families, the whole-ILP reference solve of GPT-175B
 # (``gap_lines``), jax's tracing floor (``floor_lines``) and the first-call table.
-PARTS = ("hf", "scan", "175B", "reference", "floor", "first")
+PARTS = ("hf", "clip", "scan", "175B", "reference", "floor", "first")
 
 
 def depth_rows(quick: bool, only=PARTS):
@@ -69,6 +71,9 @@ def _all_depth_rows():
     for layers in (12, 48, 96):
         rows.append(("HF GPT-2 unrolled, GPT-3 width", "hf", layers, MESH64, DEPTH_BATCH,
                      LIFTED_BUDGET))
+    for layers in (12, 48, 96):     # the step most training runs take: a reduction over layers
+        rows.append(("HF GPT-2 unrolled + global-norm clip, GPT-3 width", "clip", layers,
+                     MESH64, DEPTH_BATCH, LIFTED_BUDGET))
     for layers in (12, 48, 96):
         rows.append(("autopar GPT scan, GPT-3 width", "scan", layers, MESH64, DEPTH_BATCH,
                      LIFTED_BUDGET))
@@ -83,9 +88,10 @@ def _abstract(family: str, layers: int, batch: int):
 
     from autopar.models import gpt, hf
 
-    if family == "hf":
+    if family in ("hf", "clip"):
         cfg = hf.gpt2_config(layers=layers, width=12288, heads=96)
-        return hf.abstract("gpt2", cfg, batch, seq=2048, dtype=jnp.bfloat16)
+        return hf.abstract("gpt2", cfg, batch, seq=2048, dtype=jnp.bfloat16,
+                           clip=1.0 if family == "clip" else None)
     if family == "175B":
         cfg = dataclasses.replace(gpt.GPT_CONFIGS["175B"], scan=True, remat=True,
                                   dtype=jnp.bfloat16)

@@ -27,9 +27,15 @@ and results count as their kept twins do.
 ``Folded.expand`` maps what a plan decides for the folded graph back onto the full one: each
 removed op takes its copy's layouts, each removed input and output its twin's.
 
+A reduction over every layer (global-norm clipping's ``sum(sum(g ** 2) for g in grads)``, a
+sum of per-layer auxiliary losses) reads the removed copies too: each removed copy's part of it
+(the ``sum(g ** 2)``) is removed with a kept twin as any optimizer op is, and each scalar step
+that adds that part to the running total is passed through (``Folded.passed``): the total
+reads the kept parts alone. Its value is then not the full graph's, which a plan does not
+need: a scalar costs nothing and is laid out replicated.
+
 Not folded (``fold`` returns None): fewer than ``MIN_COPIES`` copies, a family whose copies
-hold loops, or one whose removed ops or inputs have no kept twin (a reduction over every
-layer's gradients, as global-norm clipping makes, reads them all: nothing can be removed).
+hold loops, or one whose removed ops or inputs have no kept twin.
 """
 from __future__ import annotations
 
@@ -66,6 +72,9 @@ class Folded:
         (an optimizer update, run in the parameters' pytree order).
       shared: (kept op id, operand index) where every removed op the kept op stands for reads
         the same value as it does (one value, moved once for all its readers).
+      passed: removed full op ids outside the family that fold passed through: scalar steps
+        of a reduction over every layer (``_through``), which stand for nothing and get no
+        layout (a scalar's is replicated).
       copies / removed: the family's copies, and how many were removed.
     """
 
@@ -80,6 +89,7 @@ class Folded:
     representative: tuple[int, ...]
     stage: Mapping[int, str]
     shared: frozenset[tuple[int, int]]
+    passed: tuple[int, ...]
     copies: int
     removed: int
 
@@ -122,7 +132,7 @@ def _fold(graph: Graph, keep_head: int, min_copies: int) -> Folded | None:
         to = last if reader < copy_of[i] else rep
         return ops_by[family[to].op_ids[pos_of[i]]].outs[k]
 
-    kept, dropped = _splice(graph, gone, gone_vals, copy_of, splice)
+    kept, dropped, passed = _splice(graph, gone, gone_vals, copy_of, splice)
     kept, dead = _dead_code(graph, kept)
     dropped += dead
     roles = layer_roles(graph)
@@ -152,7 +162,8 @@ def _fold(graph: Graph, keep_head: int, min_copies: int) -> Folded | None:
     stage = {i: stages[p] for j, layer in enumerate(family) if j not in removed
              for p, i in enumerate(layer.op_ids)}
     return Folded(folded, graph, dict(weight), input_weight, output_weight, op_of, input_of,
-                  output_of, family[rep].op_ids, stage, shared, n, len(removed))
+                  output_of, family[rep].op_ids, stage, shared,
+                  tuple(op.id for op in passed), n, len(removed))
 
 
 def _largest_family(graph: Graph) -> list[Layer]:
@@ -169,23 +180,51 @@ def _largest_family(graph: Graph) -> list[Layer]:
 
 def _splice(graph: Graph, gone: set[int], gone_vals: set[int], copy_of, splice):
     """(kept ops, with reads across the gap spliced; ops outside the family that read a
-    removed value: the removed copies' optimizer updates, dropped with what they make)."""
+    removed value: the removed copies' optimizer updates, dropped with what they make; the
+    scalar ops passed through, see ``_through``)."""
     kept: list[Op] = []
     dropped: list[Op] = []
+    passed: list[Op] = []
+    alias: dict[int, int] = {}
     for op in graph.ops:
         if op.id in gone:
             continue
+        if alias and not alias.keys().isdisjoint(op.ins):
+            op = dataclasses.replace(op, ins=tuple(alias.get(v, v) for v in op.ins))
         if gone_vals.isdisjoint(op.ins):
             kept.append(op)
             continue
         c = copy_of.get(op.id)
         if c is None:
+            through = _through(graph, op, gone_vals)
+            if through is not None:
+                alias[op.outs[0]] = through
+                passed.append(op)
+                continue
             dropped.append(op)
             gone_vals.update(op.outs)
             continue
         kept.append(dataclasses.replace(op, ins=tuple(
             splice(v, c) if v in gone_vals else v for v in op.ins)))
-    return kept, dropped
+    return kept, dropped, passed
+
+
+def _through(graph: Graph, op: Op, gone_vals: set[int]) -> int | None:
+    """The kept operand an op outside the family passes through when it folds a removed
+    copy's scalar into a kept one: one step of a reduction over every layer (a global norm's
+    ``acc + sum(g_k ** 2)``, a sum of per-layer auxiliary losses). Without the removed copies
+    the step is the identity on its kept operand; the op is a scalar's, its cost nothing, its
+    layout replicated whatever the plan. None for any other op."""
+    if op.regions or len(op.outs) != 1:
+        return None
+    out = graph.values[op.outs[0]]
+    if out.size != 1:
+        return None
+    for v in op.ins:
+        value = graph.values[v]
+        if v not in gone_vals and (value.shape, value.dtype) == (out.shape, out.dtype):
+            return v
+    return None
 
 
 def _dead_code(graph: Graph, kept: list[Op]) -> tuple[list[Op], list[Op]]:

@@ -7,6 +7,7 @@ import functools
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 import autopar
@@ -45,7 +46,7 @@ def test_fold_keeps_the_first_copies_and_the_last():
     assert len(f.input_of) == len(g.inputs) and len(f.output_of) == len(g.outputs)
     kept = {op.id for op in f.graph.ops}
     assert set(f.op_of).isdisjoint(kept) and set(f.op_of.values()) <= kept
-    assert len(f.op_of) + len(kept) == len(g.ops)
+    assert len(f.op_of) + len(kept) == len(g.ops) and f.passed == ()
     assert sum(f.weight.values()) == len(f.op_of)
     assert sum(f.input_weight) + len(f.graph.inputs) == len(g.inputs)
     assert fold(g) is f        # cached on the graph: every plan of it plans one folded graph
@@ -61,6 +62,43 @@ def test_a_folded_graph_does_not_grow_with_depth():
         sizes.append((len(f.graph.ops), len(f.graph.inputs), len(f.graph.outputs)))
         assert f.removed == n - 4
     assert sizes[0] == sizes[1]
+
+
+@functools.cache
+def _clipped():
+    return hf.concrete("gpt2", hf.tiny("gpt2", layers=LAYERS), batch_size=8, clip=0.1)
+
+
+def test_a_global_norm_clip_folds_and_its_plan_matches_unsharded_step():
+    """``clip_by_global_norm`` sums every layer's squared gradients into one norm: the removed
+    copies' parts go as their other optimizer ops do, the scalar adds that fold them into the
+    total are passed through, and the plan (mapped back) clips as the unsharded step does."""
+    step, state, batch = _clipped()
+    g = ir.trace(step, state, batch)
+    f = fold(g)
+    assert f is not None and f.removed == LAYERS - 4
+    ops = g._op_index()
+    # the running total's adds: one per removed layer's parameter leaves (12 in a GPT-2 block)
+    assert len(f.passed) == 12 * (LAYERS - 4)
+    assert all(ops[i].prim == "add" and g.values[ops[i].outs[0]].shape == () for i in f.passed)
+    assert len(f.op_of) + len(f.graph.ops) + len(f.passed) == len(g.ops)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    sharded = autopar.autoparallel(step, mesh=mesh, time_limit_s=5)
+    new_state, loss = sharded(state, batch)
+    assert sharded.plan.solver.folded == LAYERS - 4
+    ref_state, ref_loss = jax.jit(step)(state, batch)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    # the clip acts: Adam's first moment from zero is 0.1 x the clipped gradient, norm 0.01
+    mu = ref_state["opt_state"][1][0].mu
+    assert float(optax.global_norm(mu)) == pytest.approx(0.1 * 0.1, rel=1e-4)
+    for got, want in zip(jax.tree_util.tree_leaves(new_state["opt_state"][1][0].mu),
+                         jax.tree_util.tree_leaves(mu)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-9)
+    # parameters: Adam's first step is about lr * sign(g), which amplifies rounding noise where
+    # a gradient is near zero; within 2% of a step (lr 1e-3) everywhere
+    for got, want in zip(jax.tree_util.tree_leaves(new_state["params"]),
+                         jax.tree_util.tree_leaves(ref_state["params"])):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=2e-5)
 
 
 def _full_choice(full: problem.Problem, fp: problem.Problem, f, cf) -> dict[int, int]:

@@ -154,10 +154,13 @@ def make_batch(name: str, config: Any, rows: int, seq: int = SEQ, seed: int = 0)
     return {"inputs": {"input_ids": tokens}, "labels": labels}
 
 
-def make_train_step(model: Any, lr: float = 1e-3) -> tuple[Callable, optax.GradientTransformation]:
+def make_train_step(model: Any, lr: float = 1e-3, clip: float | None = None
+                    ) -> tuple[Callable, optax.GradientTransformation]:
     """``train_step(state, batch) -> (state, loss)``: cross-entropy of the logits against the
-    labels, one adamw step."""
+    labels, one adamw step, after clipping the gradients' global norm to ``clip`` if given."""
     tx = optax.adamw(lr, weight_decay=0.01)
+    if clip is not None:
+        tx = optax.chain(optax.clip_by_global_norm(clip), tx)
 
     def loss_fn(params, batch):
         logits = model(**batch["inputs"], params=params, train=False).logits   # (B, S, V)
@@ -180,17 +183,19 @@ def _init_state(model: Any, tx: optax.GradientTransformation, seed: int) -> dict
     return jax.jit(init)(jax.random.PRNGKey(seed))
 
 
-def concrete(name: str, config: Any, batch_size: int, seed: int = 0, lr: float = 1e-3):
+def concrete(name: str, config: Any, batch_size: int, seed: int = 0, lr: float = 1e-3,
+             clip: float | None = None):
     """Small real model: ``(train_step, state, batch)`` with random weights."""
     model = build(name, config)
-    step, tx = make_train_step(model, lr)
+    step, tx = make_train_step(model, lr, clip)
     return step, _init_state(model, tx, seed), make_batch(name, config, batch_size, seed=seed)
 
 
-def abstract(name: str, config: Any, batch_size: int, seq: int = SEQ, dtype=jnp.float32):
+def abstract(name: str, config: Any, batch_size: int, seq: int = SEQ, dtype=jnp.float32,
+             clip: float | None = None):
     """Any size, no memory: ``(train_step, state, batch)`` as ShapeDtypeStruct pytrees."""
     model = build(name, config, dtype)
-    step, tx = make_train_step(model)
+    step, tx = make_train_step(model, clip=clip)
     params = jax.eval_shape(lambda: _params(model, 0))
     state = {"params": params, "opt_state": jax.eval_shape(tx.init, params)}
     return step, state, jax.eval_shape(lambda: make_batch(name, config, batch_size, seq))
