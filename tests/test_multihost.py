@@ -98,7 +98,8 @@ def test_launcher_restarts_on_the_processes_left(tmp_path):
     assert result.ok
     assert [a.num_processes for a in result.attempts] == [3, 2]
     assert result.attempts[0].failed == (1,) and result.attempts[0].exit_codes[1] == 3
-    seen = {f.name: json.loads(f.read_text()) for f in tmp_path.iterdir() if f.suffix not in (".py", ".part")}
+    seen = {f.name: json.loads(f.read_text()) for f in tmp_path.iterdir()
+            if f.suffix not in (".py", ".part")}
     assert {"0.1", "1.0", "1.1"} <= set(seen)    # attempt 0's others may be stopped unstarted
     assert seen["0.1"]["JAX_COORDINATOR_ADDRESS"] != seen["1.0"]["JAX_COORDINATOR_ADDRESS"]
     assert seen["1.1"]["AUTOPAR_NUM_PROCESSES"] == "2"
