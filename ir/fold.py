@@ -138,15 +138,17 @@ def _fold(graph: Graph, keep_head: int, min_copies: int) -> Folded | None:
     roles = layer_roles(graph)
     weight = Counter({i: len(removed) for i in family[rep].op_ids})
     op_of = {i: family[rep].op_ids[pos_of[i]] for i in gone}
-    twin = {}
-    for op in kept:
-        twin.setdefault(roles.op[op.id], op.id)
-    for op in dropped:
-        t = twin.get(roles.op[op.id])
-        if t is None:
-            return None
+    read = _read(graph, kept)
+    stands = _stand_ins(graph, op_of, read, roles)
+    value_of = dict(stands)
+    for i, t in op_of.items():
+        value_of.update(zip(ops_by[i].outs, ops_by[t].outs))
+    twins = _twins(graph, kept, dropped, roles, value_of)
+    if twins is None:
+        return None
+    for i, t in twins.items():
         weight[t] += 1
-        op_of[op.id] = t
+        op_of[i] = t
     # reads where every op a kept op stands for reads the kept op's very value (an attention
     # mask, a learning rate): one value, resharded once for all of them, not once per copy
     same = Counter((t, k) for i, t in op_of.items() for k, v in enumerate(ops_by[i].ins)
@@ -156,7 +158,8 @@ def _fold(graph: Graph, keep_head: int, min_copies: int) -> Folded | None:
     stages = _stages(family, rep, last)
     if stages is None:
         return None
-    folded, input_of, input_weight, output_of, output_weight = _rebuild(graph, kept, ids, roles)
+    folded, input_of, input_weight, output_of, output_weight = _rebuild(graph, kept, ids, roles,
+                                                                        read, stands)
     if folded is None:
         return None
     stage = {i: stages[p] for j, layer in enumerate(family) if j not in removed
@@ -265,24 +268,83 @@ def _stages(family: list[Layer], rep: int, last: int) -> list[str] | None:
     return out if "f" in out and "b" in out else None
 
 
-def _rebuild(graph: Graph, kept: list[Op], ids: set[int], roles: Roles):
-    """The folded Graph over ``kept``, with each removed input and output mapped to a kept
-    twin of equal role: (graph, input_of, input_weight, output_of, output_weight), or Nones
-    when some has no twin."""
-    read = {v for op in kept for v in op.ins}
+def _read(graph: Graph, kept: list[Op]) -> set[int]:
+    """The values the kept ops (and their bodies) read, and the graph's results."""
+    read = {v for op in kept for v in op.ins} | set(graph.outputs)
     for op in kept:
         for region in op.regions:
             read.update(v for o in region.ops for v in o.ins)
+    return read
+
+
+def _stand_ins(graph: Graph, op_of: Mapping[int, int], read: set[int], roles: Roles
+               ) -> dict[int, int]:
+    """Removed input value -> the kept input of its role that the representative reads where
+    a removed copy reads it (the representative's parameter for a removed layer's)."""
+    role_of = {v: roles.input[k] for k, v in enumerate(graph.inputs)}
+    ops_by = graph._op_index()
+    out: dict[int, int] = {}
+    for op in graph.ops:
+        t = op_of.get(op.id)
+        if t is None:
+            continue
+        for v, w in zip(op.ins, ops_by[t].ins):
+            if v in role_of and v not in read and w in read and role_of.get(w) == role_of[v]:
+                out.setdefault(v, w)
+    return out
+
+
+def _twins(graph: Graph, kept: list[Op], dropped: list[Op], roles: Roles,
+           value_of: dict[int, int]) -> dict[int, int] | None:
+    """Dropped op id -> the kept op that stands for it (None when one has none): the kept op
+    of its primitive, parameters and types that reads, at the same operand, the kept value
+    standing for one of the dropped op's (``value_of``: the representative's value for a
+    removed copy's, the twin's result for a dropped op's), else the first kept op of its role.
+    The first is what the representative's neighbours do in the removed copies' place, so it
+    costs as they do under any plan; another op of the role may not (the first layer's weight
+    decay reads a parameter the plan may lay out otherwise than the representative's)."""
+    ops_by = graph._op_index()
+
+    def label(o: Op) -> tuple:
+        return o.prim, o.params, tuple(graph.values[v] for v in o.ins + o.outs)
+
+    readers: dict[tuple[int, int], list[int]] = {}
+    first: dict[int, int] = {}
+    for op in kept:
+        first.setdefault(roles.op[op.id], op.id)
+        for m, v in enumerate(op.ins):
+            readers.setdefault((v, m), []).append(op.id)
+    out: dict[int, int] = {}
+    for op in sorted(dropped, key=lambda o: o.id):
+        role = roles.op[op.id]
+        mine = label(op)
+        t = next((r for m, v in enumerate(op.ins) if v in value_of
+                  for r in readers.get((value_of[v], m), ()) if label(ops_by[r]) == mine), None)
+        t = first.get(role) if t is None else t
+        if t is None:
+            return None
+        out[op.id] = t
+        value_of.update(zip(op.outs, ops_by[t].outs))
+    return out
+
+
+def _rebuild(graph: Graph, kept: list[Op], ids: set[int], roles: Roles, read: set[int],
+             stands: Mapping[int, int]):
+    """The folded Graph over ``kept``, with each removed input and output mapped to a kept
+    twin of equal role: (graph, input_of, input_weight, output_of, output_weight), or Nones
+    when some has no twin. A removed input's twin is its stand-in (``_stand_ins``), else the
+    first kept input of its role."""
     made = {v: op.id for op in kept for v in op.outs}
-    outputs = set(graph.outputs)
-    keep_in = [k for k, v in enumerate(graph.inputs) if v in read or v in outputs]
+    keep_in = [k for k, v in enumerate(graph.inputs) if v in read]
     in_index = {k: j for j, k in enumerate(keep_in)}
     in_twin: dict[int, int] = {}
     for k in keep_in:
         in_twin.setdefault(roles.input[k], in_index[k])
+    position = {v: k for k, v in enumerate(graph.inputs)}
     input_of, in_weight = [], Counter()
-    for k in range(len(graph.inputs)):
-        j = in_index.get(k, in_twin.get(roles.input[k]))
+    for k, v in enumerate(graph.inputs):
+        j = in_index[position[stands[v]]] if v in stands else in_index.get(
+            k, in_twin.get(roles.input[k]))
         if j is None:
             return None, None, None, None, None
         input_of.append(j)

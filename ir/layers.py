@@ -146,7 +146,31 @@ def _op_label(graph: Graph, op: Op, literals: dict) -> tuple:
     types = tuple(graph.values[v] for v in op.ins + op.outs)
     lits = tuple((m, literals[v]) for m, v in enumerate(op.ins) if v in literals)
     body = _signature(graph, tuple(_walk(r.ops for r in op.regions))) if op.regions else ""
-    return op.prim, op.params, types, lits, op.trip_count, body
+    return op.prim, _structural_params(graph, op), types, lits, op.trip_count, body
+
+
+def _structural_params(graph: Graph, op: Op) -> tuple:
+    """``op.params``, without the position of an indexing slice: ``x[i]`` of a per-layer table
+    (HF BERT's ``head_mask[i]``, a stack of per-layer keys or scales), whose every dim is whole
+    or one wide, and of its transpose, the ``pad`` that puts row ``i``'s gradient back. Layer
+    ``i``'s and layer ``j``'s are the same op at another row: one label, so the layers around
+    them are one block and share roles. Their rule and costs read their shapes only
+    (``autopar.planner.rules.passthrough_rule``), never the row."""
+    if op.prim == "slice":
+        strides = op.param("strides")
+        shape = graph.values[op.ins[0]].shape
+        start, limit = op.param("start_indices"), op.param("limit_indices")
+        row = (strides in (None, ()) or all(s == 1 for s in strides)) and all(
+            (a, b) == (0, n) or b - a == 1 for a, b, n in zip(start, limit, shape))
+        keys = ("start_indices", "limit_indices")
+    elif op.prim == "pad":
+        shape = graph.values[op.ins[0]].shape
+        row = all((lo, hi, mid) == (0, 0, 0) or (n == 1 and mid == 0 and lo >= 0 and hi >= 0)
+                  for (lo, hi, mid), n in zip(op.param("padding_config"), shape))
+        keys = ("padding_config",)
+    else:
+        return op.params
+    return tuple((k, "row") if k in keys else (k, v) for k, v in op.params) if row else op.params
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -334,7 +358,8 @@ def _signature(graph: Graph, ops: Sequence[Op]) -> str:
         wiring = tuple(local.get(v, -1) for v in op.ins)
         types = tuple(graph.values[v] for v in op.ins + op.outs)
         body = tuple(o.prim for r in op.regions for o in r.ops)
-        items.append((op.prim, op.params, op.trip_count, wiring, types, body))
+        items.append((op.prim, _structural_params(graph, op), op.trip_count, wiring, types,
+                      body))
         for k, v in enumerate(op.outs):
             local[v] = j * 1024 + k
     digest = hashlib.sha1(repr(hash(tuple(items))).encode()).hexdigest()

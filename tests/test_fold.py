@@ -7,7 +7,6 @@ import functools
 
 import jax
 import numpy as np
-import optax
 import pytest
 
 import autopar
@@ -90,7 +89,8 @@ def test_a_global_norm_clip_folds_and_its_plan_matches_unsharded_step():
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     # the clip acts: Adam's first moment from zero is 0.1 x the clipped gradient, norm 0.01
     mu = ref_state["opt_state"][1][0].mu
-    assert float(optax.global_norm(mu)) == pytest.approx(0.1 * 0.1, rel=1e-4)
+    norm = np.sqrt(sum(np.sum(np.square(np.asarray(x))) for x in jax.tree_util.tree_leaves(mu)))
+    assert float(norm) == pytest.approx(0.1 * 0.1, rel=1e-4)
     for got, want in zip(jax.tree_util.tree_leaves(new_state["opt_state"][1][0].mu),
                          jax.tree_util.tree_leaves(mu)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-9)
@@ -122,18 +122,31 @@ def _full_choice(full: problem.Problem, fp: problem.Problem, f, cf) -> dict[int,
     return choice
 
 
-def test_folded_problem_prices_a_plan_as_the_full_graph_does():
+@functools.cache
+def _bert() -> ir.Graph:
+    return ir.trace(*hf.abstract("bert", hf.tiny("bert", layers=LAYERS), 8))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_folded_problem_prices_a_plan_as_the_full_graph_does(name):
     """Every kept op's cost times what it stands for, and every move between copies, add up to
-    the full graph's objective for the same decisions (the folded descent's plan mapped back)."""
-    g = _graph()
+    the full graph's objective for the same decisions (the folded descent's plan mapped back).
+    BERT folds too (its layers index ``head_mask[i]``, a slice whose row differs per layer),
+    approximately: its Adam units are cut across two layers' parameters and joined to the
+    later layer's copy, so the representative's own Adam update is removed with copy 3 and its
+    weight decay is priced as layer 0's, whose parameter the plan may lay out otherwise (9e-6
+    of the objective here; partial)."""
+    g = _graph() if name == "gpt2" else _bert()
     f = fold(g)
+    assert f is not None and f.removed == LAYERS - 4
     cm = cost_models.CostModel(cost_models.hardware("h100"), MESH)
     full = problem.build(g, MESH, cm)
     fp = problem.build(f.graph, MESH, cm, folded=f)
     cf = descent.descend(fp, cm)
     mine = descent.objective(fp, cm, cf)
     theirs = descent.objective(full, cm, _full_choice(full, fp, f, cf))
-    assert mine == pytest.approx(theirs, rel=1e-6)     # float sums in another order
+    # float sums in another order; BERT: the misjoined Adam units above
+    assert mine == pytest.approx(theirs, rel=1e-6 if name == "gpt2" else 2e-5)
     assert fp.num_decisions == full.num_decisions
 
 

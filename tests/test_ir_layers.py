@@ -78,11 +78,15 @@ def test_parameters_and_moments_of_equal_layers_share_a_role():
     assert len({fc1[0], mu[0], fc2}) == 3
 
 
-def _loop_step(n_blocks: int, width: int = 32):
-    """An anonymous Python loop over a list of weight dicts: no module names at all."""
+def _loop_step(n_blocks: int, width: int = 32, table: str | None = None):
+    """An anonymous Python loop over a list of weight dicts: no module names at all. With
+    ``table`` ("batch" or "params"), block ``i`` also scales by row ``i`` of a per-layer table
+    there (as HF BERT's ``head_mask[i]``)."""
     def loss_fn(params, batch):
         x = batch["x"]                                   # (B, W)
-        for blk in params["blocks"]:
+        for i, blk in enumerate(params["blocks"]):
+            if table:
+                x = x * {"batch": batch, "params": params}[table]["table"][i]
             x = x + jnp.tanh(x @ blk["a"]) @ blk["b"]
         return jnp.mean((x @ params["out"] - batch["y"]) ** 2)
 
@@ -91,8 +95,10 @@ def _loop_step(n_blocks: int, width: int = 32):
     params = {"blocks": [{"a": sd((width, 2 * width), jnp.float32),
                           "b": sd((2 * width, width), jnp.float32)} for _ in range(n_blocks)],
               "out": sd((width, 4), jnp.float32)}
-    state = {"params": params, "opt_state": jax.eval_shape(tx.init, params)}
     batch = {"x": sd((8, width), jnp.float32), "y": sd((8, 4), jnp.float32)}
+    if table:
+        {"batch": batch, "params": params}[table]["table"] = sd((n_blocks, width), jnp.float32)
+    state = {"params": params, "opt_state": jax.eval_shape(tx.init, params)}
     return adamw_step(loss_fn, tx), state, batch
 
 
@@ -108,6 +114,30 @@ def test_anonymous_loop_blocks_and_roles():
     b = {_input_role(g, f"['params']['blocks'][{i}]['b']") for i in range(1, 6)}
     assert len(a) == 1 and len(b) == 1 and a != b
     assert roles(g).distinct == roles(ir.trace(*_loop_step(9))).distinct
+
+
+def test_rows_of_a_per_layer_table_do_not_break_the_blocks():
+    """Block ``i`` scales by row ``i`` of a per-layer input table (a slice that differs from
+    block to block only in its row): the blocks are one family and their weights share roles
+    from the second block on, as without the table."""
+    g = ir.trace(*_loop_step(6, table="batch"))
+    families = Counter(layer.signature for layer in g.layers)
+    forward = [layer for layer in g.layers if g.op(layer.op_ids[0]).prim == "slice"
+               and families[layer.signature] == 6]
+    assert len(forward) == 6 and forward[0].op_ids[0] == g.ops[0].id
+    a = {_input_role(g, f"['params']['blocks'][{i}]['a']") for i in range(1, 6)}
+    b = {_input_role(g, f"['params']['blocks'][{i}]['b']") for i in range(1, 6)}
+    assert len(a) == 1 and len(b) == 1 and a != b
+
+
+def test_rows_of_a_per_layer_parameter_table_share_roles_between_the_ends():
+    """A trained table: each block's backward puts its row's gradient back with a ``pad`` that
+    differs only in the row, and adds it to the table's gradient. The last block's backward
+    starts that sum (one op fewer) and the first needs no input gradient, so the blocks between
+    share roles (partial: the ends plan apart)."""
+    g = ir.trace(*_loop_step(6, table="params"))
+    a = [_input_role(g, f"['params']['blocks'][{i}]['a']") for i in range(6)]
+    assert len(set(a[1:5])) == 1
 
 
 def test_nnx_list_layers_share_roles():
