@@ -7,7 +7,11 @@ the last, and removes the ``n - KEEP_HEAD - 1`` copies between, with everything 
 used (their parameters, optimizer state, optimizer updates and results). The kept copy before
 the gap, the *representative*, stands for the removed ones: each of its ops carries a
 ``weight``, the number of removed ops it copies, and so does each kept op or input whose
-structural twin (``ir.layers.roles``) was removed.
+structural twin (``ir.layers.roles``) was removed. Of the kept twins of a role, the one next to
+the representative is taken: for a removed parameter, the one the representative reads in its
+place; for a removed optimizer op, the kept op of its primitive and types that reads what
+stands for its operands (the first layer's update is of the same role, yet reads a parameter
+the plan may lay out otherwise).
 
     full:    ... f0 f1 f2 f3 ... f94 f95  loss  b95 b94 ... b3 b2 b1 b0  adam(0..95)
     folded:  ... f0 f1 f2 ---------- f95  loss  b95 ---------- b2 b1 b0  adam(0, 1, 2, 95)
@@ -115,13 +119,22 @@ def _fold(graph: Graph, keep_head: int, min_copies: int) -> Folded | None:
     ops_by = graph._op_index()
     rep, last = keep_head - 1, n - 1
     removed = range(keep_head, last)
-    gone = {i for j in removed for i in family[j].op_ids}
+    stages = _stages(family, rep, last)
+    if stages is None:
+        return None
+    # a copy's forward and backward ops go with it; its optimizer updates ("o") are cut by
+    # the parameters' pytree order, where a unit may start a parameter early (a vocabulary
+    # as wide as the MLP makes the embedding's update look like a layer's last kernel's), so
+    # they are dropped as any update that reads a removed gradient, and twinned by what they
+    # read (``_twins``)
+    gone = {i for j in removed for p, i in enumerate(family[j].op_ids) if stages[p] != "o"}
     if any(ops_by[i].regions for i in gone):
         return None
     copy_of, pos_of = {}, {}
     for j, layer in enumerate(family):
         for p, i in enumerate(layer.op_ids):
-            copy_of[i], pos_of[i] = j, p
+            if stages[p] != "o":
+                copy_of[i], pos_of[i] = j, p
     made = {v: (op.id, k) for op in graph.ops for k, v in enumerate(op.outs)}
     gone_vals = {v for i in gone for v in ops_by[i].outs}
 
@@ -136,14 +149,14 @@ def _fold(graph: Graph, keep_head: int, min_copies: int) -> Folded | None:
     kept, dead = _dead_code(graph, kept)
     dropped += dead
     roles = layer_roles(graph)
-    weight = Counter({i: len(removed) for i in family[rep].op_ids})
+    weight = Counter({i: len(removed) for i in family[rep].op_ids if i in pos_of})
     op_of = {i: family[rep].op_ids[pos_of[i]] for i in gone}
     read = _read(graph, kept)
     stands = _stand_ins(graph, op_of, read, roles)
     value_of = dict(stands)
     for i, t in op_of.items():
         value_of.update(zip(ops_by[i].outs, ops_by[t].outs))
-    twins = _twins(graph, kept, dropped, roles, value_of)
+    twins = _twins(graph, kept, dropped, roles, value_of, read)
     if twins is None:
         return None
     for i, t in twins.items():
@@ -155,15 +168,12 @@ def _fold(graph: Graph, keep_head: int, min_copies: int) -> Folded | None:
                    if k < len(ops_by[t].ins) and ops_by[t].ins[k] == v)
     shared = frozenset(key for key, n in same.items() if n == weight[key[0]])
     ids = {op.id for op in kept}
-    stages = _stages(family, rep, last)
-    if stages is None:
-        return None
     folded, input_of, input_weight, output_of, output_weight = _rebuild(graph, kept, ids, roles,
-                                                                        read, stands)
+                                                                        read, value_of)
     if folded is None:
         return None
     stage = {i: stages[p] for j, layer in enumerate(family) if j not in removed
-             for p, i in enumerate(layer.op_ids)}
+             for p, i in enumerate(layer.op_ids) if i in ids}
     return Folded(folded, graph, dict(weight), input_weight, output_weight, op_of, input_of,
                   output_of, family[rep].op_ids, stage, shared,
                   tuple(op.id for op in passed), n, len(removed))
@@ -295,45 +305,85 @@ def _stand_ins(graph: Graph, op_of: Mapping[int, int], read: set[int], roles: Ro
 
 
 def _twins(graph: Graph, kept: list[Op], dropped: list[Op], roles: Roles,
-           value_of: dict[int, int]) -> dict[int, int] | None:
-    """Dropped op id -> the kept op that stands for it (None when one has none): the kept op
-    of its primitive, parameters and types that reads, at the same operand, the kept value
-    standing for one of the dropped op's (``value_of``: the representative's value for a
-    removed copy's, the twin's result for a dropped op's), else the first kept op of its role.
-    The first is what the representative's neighbours do in the removed copies' place, so it
-    costs as they do under any plan; another op of the role may not (the first layer's weight
-    decay reads a parameter the plan may lay out otherwise than the representative's)."""
-    ops_by = graph._op_index()
+           value_of: dict[int, int], read: set[int]) -> dict[int, int] | None:
+    """Dropped op id -> the kept op that stands for it (None when one has none), matched by
+    what they read, from what is known to stand for what (``value_of``: the representative's
+    value for a removed copy's): a dropped op whose operand stands as a kept value twins the
+    kept op of its primitive, parameters and types reading that value there, and its results
+    then stand as the twin's; the producer of a twinned op's operand twins the producer of the
+    twin's operand; a removed input read where the twin reads a kept input of its role (a
+    removed layer's optimizer state) stands as that input. What is left twins the first kept
+    op of its role. Matching by reads gives each removed layer's update the representative's,
+    which costs as it does under any plan; another op of the role may not (the first layer's
+    weight decay reads a parameter the plan may lay out otherwise)."""
+    ops_by = {op.id: op for op in kept}
+    role_of = {v: roles.input[k] for k, v in enumerate(graph.inputs)}
+    types = graph.values
 
     def label(o: Op) -> tuple:
-        return o.prim, o.params, tuple(graph.values[v] for v in o.ins + o.outs)
+        return o.prim, o.params, tuple(types[v] for v in o.ins + o.outs)
 
     readers: dict[tuple[int, int], list[int]] = {}
+    maker: dict[int, int] = {}
     first: dict[int, int] = {}
     for op in kept:
         first.setdefault(roles.op[op.id], op.id)
         for m, v in enumerate(op.ins):
             readers.setdefault((v, m), []).append(op.id)
+        for v in op.outs:
+            maker[v] = op.id
+    made_by = {v: op for op in dropped for v in op.outs}
     out: dict[int, int] = {}
-    for op in sorted(dropped, key=lambda o: o.id):
-        role = roles.op[op.id]
-        mine = label(op)
-        t = next((r for m, v in enumerate(op.ins) if v in value_of
-                  for r in readers.get((value_of[v], m), ()) if label(ops_by[r]) == mine), None)
-        t = first.get(role) if t is None else t
-        if t is None:
-            return None
+    todo = sorted(dropped, key=lambda o: o.id)
+
+    def pair(op: Op, t: int) -> None:
         out[op.id] = t
         value_of.update(zip(op.outs, ops_by[t].outs))
+        for v, w in zip(op.ins, ops_by[t].ins):
+            if v in role_of and v not in read and v not in value_of and w in read and \
+                    role_of.get(w) == role_of[v]:
+                value_of[v] = w
+
+    while True:
+        found = False
+        for op in todo:
+            if op.id in out:
+                continue
+            mine = label(op)
+            t = next((r for m, v in enumerate(op.ins) if v in value_of
+                      for r in readers.get((value_of[v], m), ())
+                      if label(ops_by[r]) == mine), None)
+            if t is not None:
+                pair(op, t)
+                found = True
+        for op in todo:                       # producers of twinned ops' operands
+            t = out.get(op.id)
+            if t is None:
+                continue
+            for v, w in zip(op.ins, ops_by[t].ins):
+                p, q = made_by.get(v), maker.get(w)
+                if p is not None and q is not None and p.id not in out and \
+                        label(p) == label(ops_by[q]):
+                    pair(p, q)
+                    found = True
+        if not found:
+            break
+    for op in todo:
+        if op.id not in out:
+            t = first.get(roles.op[op.id])
+            if t is None:
+                return None
+            pair(op, t)
     return out
 
 
 def _rebuild(graph: Graph, kept: list[Op], ids: set[int], roles: Roles, read: set[int],
-             stands: Mapping[int, int]):
+             value_of: Mapping[int, int]):
     """The folded Graph over ``kept``, with each removed input and output mapped to a kept
-    twin of equal role: (graph, input_of, input_weight, output_of, output_weight), or Nones
-    when some has no twin. A removed input's twin is its stand-in (``_stand_ins``), else the
-    first kept input of its role."""
+    twin: (graph, input_of, input_weight, output_of, output_weight), or Nones when some has
+    none. A removed input's or result's twin is its stand-in (``value_of``: the input the
+    representative reads in its place, the result of the op that stands for its producer),
+    else the first kept one of its role."""
     made = {v: op.id for op in kept for v in op.outs}
     keep_in = [k for k, v in enumerate(graph.inputs) if v in read]
     in_index = {k: j for j, k in enumerate(keep_in)}
@@ -343,7 +393,7 @@ def _rebuild(graph: Graph, kept: list[Op], ids: set[int], roles: Roles, read: se
     position = {v: k for k, v in enumerate(graph.inputs)}
     input_of, in_weight = [], Counter()
     for k, v in enumerate(graph.inputs):
-        j = in_index[position[stands[v]]] if v in stands else in_index.get(
+        j = in_index[position[value_of[v]]] if v in value_of else in_index.get(
             k, in_twin.get(roles.input[k]))
         if j is None:
             return None, None, None, None, None
@@ -364,9 +414,12 @@ def _rebuild(graph: Graph, kept: list[Op], ids: set[int], roles: Roles, read: se
     out_twin: dict = {}
     for j in keep_out:
         out_twin.setdefault(out_role(j), out_index[j])
+    kept_out = {graph.outputs[j]: out_index[j] for j in keep_out}
     output_of, out_weight = [], Counter()
-    for j in range(len(graph.outputs)):
-        i = out_index.get(j, out_twin.get(out_role(j)))
+    for j, v in enumerate(graph.outputs):
+        i = out_index.get(j)
+        if i is None:
+            i = kept_out.get(value_of.get(v), out_twin.get(out_role(j)))
         if i is None:
             return None, None, None, None, None
         output_of.append(i)
