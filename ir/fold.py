@@ -48,7 +48,7 @@ from collections import Counter
 from collections.abc import Mapping
 
 from ir.graph import Graph, Layer, Op
-from ir.layers import Roles
+from ir.layers import Roles, node_graph
 from ir.layers import roles as layer_roles
 
 # Copies kept at the front (the last of them represents the removed ones) and the fewest copies
@@ -135,7 +135,7 @@ def _fold(graph: Graph, keep_head: int, min_copies: int) -> Folded | None:
         for p, i in enumerate(layer.op_ids):
             if stages[p] != "o":
                 copy_of[i], pos_of[i] = j, p
-    made = {v: (op.id, k) for op in graph.ops for k, v in enumerate(op.outs)}
+    made = {v: (i, k) for i in gone for k, v in enumerate(ops_by[i].outs)}
     gone_vals = {v for i in gone for v in ops_by[i].outs}
 
     def splice(v: int, reader: int) -> int:
@@ -156,7 +156,7 @@ def _fold(graph: Graph, keep_head: int, min_copies: int) -> Folded | None:
     value_of = dict(stands)
     for i, t in op_of.items():
         value_of.update(zip(ops_by[i].outs, ops_by[t].outs))
-    twins = _twins(graph, kept, dropped, roles, value_of, read)
+    twins = _twins(graph, kept, dropped, roles, value_of, read, copy_of)
     if twins is None:
         return None
     for i, t in twins.items():
@@ -164,8 +164,11 @@ def _fold(graph: Graph, keep_head: int, min_copies: int) -> Folded | None:
         op_of[i] = t
     # reads where every op a kept op stands for reads the kept op's very value (an attention
     # mask, a learning rate): one value, resharded once for all of them, not once per copy
-    same = Counter((t, k) for i, t in op_of.items() for k, v in enumerate(ops_by[i].ins)
-                   if k < len(ops_by[t].ins) and ops_by[t].ins[k] == v)
+    same: Counter = Counter()
+    for i, t in op_of.items():
+        for k, (v, w) in enumerate(zip(ops_by[i].ins, ops_by[t].ins)):
+            if v == w:
+                same[t, k] += 1
     shared = frozenset(key for key, n in same.items() if n == weight[key[0]])
     ids = {op.id for op in kept}
     folded, input_of, input_weight, output_of, output_weight = _rebuild(graph, kept, ids, roles,
@@ -305,7 +308,8 @@ def _stand_ins(graph: Graph, op_of: Mapping[int, int], read: set[int], roles: Ro
 
 
 def _twins(graph: Graph, kept: list[Op], dropped: list[Op], roles: Roles,
-           value_of: dict[int, int], read: set[int]) -> dict[int, int] | None:
+           value_of: dict[int, int], read: set[int], family: Mapping[int, int]
+           ) -> dict[int, int] | None:
     """Dropped op id -> the kept op that stands for it (None when one has none), matched by
     what they read, from what is known to stand for what (``value_of``: the representative's
     value for a removed copy's): a dropped op whose operand stands as a kept value twins the
@@ -315,65 +319,75 @@ def _twins(graph: Graph, kept: list[Op], dropped: list[Op], roles: Roles,
     removed layer's optimizer state) stands as that input. What is left twins the first kept
     op of its role. Matching by reads gives each removed layer's update the representative's,
     which costs as it does under any plan; another op of the role may not (the first layer's
-    weight decay reads a parameter the plan may lay out otherwise)."""
+    weight decay reads a parameter the plan may lay out otherwise). Twins by reads are sought
+    among the kept ops outside the ``family`` copies (the optimizer's), by role among all."""
     ops_by = {op.id: op for op in kept}
     role_of = {v: roles.input[k] for k, v in enumerate(graph.inputs)}
-    types = graph.values
+    codes = node_graph(graph)[0]       # structural labels: primitive, params, types, literals
+    first_op = len(graph.inputs) + len(graph.consts)
+    labels = {op.id: int(codes[first_op + j]) for j, op in enumerate(graph.ops)}
 
-    def label(o: Op) -> tuple:
-        return o.prim, o.params, tuple(types[v] for v in o.ins + o.outs)
+    def label(o: Op) -> int:
+        return labels[o.id]
 
     readers: dict[tuple[int, int], list[int]] = {}
     maker: dict[int, int] = {}
     first: dict[int, int] = {}
     for op in kept:
         first.setdefault(roles.op[op.id], op.id)
+        if op.id in family:
+            continue
         for m, v in enumerate(op.ins):
             readers.setdefault((v, m), []).append(op.id)
         for v in op.outs:
             maker[v] = op.id
     made_by = {v: op for op in dropped for v in op.outs}
     out: dict[int, int] = {}
-    todo = sorted(dropped, key=lambda o: o.id)
 
     def pair(op: Op, t: int) -> None:
         out[op.id] = t
-        value_of.update(zip(op.outs, ops_by[t].outs))
-        for v, w in zip(op.ins, ops_by[t].ins):
+        twin = ops_by[t]
+        for v, w in zip(op.outs, twin.outs):
+            value_of[v] = w
+        for v, w in zip(op.ins, twin.ins):
             if v in role_of and v not in read and v not in value_of and w in read and \
                     role_of.get(w) == role_of[v]:
                 value_of[v] = w
 
-    while True:
-        found = False
-        for op in todo:
-            if op.id in out:
-                continue
-            mine = label(op)
-            t = next((r for m, v in enumerate(op.ins) if v in value_of
-                      for r in readers.get((value_of[v], m), ())
-                      if label(ops_by[r]) == mine), None)
+    def by_reads(op: Op) -> int | None:
+        mine = labels[op.id]
+        for m, v in enumerate(op.ins):
+            w = value_of.get(v)
+            if w is not None:
+                for r in readers.get((w, m), ()):
+                    if labels[r] == mine:
+                        return r
+        return None
+
+    left = sorted(dropped, key=lambda o: o.id)
+    newly = []
+    while left:
+        for op in left:                       # in graph order: operands are matched first
+            t = by_reads(op)
             if t is not None:
                 pair(op, t)
-                found = True
-        for op in todo:                       # producers of twinned ops' operands
-            t = out.get(op.id)
-            if t is None:
-                continue
-            for v, w in zip(op.ins, ops_by[t].ins):
+                newly.append(op)
+        for op in newly:                      # producers of twinned ops' operands
+            for v, w in zip(op.ins, ops_by[out[op.id]].ins):
                 p, q = made_by.get(v), maker.get(w)
                 if p is not None and q is not None and p.id not in out and \
                         label(p) == label(ops_by[q]):
                     pair(p, q)
-                    found = True
-        if not found:
+                    newly.append(p)
+        if not newly:
             break
-    for op in todo:
-        if op.id not in out:
-            t = first.get(roles.op[op.id])
-            if t is None:
-                return None
-            pair(op, t)
+        newly = []
+        left = [op for op in left if op.id not in out]
+    for op in left:
+        t = first.get(roles.op[op.id])
+        if t is None:
+            return None
+        pair(op, t)
     return out
 
 
