@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections import Counter
 from collections.abc import Mapping
 
 import numpy as np
@@ -243,7 +244,7 @@ class _Model:
         sums: the same totals in any order), roots in the order the values first name them."""
         counts: dict[tuple[int, int], int] = {}
         arrays: dict[int, np.ndarray] = {}
-        for v in values:
+        for v, n in Counter(values).items():   # a folded graph repeats its twins' values
             g = self.p.group_of_value.get(v)
             if g is None:
                 continue
@@ -252,7 +253,7 @@ class _Model:
             if kib is None:
                 kib = arrays[id(b)] = np.rint(b / KIB).astype(np.int64)
             key = (self.root[g], id(b))
-            counts[key] = counts.get(key, 0) + 1
+            counts[key] = counts.get(key, 0) + n
         per_root: dict[int, np.ndarray] = {}
         for (g, b), n in counts.items():
             add = n * arrays[b]
@@ -635,10 +636,10 @@ def _memory_tables(p: Problem):
     if hit is None:
         def table(values):
             out: dict[int, np.ndarray] = {}
-            for v in values:
+            for v, n in Counter(values).items():    # a folded graph repeats its twins'
                 g = p.group_of_value.get(v)
                 if g is not None:
-                    b = value_bytes(p, v)
+                    b = value_bytes(p, v) * n if n > 1 else value_bytes(p, v)
                     out[g] = out[g] + b if g in out else b
             arrays = list(out.values())
             sizes = np.array([len(a) for a in arrays], dtype=np.int64)
