@@ -31,12 +31,20 @@ class Slots:
             self.done_by.append(self.done_by[-1] | (1 << k))
 
     def first_free(self, a: int, b: int, fit: int) -> int | None:
-        done = self.done_by[bisect.bisect_right(self.by_written, b)]
-        free = ((1 << fit) - 1) & ~done & ~self._busy(a, b)
+        free = self.free(a, b, fit)
         return (free & -free).bit_length() - 1 if free else None
 
+    def free(self, a: int, b: int, fit: int) -> int:
+        """The slots ``first_free`` chooses from, as bits."""
+        done = self.done_by[bisect.bisect_right(self.by_written, b)]
+        return ((1 << fit) - 1) & ~done & ~self._busy(a, b)
+
     def place(self, k: int, a: int, b: int) -> None:
-        bit, tag, agg = 1 << k, self.tag, self.agg
+        self.place_bits(1 << k, a, b)
+
+    def place_bits(self, bit: int, a: int, b: int) -> None:
+        """``place`` for every slot in ``bit`` (a mask) at once."""
+        tag, agg = self.tag, self.agg
         lo, hi = a + self.size, b + self.size + 1
         while lo < hi:
             if lo & 1:

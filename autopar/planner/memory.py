@@ -132,6 +132,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 import math
 from collections import Counter
 
@@ -492,12 +493,20 @@ def _pooled(spans, slots) -> list[tuple[int, int, float]]:
     smaller = [-cap for cap, _ in slots]    # ascending: the slots that fit a size are a prefix
     index = Slots([w for _, w in slots], max([b for _, b, _ in spans], default=0) + 1)
     pooled = []
-    for a, b, size in sorted(spans, key=lambda s: (-s[2], s[0])):
-        k = index.first_free(a, b, bisect.bisect_right(smaller, -size))
-        if k is None:
-            pooled.append((a, b, size))
-        else:
-            index.place(k, a, b)
+    # a run of equal temporaries (a folded graph's removed copies' value, once per copy) takes
+    # the lowest free slots at once: what placing them one by one, first fit, would give
+    for (a, b, size), run in itertools.groupby(sorted(spans, key=lambda s: (-s[2], s[0]))):
+        n = sum(1 for _ in run)
+        free = index.free(a, b, bisect.bisect_right(smaller, -size))
+        mask, taken = 0, 0
+        while free and taken < n:
+            low = free & -free
+            free ^= low
+            mask |= low
+            taken += 1
+        if mask:
+            index.place_bits(mask, a, b)
+        pooled += [(a, b, size)] * (n - taken)
     return pooled
 
 
