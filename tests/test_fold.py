@@ -81,12 +81,7 @@ def test_a_global_norm_clip_folds_and_its_plan_matches_unsharded_step():
     assert len(f.passed) == 12 * (LAYERS - 4)
     assert all(ops[i].prim == "add" and g.values[ops[i].outs[0]].shape == () for i in f.passed)
     assert len(f.op_of) + len(f.graph.ops) + len(f.passed) == len(g.ops)
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
-    sharded = autopar.autoparallel(step, mesh=mesh, time_limit_s=5)
-    new_state, loss = sharded(state, batch)
-    assert sharded.plan.solver.folded == LAYERS - 4
-    ref_state, ref_loss = jax.jit(step)(state, batch)
-    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    new_state, ref_state = _folded_and_unsharded_step(step, state, batch)
     # the clip acts: Adam's first moment from zero is 0.1 x the clipped gradient, norm 0.01
     mu = ref_state["opt_state"][1][0].mu
     norm = np.sqrt(sum(np.sum(np.square(np.asarray(x))) for x in jax.tree_util.tree_leaves(mu)))
@@ -183,15 +178,21 @@ def test_folded_plan_predicts_the_full_plans_figures():
                                                           rel=0.06)
 
 
-def test_folded_plan_matches_unsharded_step():
-    """The folded plan runs: loss and Adam's first moment equal the unsharded step's."""
-    step, state, batch = _concrete()
+def _folded_and_unsharded_step(step, state, batch):
+    """(new state of the folded plan on 2x4, new state of the unsharded step), their losses
+    checked equal."""
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
     sharded = autopar.autoparallel(step, mesh=mesh, time_limit_s=5)
     new_state, loss = sharded(state, batch)
     assert sharded.plan.solver.folded == LAYERS - 4
     ref_state, ref_loss = jax.jit(step)(state, batch)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    return new_state, ref_state
+
+
+def test_folded_plan_matches_unsharded_step():
+    """The folded plan runs: loss and Adam's first moment equal the unsharded step's."""
+    new_state, ref_state = _folded_and_unsharded_step(*_concrete())
     for got, want in zip(jax.tree_util.tree_leaves(new_state["opt_state"][0].mu),
                          jax.tree_util.tree_leaves(ref_state["opt_state"][0].mu)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-7)

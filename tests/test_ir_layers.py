@@ -106,28 +106,27 @@ def test_anonymous_loop_blocks_and_roles():
     """Six forward blocks of one signature; the first block's backward differs (it needs no
     input gradient), so roles agree from the second block on."""
     g = ir.trace(*_loop_step(6))
+    _assert_six_blocks_from_the_second_alike(g, "dot_general")
+    assert roles(g).distinct == roles(ir.trace(*_loop_step(9))).distinct
+
+
+def _assert_six_blocks_from_the_second_alike(g: ir.Graph, first_prim: str) -> None:
+    """Six forward blocks of one signature from the graph's first op (``first_prim``), and the
+    weights of blocks 1-5 share a role per weight."""
     families = Counter(layer.signature for layer in g.layers)
-    forward = [layer for layer in g.layers if g.op(layer.op_ids[0]).prim == "dot_general"
+    forward = [layer for layer in g.layers if g.op(layer.op_ids[0]).prim == first_prim
                and families[layer.signature] == 6]
     assert len(forward) == 6 and forward[0].op_ids[0] == g.ops[0].id
     a = {_input_role(g, f"['params']['blocks'][{i}]['a']") for i in range(1, 6)}
     b = {_input_role(g, f"['params']['blocks'][{i}]['b']") for i in range(1, 6)}
     assert len(a) == 1 and len(b) == 1 and a != b
-    assert roles(g).distinct == roles(ir.trace(*_loop_step(9))).distinct
 
 
 def test_rows_of_a_per_layer_table_do_not_break_the_blocks():
     """Block ``i`` scales by row ``i`` of a per-layer input table (a slice that differs from
     block to block only in its row): the blocks are one family and their weights share roles
     from the second block on, as without the table."""
-    g = ir.trace(*_loop_step(6, table="batch"))
-    families = Counter(layer.signature for layer in g.layers)
-    forward = [layer for layer in g.layers if g.op(layer.op_ids[0]).prim == "slice"
-               and families[layer.signature] == 6]
-    assert len(forward) == 6 and forward[0].op_ids[0] == g.ops[0].id
-    a = {_input_role(g, f"['params']['blocks'][{i}]['a']") for i in range(1, 6)}
-    b = {_input_role(g, f"['params']['blocks'][{i}]['b']") for i in range(1, 6)}
-    assert len(a) == 1 and len(b) == 1 and a != b
+    _assert_six_blocks_from_the_second_alike(ir.trace(*_loop_step(6, table="batch")), "slice")
 
 
 def test_rows_of_a_per_layer_parameter_table_share_roles_between_the_ends():
