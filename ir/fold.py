@@ -28,8 +28,9 @@ waiting for the optimizer) are the representative's, times its weight, over the 
 would be live in the folded schedule (``phantoms``); the removed parameters, optimizer state
 and results count as their kept twins do.
 
-``Folded.expand`` maps what a plan decides for the folded graph back onto the full one: each
-removed op takes its copy's layouts, each removed input and output its twin's.
+``autopar.planner.unfold`` maps what a plan decides for the folded graph back onto the full
+one with ``Folded.op_of``, ``input_of`` and ``output_of``: each removed op takes its twin's
+layouts, each removed input and output its twin's.
 
 A reduction over every layer (global-norm clipping's ``sum(sum(g ** 2) for g in grads)``, a
 sum of per-layer auxiliary losses) reads the removed copies too: each removed copy's part of it
