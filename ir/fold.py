@@ -153,11 +153,15 @@ def _fold(graph: Graph, keep_head: int, min_copies: int) -> Folded | None:
     weight = Counter({i: len(removed) for i in family[rep].op_ids if i in pos_of})
     op_of = {i: family[rep].op_ids[pos_of[i]] for i in gone}
     read = _read(graph, kept)
-    stands = _stand_ins(graph, op_of, read, roles)
-    value_of = dict(stands)
+    role_of = {v: roles.input[k] for k, v in enumerate(graph.inputs)}
+    value_of: dict[int, int] = {}      # removed value -> the kept value that stands for it
+    for op in graph.ops:               # a removed layer's parameters: the representative's
+        t = op_of.get(op.id)
+        if t is not None:
+            _stand_in(op.ins, ops_by[t].ins, role_of, read, value_of)
     for i, t in op_of.items():
         value_of.update(zip(ops_by[i].outs, ops_by[t].outs))
-    twins = _twins(graph, kept, dropped, roles, value_of, read, copy_of)
+    twins = _twins(graph, kept, dropped, roles, role_of, value_of, read, copy_of)
     if twins is None:
         return None
     for i, t in twins.items():
@@ -291,26 +295,20 @@ def _read(graph: Graph, kept: list[Op]) -> set[int]:
     return read
 
 
-def _stand_ins(graph: Graph, op_of: Mapping[int, int], read: set[int], roles: Roles
-               ) -> dict[int, int]:
-    """Removed input value -> the kept input of its role that the representative reads where
-    a removed copy reads it (the representative's parameter for a removed layer's)."""
-    role_of = {v: roles.input[k] for k, v in enumerate(graph.inputs)}
-    ops_by = graph._op_index()
-    out: dict[int, int] = {}
-    for op in graph.ops:
-        t = op_of.get(op.id)
-        if t is None:
-            continue
-        for v, w in zip(op.ins, ops_by[t].ins):
-            if v in role_of and v not in read and w in read and role_of.get(w) == role_of[v]:
-                out.setdefault(v, w)
-    return out
+def _stand_in(ins, twin_ins, role_of: Mapping[int, int], read: set[int],
+              value_of: dict[int, int]) -> None:
+    """Each removed input among ``ins`` (one no kept op reads) that stands for nothing yet
+    stands for the kept input of its role that ``twin_ins``, the operands of the kept op
+    standing for the reader, have in its place."""
+    for v, w in zip(ins, twin_ins):
+        if v in role_of and v not in read and v not in value_of and w in read and \
+                role_of.get(w) == role_of[v]:
+            value_of[v] = w
 
 
 def _twins(graph: Graph, kept: list[Op], dropped: list[Op], roles: Roles,
-           value_of: dict[int, int], read: set[int], family: Mapping[int, int]
-           ) -> dict[int, int] | None:
+           role_of: Mapping[int, int], value_of: dict[int, int], read: set[int],
+           family: Mapping[int, int]) -> dict[int, int] | None:
     """Dropped op id -> the kept op that stands for it (None when one has none), matched by
     what they read, from what is known to stand for what (``value_of``: the representative's
     value for a removed copy's): a dropped op whose operand stands as a kept value twins the
@@ -323,7 +321,6 @@ def _twins(graph: Graph, kept: list[Op], dropped: list[Op], roles: Roles,
     weight decay reads a parameter the plan may lay out otherwise). Twins by reads are sought
     among the kept ops outside the ``family`` copies (the optimizer's), by role among all."""
     ops_by = {op.id: op for op in kept}
-    role_of = {v: roles.input[k] for k, v in enumerate(graph.inputs)}
     codes = node_graph(graph)[0]       # structural labels: primitive, params, types, literals
     first_op = len(graph.inputs) + len(graph.consts)
     labels = {op.id: int(codes[first_op + j]) for j, op in enumerate(graph.ops)}
@@ -350,10 +347,7 @@ def _twins(graph: Graph, kept: list[Op], dropped: list[Op], roles: Roles,
         twin = ops_by[t]
         for v, w in zip(op.outs, twin.outs):
             value_of[v] = w
-        for v, w in zip(op.ins, twin.ins):
-            if v in role_of and v not in read and v not in value_of and w in read and \
-                    role_of.get(w) == role_of[v]:
-                value_of[v] = w
+        _stand_in(op.ins, twin.ins, role_of, read, value_of)
 
     def by_reads(op: Op) -> int | None:
         mine = labels[op.id]

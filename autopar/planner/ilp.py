@@ -639,7 +639,7 @@ def _memory_tables(p: Problem):
             for v, n in Counter(values).items():    # a folded graph repeats its twins'
                 g = p.group_of_value.get(v)
                 if g is not None:
-                    b = value_bytes(p, v) * n if n > 1 else value_bytes(p, v)
+                    b = value_bytes(p, v) * n     # a new array: the memo is not modified
                     out[g] = out[g] + b if g in out else b
             arrays = list(out.values())
             sizes = np.array([len(a) for a in arrays], dtype=np.int64)
