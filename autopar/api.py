@@ -38,9 +38,10 @@ def _trace(fn: Callable, args, types, donate_argnums) -> tuple[ir.Graph, float]:
 def plan_graph(graph: ir.Graph, mesh, *, hardware=None, memory_budget=None, strategy="auto",
                time_limit_s: float = 30.0, trace_s: float = 0.0,
                deterministic: bool | None = None, kernels: str = "never",
-               host_inputs: bool = True) -> Plan:
+               host_inputs: bool = True, seed_plans: tuple[Plan, ...] = ()) -> Plan:
     """Plan an already traced graph (see ``plan``); ``host_inputs=False``: no input is fed
-    from the host (``PlannerOptions.host_inputs``)."""
+    from the host (``PlannerOptions.host_inputs``); ``seed_plans``: plans of this graph auto
+    is held against (``PlannerOptions.seed_plans``)."""
     sizes = axis_sizes(mesh)
     hw = hardware_for(hardware, mesh)
     budget = validate.memory_budget(memory_budget)
@@ -59,7 +60,8 @@ def plan_graph(graph: ir.Graph, mesh, *, hardware=None, memory_budget=None, stra
     opts = PlannerOptions(strategy=name, memory_budget=budget, time_limit_s=time_limit_s,
                           fixed_inputs=fixed, op_filter=op_filter, starts=tuple(starts),
                           deterministic=_deterministic(deterministic),
-                          kernels=validate.kernels(kernels, hw, mesh), host_inputs=host_inputs)
+                          kernels=validate.kernels(kernels, hw, mesh), host_inputs=host_inputs,
+                          seed_plans=tuple(seed_plans) if strat is None else ())
     notes = tuple(getattr(strat, "notes", ()))
     if notes:
         warnings.warn(f"autopar: strategy {name!r} cannot place every parameter as it intends "
@@ -69,9 +71,10 @@ def plan_graph(graph: ir.Graph, mesh, *, hardware=None, memory_budget=None, stra
     return dataclasses.replace(plan, notes=notes) if notes else plan
 
 
-# Hand-written strategies the auto plan starts from: the cheapest one that fits seeds the ILP.
-# One that a mesh cannot take is skipped where its layouts are made (planner._best_start).
-_STARTS = ("dp", "zero2", "zero3", "megatron", "fsdp_tp")
+# Hand-written strategies auto is held against (planner._seeds): each one's own plan is solved
+# on auto's problem, the cheapest that fits starts the ILP, and auto returns nothing slower. One
+# that a mesh or step cannot take is skipped; fsdp pins what zero3 does (solved once).
+_STARTS = ("dp", "zero1", "zero2", "zero3", "fsdp", "megatron", "megatron_sp", "fsdp_tp", "ep")
 
 
 def _handwritten_starts() -> list:

@@ -9,7 +9,7 @@
     'auto'
 
 Each strategy is planned on one traced graph (hand-written ones pin the inputs, see
-``autopar.strategies``; ``"auto"`` is planned last, starting from the best hand-written plan). When
+``autopar.strategies``; ``"auto"`` is planned last, held against every hand-written plan). When
 the mesh's devices are here and the arguments are arrays, each plan is compiled (the same codegen as
 ``autopar.autoparallel(fn, mesh=..., plan=plan)``), XLA's ``memory_analysis()`` peak is read and
 the step is timed: once every plan is compiled, each runs once to warm up, then ``runs`` rounds run
@@ -34,15 +34,12 @@ from typing import Any
 import jax
 import numpy as np
 
-import cost_models
 import ir
-from autopar import distributed, hlo, validate
+from autopar import hlo, validate
 from autopar.api import autoparallel, plan_graph
 from autopar.errors import PlanError
 from autopar.mesh import axis_sizes, concrete_mesh, hardware_for
-from autopar.options import PlannerOptions
 from autopar.plan import Plan
-from autopar.planner import make_plan, problem
 
 __all__ = ["Comparison", "Row", "compare"]
 
@@ -158,9 +155,12 @@ def compare(fn: Callable, *args, mesh, hardware=None,
         median is reported.
       time_limit_s: the planner's time limit per strategy.
       progress: print one line per strategy to stderr.
-      seed_auto: start ``"auto"`` from the best hand-written plan of this call, so it is never
-        predicted slower than it; False plans it from its own descent start, with no
-        hand-written plan or start, to see what the planner finds alone.
+      seed_auto: hand this call's hand-written plans to ``"auto"`` as plans to beat (its search
+        starts from the cheapest and returns nothing slower; those it would otherwise solve
+        itself are not solved again, and strategy objects it does not know, the user's own
+        layout among them, join them); False plans it exactly as
+        ``autopar.plan(strategy="auto")`` does. Either way auto is never predicted slower than
+        the built-in hand-written strategies (``autopar.planner.make_plan``).
 
     Returns:
       A ``Comparison``; a strategy that failed is a row whose ``error`` says why.
@@ -201,13 +201,13 @@ def compare(fn: Callable, *args, mesh, hardware=None,
 def _plan_all(graph, mesh, hw, strategies, names, memory_budget, time_limit_s, trace_s, progress,
               seed_auto, submit,
               fn_args=None) -> tuple[dict[int, Row], dict[int, concurrent.futures.Future]]:
-    """Plan each strategy, "auto" last so it can start from the best hand-written plan."""
+    """Plan each strategy, "auto" last so it can be held against the hand-written plans."""
     rows: dict[int, Row] = {}
     compiling = {}
     for i in sorted(range(len(names)), key=lambda i: names[i] == "auto"):
-        hint_from = _best_plan(rows.values()) if names[i] == "auto" and seed_auto else None
+        seeds = _seed_plans(rows.values()) if names[i] == "auto" and seed_auto else ()
         rows[i] = _plan_row(graph, mesh, hw, strategies[i], names[i], memory_budget,
-                            time_limit_s, trace_s, hint_from, seed_auto, fn_args)
+                            time_limit_s, trace_s, seeds, fn_args)
         if rows[i].ok and submit is not None:
             compiling[i] = submit(rows[i].plan)
         if progress:
@@ -216,7 +216,7 @@ def _plan_all(graph, mesh, hw, strategies, names, memory_budget, time_limit_s, t
 
 
 def _plan_row(graph, mesh, hw, strategy, name, memory_budget, time_limit_s, trace_s,
-              hint_from: Plan | None, seed_auto: bool = True, fn_args=None) -> Row:
+              seeds: tuple[Plan, ...] = (), fn_args=None) -> Row:
     t0 = time.perf_counter()
     try:
         pipelined = _pipelined(strategy)
@@ -224,12 +224,10 @@ def _plan_row(graph, mesh, hw, strategy, name, memory_budget, time_limit_s, trac
             fn, args = fn_args
             plan = pipelined.plan(fn, *args, mesh=mesh, hardware=hw,
                                   memory_budget=memory_budget, time_limit_s=time_limit_s)
-        elif name == "auto" and (hint_from is not None or not seed_auto):
-            plan = _plan_auto_from(graph, mesh, hw, memory_budget, time_limit_s, trace_s,
-                                   hint_from)
         else:
             plan = plan_graph(graph, mesh, hardware=hw, memory_budget=memory_budget,
-                              strategy=strategy, time_limit_s=time_limit_s, trace_s=trace_s)
+                              strategy=strategy, time_limit_s=time_limit_s, trace_s=trace_s,
+                              seed_plans=seeds)
     except Exception as e:  # noqa: BLE001 - one strategy's failure must not lose the others
         return Row(name, error=_text(e), plan_s=time.perf_counter() - t0)
     return Row(name, float(plan.cost.step_time_s), float(plan.cost.peak_memory_bytes),
@@ -245,38 +243,9 @@ def _pipelined(strategy):
     return strategy if callable(getattr(strategy, "pipeline", None)) else None
 
 
-def _best_plan(rows) -> Plan | None:
-    done = [r for r in rows if r.ok and r.plan is not None and r.plan.pipeline is None]
-    return min(done, key=lambda r: r.predicted_step_s).plan if done else None
-
-
-def _plan_auto_from(graph, mesh, hw, memory_budget, time_limit_s, trace_s,
-                    start: Plan | None) -> Plan:
-    """``plan_graph(strategy="auto")`` with the ILP started from ``start``'s choices; with
-    ``start`` None, from its own descent (no hand-written plan or start at all)."""
-    sizes = axis_sizes(mesh)
-    cm = cost_models.CostModel(hw, sizes, device_nodes=distributed.device_nodes(mesh))
-    budget = hw.memory_bytes if memory_budget is None else float(memory_budget)
-    hint = None if start is None else hint_from_plan(problem.build(graph, sizes, cm), start)
-    opts = PlannerOptions(memory_budget=budget, time_limit_s=time_limit_s, hint=hint)
-    return make_plan(graph, sizes, cm, opts, trace_s=trace_s)
-
-
-def hint_from_plan(prob: problem.Problem, plan: Plan) -> dict[int, int]:
-    """Group id -> strategy index that reproduces ``plan``'s op choices and input layouts."""
-    by_leader = {g.leader: g for g in prob.groups}
-    hint: dict[int, int] = {}
-    for op_id, _prim, _src, name in plan.choices:
-        g = by_leader.get(op_id)
-        idx = next((i for i, s in enumerate(g.strategies) if s.name == name), None) if g else None
-        if idx is not None:
-            hint[g.id] = idx
-    for k, layout in enumerate(plan.input_shardings):
-        g = prob.groups[prob.input_group[k]]
-        idx = next((i for i, s in enumerate(g.strategies) if s.outs[0] == layout), None)
-        if idx is not None:
-            hint[g.id] = idx
-    return hint
+def _seed_plans(rows) -> tuple[Plan, ...]:
+    """The planned hand-written rows' plans (pipelined ones are another program)."""
+    return tuple(r.plan for r in rows if r.ok and r.plan is not None and r.plan.pipeline is None)
 
 
 def _runnable_mesh(mesh, args):

@@ -23,6 +23,15 @@ def collective_rows(plan):
     return sorted(((k, a, n, t) for (k, a), (n, t) in agg.items()), key=lambda r: -r[3])
 
 
+def gap_text(stats) -> str:
+    """``gap 0.00%``, or why the gap is unknown."""
+    if stats.gap is not None:
+        return f"gap {stats.gap:.2%}"
+    if stats.candidates:
+        return "gap unknown (only candidates were searched)"
+    return "gap unknown (a start's plan beat the solver's)"
+
+
 def _over(stats) -> str:
     n = getattr(stats, "candidates", 0)
     folded = getattr(stats, "folded", 0)
@@ -71,7 +80,7 @@ def summary(plan, max_rows: int = 40) -> str:
     lines = [f"autopar plan  strategy={plan.strategy}  mesh={dict(plan.mesh)}  "
              f"hardware={plan.hardware}",
              f"predicted: {plan.cost}",
-             f"solver: {plan.solver.status}, gap {plan.solver.gap:.2%}{_over(plan.solver)}, "
+             f"solver: {plan.solver.status}, {gap_text(plan.solver)}{_over(plan.solver)}, "
              f"{plan.solver.num_groups} decision groups, trace {plan.solver.trace_s:.2f}s + "
              f"build {plan.solver.build_s:.2f}s + solve {plan.solver.solve_s:.2f}s", ""]
     header = f"{'input':<64} {'shape':<22} spec"

@@ -39,8 +39,11 @@ class PlannerOptions:
       op_filter: ``op_filter(op, strategy[, origins])`` returns False for op strategies a
         hand-written strategy rules out.
       hint: group id -> strategy index to start the solver from.
-      starts: hand-written strategies whose descent solutions seed the solver (the cheapest one
-        that fits the budget is the start).
+      starts: hand-written strategies auto is held against: each one's own plan is solved on
+        auto's problem, the cheapest that fits the budget starts the solver, and nothing slower
+        than it is returned (``planner._seeds``, ``planner._never_worse``).
+      seed_plans: plans of the same graph to hold auto against as well (``compare``'s
+        hand-written rows): a start of the same name is then not solved again.
       kernels: "auto" (the ILP weighs each fused kernel against XLA's ops), "always" (a kernel
         wherever the layouts allow one) or "never"; ``autopar.plan`` resolves its own "auto"
         to "auto" or "never" by the hardware (``autopar.validate.kernels``).
@@ -61,6 +64,7 @@ class PlannerOptions:
     op_filter: Callable[..., bool] | None = None
     hint: Mapping[int, int] | None = None
     starts: tuple[Any, ...] = ()
+    seed_plans: tuple[Any, ...] = ()
     deterministic: bool = dataclasses.field(default_factory=deterministic_default)
     kernels: str = "never"
     host_inputs: bool = True

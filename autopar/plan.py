@@ -99,7 +99,7 @@ class CostBreakdown:
 @dataclasses.dataclass(frozen=True)
 class SolverStats:
     status: str
-    gap: float
+    gap: float | None        # against a bound of the whole problem; None: unknown (candidates)
     solve_s: float
     build_s: float
     trace_s: float
@@ -386,7 +386,8 @@ def _solver_stats(x) -> SolverStats:
     d = {"candidates": 0, "folded": 0, **d}
     ints = ("num_groups", "num_vars", "num_constraints", "candidates", "folded")
     return SolverStats(status=J.text(d["status"], "solver.status"),
-                       **{n: J.number(d[n], f"solver.{n}") for n in ("gap", "solve_s", "build_s",
+                       gap=None if d["gap"] is None else J.number(d["gap"], "solver.gap"),
+                       **{n: J.number(d[n], f"solver.{n}") for n in ("solve_s", "build_s",
                                                                   "trace_s")},
                        **{n: J.integer(d[n], f"solver.{n}") for n in ints})
 

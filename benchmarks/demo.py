@@ -53,7 +53,8 @@ def main() -> None:
                         time_limit_s=10)
     print(plan.cost)
     print(f"planned in {plan.solver.trace_s + plan.solver.build_s + plan.solver.solve_s:.1f} s "
-          f"({plan.solver.status}, gap {plan.solver.gap:.1%})")
+          f"({plan.solver.status}, gap "
+          f"{'unknown' if plan.solver.gap is None else f'{plan.solver.gap:.1%}'})")
 
     print("\n== auto against hand-written strategies (2x4 mesh, measured on CPU) ==")
     print(autopar.compare(step, state, batch, mesh=mesh, hardware="cpu",

@@ -6,7 +6,7 @@ without a hand-written seed.
   same loss, gradients and updated parameters as the unsharded step).
 * ``Plan.replicated_fallbacks`` / ``plan.summary()`` list every op without a sharding rule with
   its primitive and source line.
-* ``autopar.compare(..., seed_auto=False)`` plans auto with no hand-written hint or start.
+* ``autopar.compare(..., seed_auto=False)`` plans auto as ``autopar.plan`` does.
 """
 from __future__ import annotations
 
@@ -251,25 +251,30 @@ def test_while_loop_is_listed_as_opaque():
 
 
 # ---- compare(seed_auto=False) ----------------------------------------------------------------
-def test_compare_unseeded_auto_gets_no_handwritten_hint_or_start(monkeypatch):
-    compare_module = importlib.import_module("autopar.compare")  # also a function's name
+def test_compare_seeds_auto_with_its_rows_and_unseeded_plans_as_autopar_plan(monkeypatch):
+    """Seeded, compare hands its hand-written plans to auto (which does not solve them again);
+    unseeded, auto is planned as ``autopar.plan(strategy="auto")`` plans it, with its own
+    hand-written starts. Both are held against dp and are never predicted slower."""
+    api = importlib.import_module("autopar.api")
     seen = []
-    real = compare_module.make_plan
+    real = api.make_plan
 
     def spy(graph, sizes, cm, opts, **kw):
         seen.append(opts)
         return real(graph, sizes, cm, opts, **kw)
 
-    monkeypatch.setattr(compare_module, "make_plan", spy)
+    monkeypatch.setattr(api, "make_plan", spy)
     step, state, batch = mlp.abstract(64, 256, 2, 64)
     kw = dict(mesh={"data": 8}, hardware="h100", measure=False, progress=False, time_limit_s=2)
     seeded = autopar.compare(step, state, batch, strategies=("dp", "auto"), **kw)
-    assert seen and seen[-1].hint            # seeded: started from dp's plan
+    assert [p.strategy for p in seen[-1].seed_plans] == ["dp"] and seen[-1].starts
     seen.clear()
     alone = autopar.compare(step, state, batch, strategies=("dp", "auto"), seed_auto=False, **kw)
-    assert len(seen) == 1 and seen[0].hint is None and seen[0].starts == ()
-    assert alone["auto"].ok and alone["dp"].ok
+    assert seen[-1].seed_plans == () and seen[-1].starts
     assert alone["dp"].predicted_step_s == seeded["dp"].predicted_step_s
+    for cmp in (seeded, alone):
+        assert cmp["auto"].predicted_step_s <= cmp["dp"].predicted_step_s
+    assert seeded["auto"].predicted_step_s <= alone["auto"].predicted_step_s
 
 
 def test_auto_keeps_the_cpu_convolutions_wide():

@@ -114,40 +114,118 @@ def _origin_kinds(origins: tuple[str | None, ...]) -> tuple:
     return tuple(None if o is None else re.sub(r"\d+", "#", o) for o in origins)
 
 
-def _best_start(prob: problem.Problem, cm, allowed, starts, hint, budget, clock: Clock):
-    """The cheapest descent solution that fits ``budget`` among the hand-written starts, the
-    free descent and ``hint``. A start over the budget would leave CP-SAT to repair it, which
-    under a time limit ends far from the optimum. Starts are tried while the call is within
-    ``START_BEFORE`` times its time limit (see ``planner.budget``)."""
+@dataclasses.dataclass(frozen=True)
+class _Seed:
+    """A complete plan the auto search starts from and is held against: the free descent, a
+    given hint, or a hand-written strategy's own plan (``name``)."""
+
+    name: str
+    choice: tuple[int, ...]          # per group: strategy index
+    step_s: float                    # plan_cost of it
+    peak: float | None               # its estimated peak memory (None: no budget asked for it)
+    status: str = ""                 # its solver's status
+
+
+def _seeds(prob: problem.Problem, cm, allowed, options: PlannerOptions, hint,
+           clock: Clock) -> list[_Seed]:
+    """The plans auto's search must beat: the free descent (from ``hint``), ``hint`` itself,
+    and every hand-written start's own plan, solved as ``plan(strategy=...)`` solves it (its
+    layouts pinned, its op filter applied, the same ILP) on this problem. Starts that pin the
+    same layouts as an earlier one (fsdp and zero3; ep without experts) are solved once; one
+    that does not apply to the step or fits no plan is skipped. Starts are tried while the call
+    is within ``START_BEFORE`` times its time limit (see ``planner.budget``)."""
     from autopar.planner import descent
 
-    sizes = dict(prob.mesh)
-
-    def fits(choice) -> bool:
-        return budget is None or ilp.memory_of(prob, ilp._as_tuple(prob, choice)) <= budget
-
+    budget = options.memory_budget
     free = descent.descend(prob, cm, dict(hint) if hint else None, allowed=allowed)
-    best = (descent.objective(prob, cm, free), free) if fits(free) else None
-    seeds = [free]
-    for k, strat in enumerate(starts):
-        if clock.spent(START_BEFORE):
-            clock.note(f"time limit: tried {k} of {len(starts)} hand-written starts")
-            break
-        try:
-            if hasattr(strat, "bind"):
-                strat = strat.bind(prob.graph, sizes)
-            fixed = _allowed(prob, strat.fix_inputs(prob.graph, sizes))
-            if getattr(strat, "allows", None) is not None:
-                _filtered(prob, strat.allows, fixed)
-        except Exception:  # noqa: BLE001 - a start that does not apply is skipped
+    out = [_seed(prob, cm, "descent", free, budget)]
+    if hint:
+        out.append(_seed(prob, cm, "hint", hint, budget))
+    given = {}
+    for plan in options.seed_plans:
+        choice = choice_of(prob, plan)
+        if len(choice) == len(prob.groups):     # a plan of another graph (a folded one) is not
+            given[plan.strategy] = _seed(prob, cm, plan.strategy, choice, budget)
+    out += list(given.values())
+    pinned = {}
+    for strat in options.starts:     # strategies pinning the same layouts are solved once
+        if getattr(strat, "name", None) in given:
             continue
-        merged = {**fixed, **allowed}
-        choice = descent.descend(prob, cm, allowed=merged)
-        cost = descent.objective(prob, cm, choice)
-        seeds.append(choice)
-        if fits(choice) and (best is None or cost < best[0]):
-            best = (cost, choice)
-    return (best[1] if best else free), seeds
+        got = _pinned(prob, strat, allowed)
+        if got is not None:
+            key = frozenset((g, frozenset(ok)) for g, ok in got[1].items())
+            pinned.setdefault(key, got)
+    # Branch and bound: a start whose every plan costs at least the best seed so far cannot
+    # win; the weakest bounds are tried first, so the best seeds come early.
+    bounded = sorted((ilp.lower_bound_s(prob.untied(m), cm, m), n, m) for n, m in pinned.values())
+    for k, (bound, name, merged) in enumerate(bounded):
+        if clock.spent(START_BEFORE):
+            clock.note(f"time limit: tried {k} of {len(bounded)} hand-written starts")
+            break
+        best = _cheapest(out, budget)
+        if best is not None and bound >= best.step_s:
+            continue
+        sub = prob.untied(merged)
+        try:
+            sol = ilp.solve(sub, cm, budget, options.time_limit_s, merged, clock=clock,
+                            score=_scorer(prob, cm))
+            sol, peak = _within_budget(sub, sol, cm, options, merged, clock)
+        except PlanError:      # this strategy fits no plan: auto has nothing to beat here
+            continue
+        out.append(_Seed(name, sol.choice, plan_cost(prob, cm, sol.choice), peak, sol.status))
+    return out
+
+
+def choice_of(prob: problem.Problem, plan: Plan) -> dict[int, int]:
+    """Group id -> strategy index that reproduces ``plan``'s op choices and input layouts on
+    ``prob`` (partial where ``plan`` was made on another graph)."""
+    by_leader = {g.leader: g for g in prob.groups}
+    out: dict[int, int] = {}
+    for op_id, _prim, _src, name in plan.choices:
+        g = by_leader.get(op_id)
+        idx = next((i for i, s in enumerate(g.strategies) if s.name == name), None) if g else None
+        if idx is not None:
+            out[g.id] = idx
+    if len(plan.input_shardings) != len(prob.input_group):
+        return out
+    for k, layout in enumerate(plan.input_shardings):
+        g = prob.groups[prob.input_group[k]]
+        idx = next((i for i, s in enumerate(g.strategies) if s.outs[0] == layout), None)
+        if idx is not None:
+            out[g.id] = idx
+    return out
+
+
+def _seed(prob, cm, name: str, choice, budget) -> _Seed:
+    choice = ilp._as_tuple(prob, choice) if isinstance(choice, Mapping) else tuple(choice)
+    peak = None if budget is None else memory.estimate(prob, choice).peak
+    return _Seed(name, choice, plan_cost(prob, cm, choice), peak)
+
+
+def _pinned(prob: problem.Problem, strat, allowed) -> tuple[str, dict[int, set[int]]] | None:
+    """(name, allowed strategies per group) of a hand-written strategy on this problem, None
+    when it does not apply (a layout the planner does not offer, a mesh it cannot take)."""
+    sizes = dict(prob.mesh)
+    try:
+        if hasattr(strat, "bind"):
+            strat = strat.bind(prob.graph, sizes)
+        fixed = _allowed(prob, strat.fix_inputs(prob.graph, sizes))
+        if getattr(strat, "allows", None) is not None:
+            _filtered(prob, strat.allows, fixed)
+    except (ShardingError, PlanError):
+        return None
+    return getattr(strat, "name", "start"), {**fixed, **allowed}
+
+
+def _fits(seed: _Seed, budget) -> bool:
+    return budget is None or seed.peak is None or seed.peak <= budget
+
+
+def _cheapest(seeds: list[_Seed], budget) -> _Seed | None:
+    """The cheapest seed that fits ``budget`` (the first of equals: the ILP's own plan wins
+    ties)."""
+    fitting = [s for s in seeds if _fits(s, budget)]
+    return min(fitting, key=lambda s: s.step_s) if fitting else None
 
 
 def _cheapest_alone(prob: problem.Problem, allowed, hint=None) -> dict[int, int]:
@@ -182,9 +260,10 @@ def make_plan(graph: Graph, mesh: Mapping[str, int], cost_model,
               options: PlannerOptions | None = None, *, trace_s: float = 0.0) -> Plan:
     """Plan ``graph`` on ``mesh`` under ``options`` (see ``autopar.options.PlannerOptions``).
 
-    With ``options.starts`` (hand-written strategies) each one's descent solution is costed and
-    the cheapest that fits the budget is the solver's starting point, so the plan is never
-    predicted slower than the starts' descent solutions.
+    With ``options.starts`` (hand-written strategies) each one's own plan is solved on the same
+    problem (``_seeds``); the cheapest that fits the budget is the solver's starting point, every
+    seed's strategies are among the solver's candidates, and the plan returned is the cheapest of
+    the solver's and the seeds' (``_never_worse``): auto is never predicted slower than a start.
     """
     options = options or PlannerOptions()
     with collector.paused():   # see ir.collector: a sixth of a deep plan went to collections
@@ -230,20 +309,41 @@ def _make_plan(graph: Graph, mesh: Mapping[str, int], cost_model, options: Plann
                    f"limit; each group takes its cheapest strategy alone, no descent or ILP")
         hint, hint_name = _cheapest_alone(prob, allowed, hint), "GREEDY"
     elif options.starts:
-        (hint, seeds), hint_name = _best_start(prob, cost_model, allowed, options.starts, hint,
-                                               options.memory_budget, clock), "DESCENT"
+        seeds = _seeds(prob, cost_model, allowed, options, hint, clock)
+        start = _cheapest(seeds, options.memory_budget) or seeds[0]
+        hint, hint_name = dict(enumerate(start.choice)), start.name.upper()
     build_s = time.perf_counter() - t0
     sol = ilp.solve(prob, cost_model, options.memory_budget, options.time_limit_s, allowed, hint,
-                    clock=clock, hint_name=hint_name, seeds=seeds)
+                    clock=clock, hint_name=hint_name,
+                    seeds=[dict(enumerate(s.choice)) for s in seeds],
+                    score=_scorer(prob, cost_model))
     sol, peak = _within_budget(prob, sol, cost_model, options, allowed, clock)
-    stats = SolverStats(sol.status, sol.gap, sol.solve_s, build_s, trace_s, prob.num_decisions,
-                        sol.num_vars, sol.num_constraints, sol.candidates)
+    sol, peak, exact = _never_worse(prob, cost_model, sol, peak, seeds, options.memory_budget)
+    stats = SolverStats(sol.status, sol.gap if exact and not sol.candidates else None, sol.solve_s,
+                        build_s, trace_s, prob.num_decisions, sol.num_vars, sol.num_constraints,
+                        sol.candidates)
     plan = assemble(prob, sol.choice, cost_model, cost_model.hw.name, options.strategy,
                     options.memory_budget, stats, peak)
     plan = kernel_choice.finish(plan, prob, sol.choice, cost_model)
     if folded is None:      # a folded plan over the budget is planned again on the full graph
         _warn_over_budget(plan, options.memory_budget)
     return plan
+
+
+def _never_worse(prob, cm, sol, peak, seeds: list[_Seed], budget):
+    """The ILP's plan, or the cheapest seed where one is cheaper by the assembled plan's own
+    figures (``plan_cost``): the ILP's objective approximates the combiner's launches by its
+    start's levels and works over candidates on large models, so the plans it started from are
+    held against it here. The status says which plan won. Returns (solution, its peak, whether
+    it is the solver's own: a seed's plan has no gap the solver could vouch for)."""
+    mine = _Seed("ilp", tuple(sol.choice), plan_cost(prob, cm, sol.choice), peak)
+    best = _cheapest([mine, *seeds], budget)
+    if best is None or best is mine or best.step_s >= mine.step_s * (1 - 1e-12):
+        return sol, peak, True
+    status = (f"{best.name} plan ({best.status or 'descent'}): the ILP's plan "
+              f"({sol.status}) was predicted {mine.step_s / best.step_s:.3f}x slower")
+    return dataclasses.replace(sol, choice=best.choice, status=status,
+                               objective_s=best.step_s), best.peak, False
 
 
 def _within_budget(prob, sol, cost_model, options, allowed, clock):
@@ -437,6 +537,30 @@ def _top_level_reduces(g, colls) -> list[tuple[int, tuple[str, ...]]]:
     return out
 
 
+def _seconds(prob: problem.Problem, cm, tally: _Tally) -> tuple[float, ...]:
+    """(dispatch, compute, collectives, resharding, combiner refund) seconds of a plan's tally:
+    XLA merges independent all-reduces over one group, whose launches are then paid once
+    (``combine``); the refund comes off the collectives first, then off resharding."""
+    dispatch = float(getattr(cm.hw, "dispatch_s", 0.0))
+    compute, comm, transition = tally.compute_s, tally.comm_s, tally.transition_s
+    refund = combine.launch_refund_s(prob.graph, _top_level_reduces(prob.graph,
+                                                                    tally.collectives),
+                                     cm.hw.collective_launch_s)
+    comm, transition = comm - min(refund, comm), transition - min(max(refund - comm, 0.0),
+                                                                  transition)
+    return dispatch, compute, comm, transition, refund
+
+
+def _scorer(prob: problem.Problem, cm):
+    return lambda choice: plan_cost(prob, cm, choice)
+
+
+def plan_cost(prob: problem.Problem, cm, choice) -> float:
+    """The predicted step time of ``choice`` (per group: strategy index), as ``assemble``'s
+    ``CostBreakdown.step_time_s`` gives it."""
+    return sum(_seconds(prob, cm, _collectives(prob, choice, cm))[:4])
+
+
 def assemble(prob: problem.Problem, choice, cm, hardware_name: str, strategy: str,
              memory_budget: float | None, stats: SolverStats, peak: float | None = None) -> Plan:
     """The ``Plan`` of ``choice``; ``peak``: its estimated peak memory when the caller has it."""
@@ -446,12 +570,7 @@ def assemble(prob: problem.Problem, choice, cm, hardware_name: str, strategy: st
     by_kind: dict[str, float] = {}
     for c in colls:
         by_kind[c.kind] = by_kind.get(c.kind, 0.0) + c.time_s
-    dispatch = float(getattr(cm.hw, "dispatch_s", 0.0))
-    compute, comm, transition = tally.compute_s, tally.comm_s, tally.transition_s
-    # XLA merges independent all-reduces over one group: their launches are paid once.
-    refund = combine.launch_refund_s(g, _top_level_reduces(g, colls), cm.hw.collective_launch_s)
-    comm, transition = comm - min(refund, comm), transition - min(max(refund - comm, 0.0),
-                                                                  transition)
+    dispatch, compute, comm, transition, refund = _seconds(prob, cm, tally)
     if refund:
         by_kind["all-reduce"] = max(by_kind.get("all-reduce", 0.0) - refund, 0.0)
     cost = CostBreakdown(compute + comm + transition + dispatch, compute, comm, transition,

@@ -26,13 +26,13 @@ import dataclasses
 import math
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 from ortools.sat.python import cp_model
 
 from autopar.errors import PlanError
-from autopar.planner import kernel_choice
+from autopar.planner import combine, kernel_choice
 from autopar.planner.budget import BUDGET_FACTOR, SEARCH_BEFORE, Clock
 from autopar.planner.problem import Problem, flow_pairs, restrict, value_bytes
 
@@ -77,6 +77,8 @@ class _Model:
         self.edge_costs: list = []  # (c_e, edge, scaled costs) of big-M edges, for hints
         self.shares: list = []      # (edges, u vars) of shared edge sets, for hints
         self.copies: list = []      # (c, before, after vars, ...) of copy cuts, for hints
+        self.launch_sets: dict = {}  # (level, axes) -> z var: one launch per merged set
+        self.launch_uses: list = []  # (root, strategy, keys) behind the z vars, for hints
         self.root = {g.id: self._root(g.id) for g in p.groups}
         for g in p.groups:
             if self.root[g.id] == g.id:
@@ -96,6 +98,25 @@ class _Model:
         """One term per root strategy: tied groups' costs are summed first."""
         for r, cost in self.p.root_costs().items():
             self.obj += [(_ns(c), x) for c, x in zip(cost, self.x[r]) if c > 0]
+
+    def add_launches(self, terms, launch_s: float) -> None:
+        """XLA's all-reduce combiner (``combine.launch_terms``): each top-level all-reduce is
+        charged without its launch, and each merge set it joins, ``z[level, axes]`` (at least
+        every strategy whose all-reduces join it: ``launch:...``), one launch."""
+        unit = _ns(launch_s)
+        for r, per_i in terms.items():
+            for i, (n, keys) in enumerate(per_i):
+                if not n:
+                    continue
+                x = self.x[r][i]
+                self.obj.append((-unit * n, x))
+                for key in keys:
+                    z = self.launch_sets.get(key)
+                    if z is None:
+                        z = self.launch_sets[key] = self.m.NewBoolVar(f"z{len(self.launch_sets)}")
+                        self.obj.append((unit, z))
+                    self.m.AddImplication(x, z).WithName(f"launch:{r}:{i}")
+                self.launch_uses.append((r, i, keys))
 
     def add_edges(self, clock: Clock | None = None) -> None:
         """Edge sets (a value and its readers, ``Problem.edge_sets``) that repeat between the same
@@ -291,6 +312,9 @@ class _Model:
             self.m.AddHint(lo, lo_on)
             self.m.AddHint(hi, hi_on)
             self.m.AddHint(c, lo_on and hi_on and pick[self.root[src]] in other)
+        used = {key for r, i, keys in self.launch_uses if pick[r] == i for key in keys}
+        for key, z in self.launch_sets.items():
+            self.m.AddHint(z, key in used)
         kernel_choice.hint(self, pick, self.p.kernel_mode)
 
 
@@ -349,7 +373,7 @@ CANDIDATES = 6
 def solve(p: Problem, cost_model, memory_budget: float | None = None, time_limit_s: float = 30.0,
           allowed: Mapping[int, set[int]] | None = None,
           hint: Mapping[int, int] | None = None, clock: Clock | None = None,
-          hint_name: str = "HINT", seeds=(), cuts=()) -> Solution:
+          hint_name: str = "HINT", seeds=(), cuts=(), score=None) -> Solution:
     """The best plan CP-SAT finds from the descent start (see the module docstring); ``clock``
     (``planner.budget``) cuts the model build and the search at the call's wall-clock budget,
     and a plan kept without the ILP is labelled by where it came from (``hint_name`` for
@@ -359,14 +383,16 @@ def solve(p: Problem, cost_model, memory_budget: float | None = None, time_limit
     then again around each better solution (``_solve_candidates``); the solution then says so
     (``candidates``) and its gap is over the last round's candidates.
     ``cuts``: ``memory.CopyCut``s, memory constraints that count resharded copies (added by
-    ``make_plan`` when a solution's full estimate exceeds the budget)."""
+    ``make_plan`` when a solution's full estimate exceeds the budget). ``score``: choice -> the
+    plan's predicted step, which candidate rounds compare (``_score``)."""
     clock = clock or Clock(time.perf_counter(), time_limit_s)
     start, name = _start(p, cost_model, memory_budget, allowed, hint, clock, hint_name)
     fits = memory_budget is None or memory_of(p, _as_tuple(p, start)) <= memory_budget
     if clock.spent(SEARCH_BEFORE) and fits:
         clock.note(f"time limit: returning the {name.lower()} plan without the ILP")
         return _kept(p, start, f"{name} (time limit)", 0.0, 0.0, (0, 0))
-    run = _Run(cost_model, memory_budget, time_limit_s, clock, name, fits, tuple(cuts))
+    run = _Run(cost_model, memory_budget, time_limit_s, clock, name, fits, tuple(cuts),
+               _launches(p, start, cost_model), score)
     if flow_pairs(p) <= FULL_MODEL_PAIRS:
         return _solve_model(p, allowed, start, run)
     return _solve_candidates(p, allowed, start, seeds, run)
@@ -383,6 +409,15 @@ class _Run:
     name: str         # where the start came from ("DESCENT", "HINT", ...)
     fits: bool        # the start fits the memory budget
     cuts: tuple = ()  # memory.CopyCut, in the full problem's strategy indices
+    launches: Mapping = dataclasses.field(default_factory=dict)  # combine.launch_terms
+    score: Callable | None = None   # choice -> the plan's predicted step (else the objective)
+
+
+def _score(run: _Run, sol: Solution) -> float:
+    """What rounds compare: the assembled plan's step time where the caller gives it (each
+    round prices the combiner's launches by its own start's levels, so their objectives differ
+    in what they approximate), else the objective."""
+    return run.score(sol.choice) if run.score is not None else sol.objective_s
 
 
 def _solve_candidates(p: Problem, allowed, start, seeds, run: _Run) -> Solution:
@@ -401,9 +436,10 @@ def _solve_candidates(p: Problem, allowed, start, seeds, run: _Run) -> Solution:
                                width=ROUND_CANDIDATES)
         except PlanError:
             break
-        if nxt.objective_s >= sol.objective_s * (1 - 1e-9):
+        before, after = _score(run, sol), _score(run, nxt)
+        if after >= before * (1 - 1e-9):
             break
-        gain = 1 - nxt.objective_s / sol.objective_s
+        gain = 1 - after / before
         seeds, start, sol = wider, here, nxt
         if gain < ROUND_GAIN:
             break
@@ -439,13 +475,15 @@ def _solve_round(p: Problem, allowed, start, seeds, run: _Run, whole: bool = Tru
     small_allowed = {g: {j for j, i in enumerate(cands[p.root(g)]) if i in ok}
                      for g, ok in (allowed or {}).items()}
     small_start = {g.id: cands[p.root(g.id)].index(start[g.id]) for g in p.groups}
+    launches = _launches(p, start, run.cost_model)
     try:
         sol = _solve_model(small, small_allowed, small_start, dataclasses.replace(
-            run, cuts=tuple(_restrict_cut(p, c, cands) for c in run.cuts)))
+            run, cuts=tuple(_restrict_cut(p, c, cands) for c in run.cuts),
+            launches={r: [per_i[i] for i in cands[r]] for r, per_i in launches.items()}))
     except PlanError:   # the candidates may miss what fits the budget: the whole model decides
         if not whole:
             raise
-        return _solve_model(p, allowed, start, run)
+        return _solve_model(p, allowed, start, dataclasses.replace(run, launches=launches))
     choice = tuple(cands[p.root(g.id)][j] for g, j in zip(p.groups, sol.choice))
     return dataclasses.replace(sol, choice=choice, candidates=max(map(len, cands.values())))
 
@@ -485,6 +523,7 @@ def _solve_model(p: Problem, allowed, start, run: _Run) -> Solution:
     try:
         mdl = _build(p, run.cost_model, run.memory_budget, allowed, clock if run.fits else None,
                      run.cuts)
+        mdl.add_launches(run.launches, run.cost_model.hw.collective_launch_s)
     except _OutOfTime:
         clock.note(f"time limit while building the ILP: returning the {name.lower()} plan")
         return _kept(p, start, f"{name} (time limit)", 0.0, 0.0, (0, 0))
@@ -506,6 +545,11 @@ def _solve_model(p: Problem, allowed, start, run: _Run) -> Solution:
     choice = tuple(picked[p.root(g.id)] for g in p.groups)
     return Solution(choice, solver.ObjectiveValue() / PS, solver.BestObjectiveBound() / PS,
                     solver.StatusName(status), dt, *size)
+
+
+def _launches(p: Problem, start, cost_model) -> dict:
+    """``combine.launch_terms`` with levels read off ``start`` (full-problem indices)."""
+    return combine.launch_terms(p, _as_tuple(p, start), cost_model.hw.collective_launch_s)
 
 
 def _start(p: Problem, cost_model, memory_budget, allowed, hint, clock: Clock,
@@ -649,3 +693,37 @@ def _memory_tables(p: Problem):
         hit = p.__dict__["_memory_tables"] = (table(p.const_values),
                                               [table(live) for live in p.mem_points])
     return hit
+
+
+def lower_bound_s(p: Problem, cost_model, allowed=None) -> float:
+    """A bound below every plan's predicted step (``allowed`` respected): each root's cheapest
+    allowed strategy alone, with its top-level all-reduces' launches free, plus the resharding
+    its reads of values whose layout ``allowed`` fixes (a pinned input) must pay, plus the
+    dispatch. A value read by k groups of one edge set moves at most once per layout, so each
+    reader is charged 1/k of its move. Weak where little is pinned, but valid for the whole
+    problem (a candidate solve's own bound is not), and tight enough to show that a start
+    whose pinned parameters every step gathers cannot beat a plan already in hand."""
+    allowed = allowed or {}
+    launch_s = cost_model.hw.collective_launch_s
+    terms = combine.launch_terms(p, (0,) * len(p.groups), launch_s)
+    net = {}
+    for r, cost in p.root_costs().items():
+        n = np.array([k for k, _ in terms[r]]) if r in terms else 0
+        net[r] = cost - launch_s * n
+    for es in p.merged_edge_sets():
+        e0 = es[0]
+        src = allowed.get(p.root(e0.src))
+        if src is None or len(src) != 1:
+            continue
+        have = p.groups[e0.src].shard[e0.value][next(iter(src))]
+        for e in es:
+            d = p.root(e.dst)
+            if d == p.root(e.src):
+                continue
+            net[d] = net[d] + np.array([e.mult * p.reshard_s(e.value, have, need)
+                                        for need in e.need]) / len(es)
+    total = float(getattr(cost_model.hw, "dispatch_s", 0.0))
+    for r, vec in net.items():
+        ok = allowed.get(r)
+        total += float(min(vec[i] for i in ok) if ok else vec.min())
+    return max(total, 0.0)

@@ -123,20 +123,23 @@ class Problem:
         """Split tie classes whose members a hand-written strategy restricts differently (it may
         pin two parameters of one role to different layouts): each distinct restriction gets its
         own root."""
-        classes: dict[tuple[int, frozenset | None], int] = {}
-        for g in sorted(self.ties):
-            r = self.ties[g]
-            mine, theirs = allowed.get(g), allowed.get(r)
-            if mine == theirs:
-                continue
-            key = (r, None if mine is None else frozenset(mine))
-            new_root = classes.setdefault(key, g)
-            if new_root == g:
-                del self.ties[g]
-            else:
-                self.ties[g] = new_root
-        for memo in ("_merged", "_edge_matrices", "_root_costs"):
-            self.__dict__.pop(memo, None)
+        ties = _untied(self.ties, allowed)
+        if ties != self.ties:
+            self.ties = ties
+            for memo in ("_merged", "_edge_matrices", "_root_costs"):
+                self.__dict__.pop(memo, None)
+
+    def untied(self, allowed: Mapping[int, set[int]]) -> Problem:
+        """``untie`` without changing this problem: itself when no tie splits, else a copy
+        (sharing groups and edges) with the split ties."""
+        ties = _untied(self.ties, allowed)
+        if ties == self.ties:
+            return self
+        out = dataclasses.replace(self, ties=ties)
+        for memo in ("_edge_sets", "_value_bytes"):     # independent of the ties
+            if memo in self.__dict__:
+                out.__dict__[memo] = self.__dict__[memo]
+        return out
 
     def merged_edge_sets(self) -> list[list[Edge]]:
         """``edge_sets`` of repeated layers folded together: sets moving values of one type in
@@ -206,6 +209,25 @@ class Problem:
             for need in {e.need[choice[e.dst]] for e in es} - {have}:
                 total += es[0].mult * self.reshard_s(es[0].value, have, need)
         return total
+
+
+def _untied(ties: Mapping[int, int], allowed: Mapping[int, set[int]]) -> dict[int, int]:
+    """``ties`` with the classes whose members ``allowed`` restricts differently split: each
+    distinct restriction gets its own root."""
+    out = dict(ties)
+    classes: dict[tuple[int, frozenset | None], int] = {}
+    for g in sorted(ties):
+        r = ties[g]
+        mine, theirs = allowed.get(g), allowed.get(r)
+        if mine == theirs:
+            continue
+        key = (r, None if mine is None else frozenset(mine))
+        new_root = classes.setdefault(key, g)
+        if new_root == g:
+            del out[g]
+        else:
+            out[g] = new_root
+    return out
 
 
 def _add_costs(grp: Group, kind: str, what, mult: float) -> None:
