@@ -14,3 +14,13 @@ from autopar.verify import verify
 
 __all__ = ["AutoparError", "Plan", "PlanError", "ShardingError", "autoparallel", "checkpoint",
            "compare", "distributed", "plan", "strategies", "verify"]
+
+
+def __getattr__(name: str):
+    # ``autopar.models`` (reference models for examples, tests and benchmarks) loads on first use
+    # so that ``import autopar`` does not import flax's model code it may never need.
+    if name == "models":
+        import importlib
+
+        return importlib.import_module("autopar.models")
+    raise AttributeError(f"module 'autopar' has no attribute {name!r}")
