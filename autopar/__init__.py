@@ -3,7 +3,7 @@
     @autopar.autoparallel(mesh=jax.make_mesh((2, 4), ("data", "model")))
     def train_step(state, batch): ...
 
-See README.md for the guided tour.
+See docs/ (a MkDocs site; start at docs/index.md) for the guided tour.
 """
 from autopar import checkpoint, distributed, strategies
 from autopar.api import autoparallel, plan

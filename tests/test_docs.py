@@ -60,9 +60,14 @@ def test_page_runs(page, tmp_path, monkeypatch):
     module = types.ModuleType("docs_page")
     monkeypatch.setitem(sys.modules, module.__name__, module)
     name = str(page.relative_to(ROOT))
-    for line, code in python_blocks(page):
-        # pad so a traceback's line numbers are the page's own
-        exec(compile("\n" * (line - 1) + code, name, "exec"), module.__dict__)
+    environ = dict(os.environ)           # pages set XLA_FLAGS for readers; later tests keep ours
+    try:
+        for line, code in python_blocks(page):
+            # pad so a traceback's line numbers are the page's own
+            exec(compile("\n" * (line - 1) + code, name, "exec"), module.__dict__)
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
 
 
 def test_readme_links_into_the_docs_resolve():
