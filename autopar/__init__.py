@@ -3,7 +3,7 @@
     @autopar.autoparallel(mesh=jax.make_mesh((2, 4), ("data", "model")))
     def train_step(state, batch): ...
 
-See README.md for the guided tour.
+See docs/ (a MkDocs site; start at docs/index.md) for the guided tour.
 """
 from autopar import checkpoint, distributed, strategies
 from autopar.api import autoparallel, plan
@@ -14,3 +14,13 @@ from autopar.verify import verify
 
 __all__ = ["AutoparError", "Plan", "PlanError", "ShardingError", "autoparallel", "checkpoint",
            "compare", "distributed", "plan", "strategies", "verify"]
+
+
+def __getattr__(name: str):
+    # ``autopar.models`` (reference models for examples, tests and benchmarks) loads on first use
+    # so that ``import autopar`` does not import flax's model code it may never need.
+    if name == "models":
+        import importlib
+
+        return importlib.import_module("autopar.models")
+    raise AttributeError(f"module 'autopar' has no attribute {name!r}")

@@ -145,7 +145,8 @@ def compare(fn: Callable, *args, mesh, hardware=None,
     """Plan (and, when the devices are here, run) ``fn(*args)`` under each strategy.
 
     Args:
-      fn, *args: the training step and its arguments (arrays, or ShapeDtypeStructs to only plan).
+      fn: the training step.
+      *args: its arguments (arrays, or ShapeDtypeStructs to only plan).
       mesh: a ``jax.sharding.Mesh`` or a dict of axis sizes, as for ``autopar.plan``.
       hardware: the cost model's profile; default the mesh's devices, else ``"h100"``.
       strategies: names from ``autopar.strategies.NAMES``, strategy objects, and ``"auto"``.

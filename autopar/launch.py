@@ -12,7 +12,7 @@ The script makes itself elastic: it plans for the devices it finds, restores the
 checkpoint (``autopar.checkpoint``), which re-plans when the mesh changed, and continues from the
 step counter saved in it. A process that dies takes its "host" with it: the next attempt runs
 with the processes that were still alive (``shrink=True``) or with as many as before. On a real
-cluster the scheduler plays this role (see README, "Multi-host runs").
+cluster the scheduler plays this role (see docs/guides/multi-host.md).
 """
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
 """The README's quickstart runs as written (conftest already gives 8 CPU devices)."""
+import os
 import pathlib
 import re
+import subprocess
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -22,3 +25,14 @@ def test_quickstart_runs_as_written(capsys):
     run_block("## Quickstart", "quickstart")
     out = capsys.readouterr().out
     assert "autopar plan" in out and "step " in out
+
+
+def test_models_load_on_first_use():
+    """``autopar.models.mlp.make(...)`` works after ``import autopar`` alone (a fresh
+    interpreter: in this one other tests have imported the model modules already)."""
+    code = ("import autopar\n"
+            "step, state, batch = autopar.models.mlp.make(16, 32, 1, 8)\n"
+            "print(sorted(batch))\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "['x', 'y']", run.stderr[-2000:]

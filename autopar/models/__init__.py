@@ -6,11 +6,26 @@ numerics) or abstract (``jax.ShapeDtypeStruct`` leaves, for planning large confi
 """
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import optax
+
+# The model modules, imported on first use: ``autopar.models.mlp.make(...)`` works after
+# ``import autopar`` alone, without importing every model (and transformers, for ``hf``) up front.
+SUBMODULES = ("convnet", "gpt", "hf", "llama", "mlp", "moe", "nnx_mlp")
+
+
+def __getattr__(name: str):
+    if name in SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(SUBMODULES))
 
 
 def adamw_step(loss_fn: Callable, tx: optax.GradientTransformation) -> Callable:
