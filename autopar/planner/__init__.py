@@ -525,15 +525,15 @@ def _bytes_by_kind(colls) -> tuple[tuple[str, float], ...]:
     return tuple(sorted(out.items()))
 
 
-def _top_level_reduces(g, colls) -> list[tuple[int, tuple[str, ...]]]:
-    """(op id, axes) of the all-reduces run once per step outside loops: the op that issues one
-    (``op17 ...``) or reads its result (``edge op12:arg1 ...``)."""
-    top = {op.id for op in g.ops}
+def _reduces(colls) -> list[tuple[int, tuple[str, ...], float]]:
+    """(op id, axes, executions per step) of the plan's all-reduces: the op that issues one
+    (``op17 ...``) or reads its result (``edge op12:arg1 ...``); ``combine`` keeps those run
+    once per execution of their region."""
     out = []
     for c in colls:
         m = re.match(r"(?:edge )?op(\d+)", c.where)
-        if c.kind == "all-reduce" and c.count == 1 and m and int(m.group(1)) in top:
-            out.append((int(m.group(1)), tuple(c.axes)))
+        if c.kind == "all-reduce" and m:
+            out.append((int(m.group(1)), tuple(c.axes), c.count))
     return out
 
 
@@ -543,8 +543,7 @@ def _seconds(prob: problem.Problem, cm, tally: _Tally) -> tuple[float, ...]:
     (``combine``); the refund comes off the collectives first, then off resharding."""
     dispatch = float(getattr(cm.hw, "dispatch_s", 0.0))
     compute, comm, transition = tally.compute_s, tally.comm_s, tally.transition_s
-    refund = combine.launch_refund_s(prob.graph, _top_level_reduces(prob.graph,
-                                                                    tally.collectives),
+    refund = combine.launch_refund_s(prob.graph, _reduces(tally.collectives),
                                      cm.hw.collective_launch_s)
     comm, transition = comm - min(refund, comm), transition - min(max(refund - comm, 0.0),
                                                                   transition)

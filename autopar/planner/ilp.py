@@ -102,19 +102,18 @@ class _Model:
     def add_launches(self, terms, launch_s: float) -> None:
         """XLA's all-reduce combiner (``combine.launch_terms``): each top-level all-reduce is
         charged without its launch, and each merge set it joins, ``z[level, axes]`` (at least
-        every strategy whose all-reduces join it: ``launch:...``), one launch."""
-        unit = _ns(launch_s)
+        every strategy whose all-reduces join it: ``launch:...``), one launch per execution."""
         for r, per_i in terms.items():
             for i, (n, keys) in enumerate(per_i):
                 if not n:
                     continue
                 x = self.x[r][i]
-                self.obj.append((-unit * n, x))
-                for key in keys:
-                    z = self.launch_sets.get(key)
+                self.obj.append((-_ns(launch_s * n), x))
+                for key in sorted(keys):    # a set's order follows string hashes: sorted,
+                    z = self.launch_sets.get(key)   # the model is the same in every process
                     if z is None:
                         z = self.launch_sets[key] = self.m.NewBoolVar(f"z{len(self.launch_sets)}")
-                        self.obj.append((unit, z))
+                        self.obj.append((_ns(launch_s * key[-1]), z))   # once per execution
                     self.m.AddImplication(x, z).WithName(f"launch:{r}:{i}")
                 self.launch_uses.append((r, i, keys))
 

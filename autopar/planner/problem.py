@@ -759,14 +759,39 @@ def _alias_add0(s: Sharding) -> Strategy:
 
 
 def _output_pairs(graph: Graph) -> dict[int, int]:
-    """Outputs that replace an input (same pytree path, shape and dtype): new params for old."""
+    """Outputs that replace an input (same pytree path, shape and dtype): new params for old.
+
+    Paths are matched whole (``(state, batch) -> (state, loss)``: ``[0]['w']`` for ``[0]['w']``),
+    then, for the outputs left, without their leading position, where that names one input
+    left of the same type: a step that returns its new parameters alone (``['w']`` for
+    ``[0]['w']``) or in another position (``(loss, params)``) carries them all the same."""
+    hit = graph.__dict__.get("_output_pairs")
+    if hit is not None:
+        return hit
     by_path = {p: k for k, p in enumerate(graph.input_paths)}
     pairs = {}
     for j, p in enumerate(graph.output_paths):
         k = by_path.get(p)
         if k is not None and graph.values[graph.inputs[k]] == graph.values[graph.outputs[j]]:
             pairs[j] = k
+    taken = set(pairs.values())
+    loose: dict[tuple, list[int]] = {}
+    for k, p in enumerate(graph.input_paths):
+        if k not in taken:
+            loose.setdefault((_unplaced(p), graph.values[graph.inputs[k]]), []).append(k)
+    for j, p in enumerate(graph.output_paths):
+        if j in pairs:
+            continue
+        ks = loose.get((_unplaced(p), graph.values[graph.outputs[j]]), [])
+        if len(ks) == 1 and _unplaced(p):
+            pairs[j] = ks.pop()
+    graph.__dict__["_output_pairs"] = pairs
     return pairs
+
+
+def _unplaced(path: str) -> str:
+    """A pytree path without its leading positional index: ``[0]['w']`` -> ``['w']``."""
+    return path[path.index("]") + 1:] if path.startswith("[") and path[1:2].isdigit() else path
 
 
 # Host-to-device link that feeds each step's batch: PCIe Gen5 x16, ~64 GB/s per direction (PCI-SIG
