@@ -38,16 +38,21 @@ def _trace(fn: Callable, args, types, donate_argnums) -> tuple[ir.Graph, float]:
 def plan_graph(graph: ir.Graph, mesh, *, hardware=None, memory_budget=None, strategy="auto",
                time_limit_s: float = 30.0, trace_s: float = 0.0,
                deterministic: bool | None = None, kernels: str = "never",
-               host_inputs: bool = True, seed_plans: tuple[Plan, ...] = ()) -> Plan:
+               host_inputs: bool = True, seed_plans: tuple[Plan, ...] = (),
+               user_layout=None) -> Plan:
     """Plan an already traced graph (see ``plan``); ``host_inputs=False``: no input is fed
     from the host (``PlannerOptions.host_inputs``); ``seed_plans``: plans of this graph auto
-    is held against (``PlannerOptions.seed_plans``)."""
+    is held against (``PlannerOptions.seed_plans``); ``user_layout``: the layout the arguments
+    are committed to (``strategies.user.from_arrays``), the strategy ``"user"`` and one more
+    start auto is held against."""
     sizes = axis_sizes(mesh)
     hw = hardware_for(hardware, mesh)
     budget = validate.memory_budget(memory_budget)
     time_limit_s = validate.time_limit(time_limit_s)
     cm = cost_models.CostModel(hw, sizes, device_nodes=distributed.device_nodes(mesh))
     name, strat = validate.strategy(strategy)
+    if name == "user" and user_layout is not None:
+        strat = user_layout
     if hasattr(strat, "bind"):   # hand-written: find parameters and their roles in this graph
         strat = strat.bind(graph, sizes)
     fixed = (validate.fixed_layouts(strat.fix_inputs(graph, sizes), graph, sizes, name)
@@ -55,6 +60,8 @@ def plan_graph(graph: ir.Graph, mesh, *, hardware=None, memory_budget=None, stra
     op_filter = getattr(strat, "allows", None)
     budget = hw.memory_bytes if memory_budget is None else budget
     starts = _handwritten_starts() if strat is None else ()
+    if strat is None and user_layout is not None:
+        starts = (*starts, user_layout)
     if checks_enabled():
         ir.verify(graph)
     opts = PlannerOptions(strategy=name, memory_budget=budget, time_limit_s=time_limit_s,
@@ -137,10 +144,21 @@ def plan(fn: Callable, *args, mesh=None, hardware=None, memory_budget: float | N
                              pipeline=pipeline, time_limit_s=time_limit_s, strategy=strategy,
                              donate_argnums=donate_argnums)
     types = validate.leaf_types(args, run=False)
+    user_layout = _user_layout(strategy, args)
     graph, trace_s = _trace(fn, args, types, validate.donate_argnums(donate_argnums))
     return plan_graph(graph, mesh, hardware=hardware, memory_budget=memory_budget,
                       strategy=strategy, time_limit_s=time_limit_s, trace_s=trace_s,
-                      deterministic=deterministic, kernels=kernels)
+                      deterministic=deterministic, kernels=kernels, user_layout=user_layout)
+
+
+def _user_layout(strategy, args):
+    """The arguments' committed layout: the strategy for ``strategy="user"`` (an error without
+    one), a start auto is held against (when the arguments carry one), else None."""
+    from autopar.strategies.user import from_arrays, resolve
+
+    if strategy == "user":
+        return resolve(strategy, args)
+    return from_arrays(*args) if strategy in (None, "auto") else None
 
 
 def _deterministic(value) -> bool:
@@ -199,7 +217,8 @@ class AutoParallel:
                 types = validate.leaf_types(traced, run=False)
             graph, trace_s = _trace(self.fn, traced, types, self.donate_argnums)
             distributed.check_same_graph(graph)       # no-ops in a one-process job
-            plan = self._plan_for(graph, trace_s, given)
+            plan = self._plan_for(graph, trace_s, given, _user_layout(
+                self.options["strategy"], traced))
             distributed.check_same_plan(plan)
             jitted, in_shardings = codegen.build(graph, plan, self.mesh, self.donate_argnums)
             hit = (plan, jitted, in_shardings, graph)
@@ -208,12 +227,14 @@ class AutoParallel:
         self._last = hit[0]
         return hit
 
-    def _plan_for(self, graph: ir.Graph, trace_s: float, given: Plan | None = None) -> Plan:
+    def _plan_for(self, graph: ir.Graph, trace_s: float, given: Plan | None = None,
+                  user_layout=None) -> Plan:
         given = given if given is not None else self._given_plan
         if given is not None:
             validate.plan_applies(given, graph)
             return given.with_trees(graph.in_tree, graph.out_tree)
-        return plan_graph(graph, self.mesh, trace_s=trace_s, **self.options)
+        return plan_graph(graph, self.mesh, trace_s=trace_s, user_layout=user_layout,
+                          **self.options)
 
     def __call__(self, *args, **kwargs):
         _no_kwargs(self, kwargs)

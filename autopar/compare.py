@@ -34,9 +34,8 @@ from typing import Any
 import jax
 import numpy as np
 
-import ir
 from autopar import hlo, validate
-from autopar.api import autoparallel, plan_graph
+from autopar.api import _trace, autoparallel, plan_graph
 from autopar.errors import PlanError
 from autopar.mesh import axis_sizes, concrete_mesh, hardware_for
 from autopar.plan import Plan
@@ -149,7 +148,9 @@ def compare(fn: Callable, *args, mesh, hardware=None,
       *args: its arguments (arrays, or ShapeDtypeStructs to only plan).
       mesh: a ``jax.sharding.Mesh`` or a dict of axis sizes, as for ``autopar.plan``.
       hardware: the cost model's profile; default the mesh's devices, else ``"h100"``.
-      strategies: names from ``autopar.strategies.NAMES``, strategy objects, and ``"auto"``.
+      strategies: names from ``autopar.strategies.NAMES``, strategy objects (the user's own
+        layout: ``autopar.strategies.user(in_shardings)``), ``"user"`` (the layouts the
+        arguments are committed to) and ``"auto"``.
       measure: compile and time each plan when the mesh's devices are present.
       memory_budget: per-device bytes every plan must fit; default the hardware's memory.
       runs: timed rounds (after one warm-up), each running every plan once; a plan's
@@ -168,15 +169,18 @@ def compare(fn: Callable, *args, mesh, hardware=None,
     """
     # Bad input fails here, before tracing, not as one error row per strategy.
     validate.callable_fn(fn, "autopar.compare")
-    validate.leaf_types(args, run=False)
+    types = validate.leaf_types(args, run=False)
     validate.memory_budget(memory_budget)
     validate.time_limit(time_limit_s)
     axis_sizes(mesh)
-    t0 = time.perf_counter()
-    graph = ir.trace(fn, *args)
-    trace_s = time.perf_counter() - t0
+    # traced as autopar.plan and autoparallel trace (unsharded abstract arguments, no mesh), so
+    # the measured executables run the planned program whatever layouts the arguments carry
+    graph, trace_s = _trace(fn, args, types, ())
     run_mesh = _runnable_mesh(mesh, args) if measure else None
     hw = hardware_for(hardware, mesh)
+    from autopar.strategies.user import resolve
+
+    strategies = [resolve(s, args) for s in strategies]    # "user": committed layouts
     names = [s if isinstance(s, str) else getattr(s, "name", type(s).__name__)
              for s in strategies]
     # Compiles run on a worker thread while the next strategy is planned (XLA releases the GIL).
@@ -268,7 +272,12 @@ def _compile(fn, args, mesh, plan: Plan):
     step = autoparallel(fn, mesh=mesh, plan=plan)
     if plan.pipeline is not None:
         args = (step.stack_state(args[0]), *args[1:])
-    compiled = step.lower(*args).compile()
+    # lowered from unsharded abstract arguments: arrays the user committed to another layout
+    # are placed into the plan's afterwards (_compiled_row), as the step's __call__ places them
+    shapes = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=getattr(x, "weak_type", False)),
+        args)
+    compiled = step.lower(*shapes).compile()
     return compiled, time.perf_counter() - t0, args
 
 

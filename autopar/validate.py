@@ -120,6 +120,10 @@ def strategy(value: Any):
     """``(name, strategy object or None for auto)``."""
     if value is None or value == "auto":
         return "auto", None
+    if value == "user":          # the arguments' committed layouts, read where they are known
+        from autopar.strategies.user import FROM_ARGUMENTS
+
+        return "user", FROM_ARGUMENTS
     if isinstance(value, str):
         from autopar import strategies
 

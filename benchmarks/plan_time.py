@@ -160,8 +160,9 @@ def child_full(spec: dict) -> dict:
                    time_limit_s=spec["time_limit_s"], deterministic=True)
     s = p.solver
     objective = p.cost.step_time_s - p.cost.dispatch_s
-    return dict(status=s.status, objective_s=objective, bound_s=None if s.gap is None else objective * (1 - s.gap),
-                solve_s=s.solve_s, vars=s.num_vars)
+    bound = None if s.gap is None else objective * (1 - s.gap)
+    return dict(status=s.status, objective_s=objective, bound_s=bound, solve_s=s.solve_s,
+                vars=s.num_vars)
 
 
 def child_first_call(spec: dict) -> dict:

@@ -8,6 +8,7 @@ import json
 import jax
 import numpy as np
 import pytest
+from numerics import assert_params, assert_scaled
 
 import autopar
 from autopar import hlo
@@ -24,12 +25,6 @@ CFG = gpt.GPTConfig(vocab=64, seq=8, d_model=32, heads=4, d_ff=64, layers=4, sca
 
 def _mesh(shape: dict):
     return jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(*shape.values()), tuple(shape))
-
-
-def _close(a, b, rel: float = 0.0, atol: float = 0.0):
-    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
-        x, y = np.asarray(x), np.asarray(y)
-        np.testing.assert_allclose(x, y, rtol=0, atol=max(rel * np.abs(y).max(), atol))
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +54,8 @@ def test_fsdp_stage_equals_the_unsharded_step(gpt_step, shape, schedule):
         spec = tree["layers"]["mlp"]["fc1"]["kernel"].sharding.spec
         assert {a for d in spec if d for a in (d if isinstance(d, tuple) else (d,))} == want
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
-    _close(new["opt_state"][0].mu, ref_state["opt_state"][0].mu, rel=1e-5)
-    _close(new["params"], ref_state["params"], atol=0.3 * LR)
+    assert_scaled(new["opt_state"][0].mu, ref_state["opt_state"][0].mu, rel=1e-5)
+    assert_params(new["params"], ref_state["params"], LR, grads=ref_state["opt_state"][0].mu)
     module = hlo.parse(run.jitted(state, batch).lower(state, batch).compile().as_text())
     kinds = {c.kind for c in hlo.collectives(module) if c.count > 1}     # inside the tick loop
     assert {"all-gather", "reduce-scatter"} <= kinds

@@ -6,6 +6,7 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
+from numerics import assert_params, assert_scaled
 
 from autopar.errors import AutoparError
 from autopar.models import adamw_step, gpt
@@ -33,14 +34,6 @@ def _mesh(shape: dict):
     return jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(*shape.values()), tuple(shape))
 
 
-def _close(a, b, rel: float = 0.0, atol: float = 0.0):
-    """Equal to ``rel`` of each leaf's largest magnitude (float32 sums in another order), or
-    to ``atol``."""
-    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
-        x, y = np.asarray(x), np.asarray(y)
-        np.testing.assert_allclose(x, y, rtol=0, atol=max(rel * np.abs(y).max(), atol))
-
-
 MESH_A = {"stage": 2, "data": 2, "model": 2}
 MESH_B = {"stage": 4, "data": 2}
 
@@ -51,12 +44,12 @@ def _check_step(out, ref_state, ref_loss):
     # Adam's first moment is 0.1 x the gradient and its second 0.001 x its square: the
     # gradients, checked tightly.
     adam, ref_adam = new["opt_state"][0], ref_state["opt_state"][0]
-    _close(adam.mu, ref_adam.mu, rel=1e-5)
-    _close(adam.nu, ref_adam.nu, rel=2e-5)
+    assert_scaled(adam.mu, ref_adam.mu, rel=1e-5)
+    assert_scaled(adam.nu, ref_adam.nu, rel=2e-5)
     # Adam's update is about lr x sign(g): near-zero gradients turn rounding into lr-sized
     # differences, so parameters are checked to a fraction of lr (a missing or wrong-signed
     # update is off by lr or 2 lr); test_sgd_update_is_exact checks them tightly.
-    _close(new["params"], ref_state["params"], atol=0.3 * LR)
+    assert_params(new["params"], ref_state["params"], LR, grads=ref_state["opt_state"][0].mu)
     return new
 
 
@@ -106,13 +99,13 @@ def test_grads_and_sgd_update_are_exact(setup):
     assert "collective-permute" in compiled.as_text()          # one program, stages talk p2p
     loss, grads = compiled(state["params"], batch)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
-    _close(grads, ref_grads, rel=1e-5)
+    assert_scaled(grads, ref_grads, rel=1e-5)
     st = {"params": state["params"], "opt_state": sgd.tx.init(state["params"])}
     ref_new, _ = jax.jit(adamw_step(model.loss, sgd.tx))(st, batch)
     new, _ = step(st, batch)
     # 2e-6 of a leaf's largest parameter: a few float32 ulps, the SGD step of gradients that
     # agree to 1e-5 (one element of one leaf lands at 1.15e-6 when LLVM runs at -O0)
-    _close(new["params"], ref_new["params"], rel=2e-6)
+    assert_scaled(new["params"], ref_new["params"], rel=2e-6)
 
 
 def test_the_staged_model_is_the_model(setup):

@@ -96,7 +96,7 @@ def _assert_same_update(old, got, want, grad, lr: float = 1e-3) -> None:
 def test_autoparallel_matches_unsharded_step(name):
     _assert_same_step(name, "auto")
     plan = _run(name)[0]
-    assert plan.solver.status in ("OPTIMAL", "FEASIBLE", "DESCENT (time limit)")
+    assert not plan.solver.status.endswith("(time limit)"), plan.solver.status
 
 
 @pytest.mark.parametrize("name", ("gpt2", "llama"))
@@ -213,14 +213,3 @@ def test_megatron_on_plain_dict_splits_the_hidden_layer():
     assert spec["[0]['weights']['w1']"] == ((), ("model",))
     assert spec["[0]['weights']['b1']"] == (("model",),)
     assert spec["[0]['weights']['w2']"] == (("model",), ())
-
-
-def test_readme_third_party_example_runs_as_written(capsys):
-    from test_readme import run_block
-
-    run_block("### Third-party models", "third-party")
-    out = capsys.readouterr().out.splitlines()
-    loss, ref = map(float, out[0].split())
-    assert abs(loss - ref) <= 1e-5 * abs(ref)
-    assert out[1].endswith("('model',)"), out[1]     # heads split, found from the graph
-    assert any(line.startswith("autopar plan  strategy=megatron") for line in out)

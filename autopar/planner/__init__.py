@@ -16,7 +16,7 @@ import numpy as np
 from autopar.errors import PlanError, ShardingError
 from autopar.options import PlannerOptions
 from autopar.plan import Collective, CostBreakdown, Plan, SolverStats
-from autopar.planner import combine, ilp, kernel_choice, memory, pins, problem
+from autopar.planner import combine, ilp, kernel_choice, memory, pins, problem, scatter
 from autopar.planner.budget import LOG, SEARCH_BEFORE, START_BEFORE, Clock, warn_many_axes
 from autopar.planner.reshard import reshard_steps, step_bytes, step_hbm_bytes
 from autopar.planner.unfold import unfold
@@ -427,8 +427,15 @@ def _collectives(prob: problem.Problem, choice, cm) -> _Tally:
             where, source = _where(prob, op_id), _source(prob, op_id)
             for c in comms:
                 seconds, moved = priced.collective(c.kind, c.nbytes, c.axes)
+                kind = c.kind
+                if kind == "all-reduce" and scatter.scattered(prob, g, op_id, i, c.axes, choice):
+                    # XLA turns an all-reduce whose every reader slices it over the reduced
+                    # axes into a reduce-scatter (ReduceScatterCreator): priced as one
+                    rs_s, moved = priced.collective("reduce-scatter", c.nbytes, c.axes)
+                    tally.comm_s += mult * (rs_s - seconds)
+                    kind, seconds = "reduce-scatter", rs_s
                 tally.collectives.append(Collective(
-                    where, c.kind, c.axes, c.nbytes, mult * seconds, mult, *source, moved))
+                    where, kind, c.axes, c.nbytes, mult * seconds, mult, *source, moved))
         for e in g.self_edges:
             _edge_collectives(prob, e, g.shard[e.value][i], e.need[i], priced, tally)
     for es in prob.edge_sets():   # a value moved to one layout for several readers moves once

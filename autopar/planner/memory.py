@@ -511,9 +511,13 @@ def _pooled(spans, slots) -> list[tuple[int, int, float]]:
 
 
 def _sizer(prob: Problem, choice):
+    from autopar.planner.scatter import scattered_values
+
+    split = scattered_values(prob, choice)   # all-reduces XLA makes reduce-scatters of
+
     def nbytes(v: int) -> float:
         if v in prob.group_of_value:
-            return float(value_bytes(prob, v)[choice[prob.group_of_value[v]]])
+            return float(value_bytes(prob, v)[choice[prob.group_of_value[v]]]) / split.get(v, 1)
         return float(prob.graph.values[v].nbytes)
     return nbytes
 

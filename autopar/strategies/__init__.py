@@ -45,9 +45,11 @@ from collections.abc import Mapping, Sequence
 from autopar.errors import ShardingError
 from autopar.sharding import Sharding
 from autopar.strategies.logical import InputAxes, annotate
+from autopar.strategies.user import from_arrays, user
 from ir import Graph
 
-__all__ = ["NAMES", "PIPELINED", "Bound", "HandWritten", "annotate", "get"]
+__all__ = ["NAMES", "PIPELINED", "Bound", "HandWritten", "annotate", "from_arrays", "get",
+           "user"]
 
 _MODEL_FIRST = ("megatron", "megatron_sp")     # a one-axis mesh is their model axis
 _TP_NAMES = ("mlp", "heads", "vocab")          # Megatron's sharded logical dims

@@ -1,0 +1,264 @@
+"""Auto against every hand-written strategy and the user's own layout, on models this project
+did not write: predicted and measured side by side on 8 emulated CPU devices.
+
+Models (``autopar.models.zoo`` and transformers' own Flax models, random weights): Flax NNX,
+MaxText-style Flax linen (logical axis rules: the user's own layout is its ``in_shardings``,
+run by plain ``jax.jit`` under the mesh with its ``nn.with_logical_constraint`` calls active),
+Equinox, and transformers' GPT-2 and Llama (decoders), BERT (encoder), T5 (encoder-decoder) and
+ViT (vision); plain steps, gradient accumulation over microbatches in a ``lax.scan``, and bf16
+mixed precision (float32 master weights).
+
+On each mesh ({data: 8} and {data: 2, model: 4}) every hand-written strategy is planned
+(``autopar.compare(..., measure=False)``), then auto seeded (compare's rows handed to it) and
+unseeded (``autopar.plan(strategy="auto")``). Every plan is compiled with autopar's codegen and,
+with the user's own ``jax.jit``, timed in interleaved rounds (each executable once per round,
+after a warm-up round; medians), so every row of a model sees the same load. Reported per row:
+predicted and measured step, the cost model's error (predicted / measured), and per model and
+mesh auto's predicted and measured ratio against the best other plan.
+
+    python benchmarks/zoo.py                 # every model, both meshes (about 40 min on 2 cores)
+    python benchmarks/zoo.py --quick         # one tiny model, one mesh
+    python benchmarks/zoo.py --only nnx_lm   # some models, results merged into the files
+
+Writes ``benchmarks/results/zoo.md`` and ``zoo.csv``.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import statistics
+import time
+
+import _common  # noqa: F401  (sets XLA_FLAGS before jax is imported)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import autopar  # noqa: E402
+from autopar.models import hf, zoo  # noqa: E402
+
+HAND = ("dp", "zero1", "zero2", "zero3", "megatron", "megatron_sp", "fsdp_tp")
+MESHES = ({"data": 8}, {"data": 2, "model": 4})
+HEADER = ("model", "framework", "step", "mesh", "strategy", "pred_ms", "meas_ms", "pred/meas",
+          "pred_peak_mib", "status")
+TIME_LIMIT_S = 10.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    framework: str
+    step: str                       # plain, accum4, bf16
+    build: object                   # () -> (fn, args tuple)
+    user_layout: object = None      # mesh -> in_shardings (the model's own), or None
+
+
+def _zoo(maker, cfg):
+    def build():
+        fn, *args = maker(cfg)
+        return fn, tuple(args)
+    return build
+
+
+def _hf(name, **kw):
+    def build():
+        fn, state, batch = hf.concrete(name, hf.tiny(name, **kw), 16)
+        return fn, (state, batch)
+    return build
+
+
+def cases(quick: bool) -> list[Case]:
+    base = zoo.Config(batch=16)
+    if quick:
+        return [Case("nnx_lm", "flax.nnx", "plain", _zoo(zoo.nnx_lm, zoo.Config(layers=1)))]
+    lin = dataclasses.replace(base)
+    return [
+        Case("nnx_lm", "flax.nnx", "plain", _zoo(zoo.nnx_lm, base)),
+        Case("nnx_lm", "flax.nnx", "accum4", _zoo(zoo.nnx_lm, dataclasses.replace(base,
+                                                                                 accum=4))),
+        Case("nnx_lm", "flax.nnx", "bf16", _zoo(zoo.nnx_lm, dataclasses.replace(
+            base, dtype=jnp.bfloat16))),
+        Case("linen_lm", "flax.linen+rules", "plain", _zoo(zoo.linen_lm, lin),
+             lambda mesh: zoo.linen_user_layout(lin, mesh)),
+        Case("linen_lm", "flax.linen+rules", "bf16",
+             _zoo(zoo.linen_lm, dataclasses.replace(lin, dtype=jnp.bfloat16)),
+             lambda mesh: zoo.linen_user_layout(dataclasses.replace(lin, dtype=jnp.bfloat16),
+                                                mesh)),
+        Case("eqx_lm", "equinox", "plain", _zoo(zoo.eqx_lm, base)),
+        Case("eqx_lm", "equinox", "accum4", _zoo(zoo.eqx_lm, dataclasses.replace(base,
+                                                                                 accum=4))),
+        Case("gpt2", "transformers", "plain", _hf("gpt2")),
+        Case("llama", "transformers", "plain", _hf("llama")),
+        Case("bert", "transformers", "plain", _hf("bert")),
+        Case("t5", "transformers", "plain", _hf("t5")),
+        Case("vit", "transformers", "plain", _hf("vit")),
+    ]
+
+
+def _mesh(sizes: dict):
+    return jax.make_mesh(tuple(sizes.values()), tuple(sizes),
+                         axis_types=(jax.sharding.AxisType.Auto,) * len(sizes))
+
+
+def _shapes(args):
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
+
+
+def _plans(case: Case, fn, args, mesh) -> dict:
+    """name -> plan: the hand-written strategies, the user's layout, auto seeded and unseeded."""
+    strategies = list(HAND)
+    user = case.user_layout(mesh) if case.user_layout else None
+    if user is not None:
+        strategies.append(autopar.strategies.user(user, name="user"))
+    strategies.append("auto")
+    cmp = autopar.compare(fn, *args, mesh=mesh, measure=False, progress=False,
+                          strategies=tuple(strategies), time_limit_s=TIME_LIMIT_S)
+    plans = {r.strategy: r.plan for r in cmp.rows if r.ok}
+    # unseeded: autopar.plan on the arguments as the user holds them (committed to their own
+    # layout where they have one, which autopar.plan then holds auto against)
+    held = args if user is None else jax.device_put(args, user)
+    plans["auto-unseeded"] = autopar.plan(fn, *held, mesh=mesh, time_limit_s=TIME_LIMIT_S)
+    return plans
+
+
+def _executables(fn, args, mesh, plans: dict, user) -> dict:
+    """name -> (compiled, placed args): autopar's codegen for each plan, plain jax.jit for the
+    user's own layout (under the mesh, so flax's logical constraints are in force)."""
+    out = {}
+    for name, plan in plans.items():
+        exe = autopar.autoparallel(fn, mesh=mesh, plan=plan).lower(*_shapes(args)).compile()
+        out[name] = (exe, jax.device_put(args, exe.input_shardings[0]))
+    if user is not None:
+        with jax.set_mesh(mesh):
+            exe = jax.jit(fn, in_shardings=user).lower(*_shapes(args)).compile()
+        out["user-jit"] = (exe, jax.device_put(args, exe.input_shardings[0]))
+    return out
+
+
+def _timed(exes: dict, runs: int) -> dict:
+    """Median seconds per executable over ``runs`` interleaved rounds (after a warm-up)."""
+    times = {k: [] for k in exes}
+    for r in range(runs + 1):
+        for k, (exe, placed) in exes.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(exe(*placed))
+            if r:
+                times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def run_case(case: Case, sizes: dict, runs: int) -> list[dict]:
+    mesh = _mesh(sizes)
+    fn, args = case.build()
+    plans = _plans(case, fn, args, mesh)
+    user = case.user_layout(mesh) if case.user_layout else None
+    measured = _timed(_executables(fn, args, mesh, plans, user), runs)
+    rows = []
+    for name, t in measured.items():
+        plan = plans.get(name)
+        pred = plan.cost.step_time_s * 1e3 if plan is not None else float("nan")
+        rows.append(dict(model=case.name, framework=case.framework, step=case.step,
+                         mesh=_common.mesh_str(sizes), strategy=name, pred_ms=pred,
+                         meas_ms=t * 1e3, **{"pred/meas": pred / (t * 1e3)},
+                         pred_peak_mib=(plan.cost.peak_memory_bytes / 2**20 if plan is not None
+                                        else float("nan")),
+                         status=plan.solver.status[:60] if plan is not None else "jax.jit"))
+    return rows
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    """Per model and mesh: auto's predicted and measured ratio against the best other row
+    (>= 1 means auto is at least as fast), and whether the cost model ranked auto first or within
+    5% of the measured best."""
+    out = []
+    for key in dict.fromkeys((r["model"], r["step"], r["mesh"]) for r in rows):
+        group = [r for r in rows if (r["model"], r["step"], r["mesh"]) == key]
+        by = {r["strategy"]: r for r in group}
+        for auto in ("auto", "auto-unseeded"):
+            if auto not in by:
+                continue
+            others = [r for r in group if not r["strategy"].startswith("auto")]
+            pred_best = min((r for r in others if r["pred_ms"] == r["pred_ms"]),
+                            key=lambda r: r["pred_ms"])
+            meas_best = min(group, key=lambda r: r["meas_ms"])
+            meas_other = min(others, key=lambda r: r["meas_ms"])
+            a = by[auto]
+            out.append(dict(model=key[0], step=key[1], mesh=key[2], auto=auto,
+                            pred_ratio=pred_best["pred_ms"] / a["pred_ms"],
+                            pred_best=pred_best["strategy"],
+                            meas_ratio=meas_other["meas_ms"] / a["meas_ms"],
+                            meas_best=meas_other["strategy"],
+                            ranked_ok=a["meas_ms"] <= 1.05 * meas_best["meas_ms"],
+                            error=statistics.median(abs(r["pred/meas"] - 1) for r in group
+                                                    if r["pred/meas"] == r["pred/meas"])))
+    return out
+
+
+def report(rows: list[dict], summ: list[dict]) -> str:
+    seeded = [s for s in summ if s["auto"] == "auto"]
+    unseeded = [s for s in summ if s["auto"] == "auto-unseeded"]
+    lines = [
+        "# Auto on models this project did not write (zoo)", "",
+        f"{_common.environment()}.", "",
+        "Each model on each mesh: every hand-written strategy, the user's own layout (linen: its "
+        "logical rules, as `user` planned by autopar and as `user-jit`, the user's own "
+        "`jax.jit`), auto seeded (`compare`'s rows handed to it) and unseeded "
+        "(`autopar.plan`). Predicted by the CPU cost model; measured on 8 emulated CPU devices "
+        "in interleaved rounds (medians). Reproduce: `python benchmarks/zoo.py`.", "",
+        "## Targets", "",
+        _targets(seeded, "auto (seeded)"), _targets(unseeded, "auto (unseeded)"), "",
+        "## Auto against the best other plan, per model and mesh", "",
+        _common.md_table(("model", "step", "mesh", "auto", "pred best other / auto",
+                          "best other (pred)", "meas best other / auto", "best other (meas)",
+                          "auto within 5% of meas best", "median |pred/meas - 1|"),
+                         [(s["model"], s["step"], s["mesh"], s["auto"], s["pred_ratio"],
+                           s["pred_best"], s["meas_ratio"], s["meas_best"],
+                           "yes" if s["ranked_ok"] else "no", s["error"]) for s in summ]), "",
+        "## Every plan", "",
+        _common.md_table(HEADER, [[r[h] for h in HEADER] for r in rows]), ""]
+    return "\n".join(lines)
+
+
+def _targets(summ: list[dict], label: str) -> str:
+    if not summ:
+        return f"- {label}: no rows"
+    pred = [s["pred_ratio"] for s in summ]
+    meas = [s["meas_ratio"] for s in summ]
+    ranked = sum(s["ranked_ok"] for s in summ)
+    wins = sum(p >= 1 - 1e-9 for p in pred)
+    return (f"- {label}: predicted >= 1.00x the best other plan on {wins} of {len(pred)} rows "
+            f"(min {min(pred):.3f}); measured against the best other plan: "
+            f"median {statistics.median(meas):.3f}x, min {min(meas):.3f}x; within 5% of the "
+            f"measured best on {ranked} of {len(summ)} rows ({ranked / len(summ):.0%})")
+
+
+def main() -> None:
+    p = _common.parser(__doc__)
+    p.add_argument("--only", nargs="*", default=None, help="model names to run (merged)")
+    p.add_argument("--runs", type=int, default=7)
+    args = p.parse_args()
+    runs = 2 if args.quick else args.runs
+    meshes = MESHES[1:] if args.quick else MESHES
+    out = _common.out_dir(args)
+    old = []
+    csv_path = out / "zoo.csv"
+    if args.only and csv_path.exists():
+        with open(csv_path) as f:
+            old = [r for r in csv.DictReader(f) if r["model"] not in args.only]
+            for r in old:
+                for k in ("pred_ms", "meas_ms", "pred/meas", "pred_peak_mib"):
+                    r[k] = float(r[k]) if r[k] not in ("-", "") else float("nan")
+    rows = list(old)
+    for case in cases(args.quick):
+        if args.only and case.name not in args.only:
+            continue
+        for sizes in meshes:
+            t0 = time.perf_counter()
+            rows += run_case(case, sizes, runs)
+            print(f"{case.name} {case.step} {_common.mesh_str(sizes)}: "
+                  f"{time.perf_counter() - t0:.0f} s", flush=True)
+    _common.write_csv(csv_path, HEADER, [[r[h] for h in HEADER] for r in rows])
+    _common.write_md(args, "zoo.md", report(rows, summary(rows)))
+
+
+if __name__ == "__main__":
+    main()
