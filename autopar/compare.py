@@ -35,9 +35,8 @@ import jax
 import numpy as np
 
 import cost_models
-import ir
-from autopar import distributed, hlo, validate
-from autopar.api import autoparallel, plan_graph
+from autopar import arguments, distributed, hlo, validate
+from autopar.api import autoparallel, plan_graph, trace_abstract
 from autopar.errors import PlanError
 from autopar.mesh import axis_sizes, concrete_mesh, hardware_for
 from autopar.options import PlannerOptions
@@ -148,7 +147,9 @@ def compare(fn: Callable, *args, mesh, hardware=None,
     """Plan (and, when the devices are here, run) ``fn(*args)`` under each strategy.
 
     Args:
-      fn, *args: the training step and its arguments (arrays, or ShapeDtypeStructs to only plan).
+      fn, *args: the training step and its arguments, as ``autoparallel`` takes them (arrays, or
+        ShapeDtypeStructs to only plan; NNX objects; modules with static leaves). Timing runs
+        the step on copies: nothing is written back into the caller's objects.
       mesh: a ``jax.sharding.Mesh`` or a dict of axis sizes, as for ``autopar.plan``.
       hardware: the cost model's profile; default the mesh's devices, else ``"h100"``.
       strategies: names from ``autopar.strategies.NAMES``, strategy objects, and ``"auto"``.
@@ -167,13 +168,17 @@ def compare(fn: Callable, *args, mesh, hardware=None,
     """
     # Bad input fails here, before tracing, not as one error row per strategy.
     validate.callable_fn(fn, "autopar.compare")
+    # What the step takes, parted as autoparallel parts it (NNX objects split, static leaves
+    # apart): every strategy plans and times the step as a function of its traced arguments,
+    # and the timed runs write nothing back into the caller's objects.
+    call = arguments.prepare(args)
+    fn, _ = call.function(fn)
+    args = call.dynamic
     validate.leaf_types(args, run=False)
     validate.memory_budget(memory_budget)
     validate.time_limit(time_limit_s)
     axis_sizes(mesh)
-    t0 = time.perf_counter()
-    graph = ir.trace(fn, *args)
-    trace_s = time.perf_counter() - t0
+    graph, trace_s = trace_abstract(fn, args)   # as autoparallel traces it, so its plans apply
     run_mesh = _runnable_mesh(mesh, args) if measure else None
     hw = hardware_for(hardware, mesh)
     names = [s if isinstance(s, str) else getattr(s, "name", type(s).__name__)
@@ -299,6 +304,7 @@ def _compile(fn, args, mesh, plan: Plan):
     if plan.pipeline is not None:
         args = (step.stack_state(args[0]), *args[1:])
     compiled = step.lower(*args).compile()
+    compiled = getattr(compiled, "jax", compiled)   # jax's own: timed without autopar's wrapper
     return compiled, time.perf_counter() - t0, args
 
 
