@@ -492,6 +492,7 @@ class _Pipelined:
         from autopar.pipeline.planning import stacked_args
 
         _no_kwargs(self, kwargs)
+        _no_graph_objects(args, "autoparallel")
         args = stacked_args(self.fn, args)
         return self._step(args, run=False).jitted(*args).lower(*args)
 

@@ -83,11 +83,6 @@ class Call:
     node_args: tuple[int, ...]    # the argument each node sits in
     graphdef: Any = None          # nnx graph definition of ``nodes``
 
-    @property
-    def plain(self) -> bool:
-        """No graph object and no static leaf: the arguments are traced as they are."""
-        return not self.nodes and all(k == TRACED for k in self.kinds)
-
     def function(self, fn: Callable, donated: Sequence[int] = ()) -> tuple[Callable, Results]:
         """``fn`` as a function of ``dynamic`` alone, and the record its trace fills."""
         results = Results()
@@ -112,9 +107,10 @@ class Call:
         parts = self.treedef.flatten_up_to(dynamic)
         merged, before = (), {}
         if self.nodes:
+            nnx = _nnx()
             joint = _joint_state(parts, self.kinds)
-            before = {path: jax.tree_util.tree_leaves(v) for path, v in joint.flat_state()}
-            merged = tuple(_nnx().merge(self.graphdef, joint))
+            before = {path: jax.tree_util.tree_leaves(v) for path, v in nnx.to_flat_state(joint)}
+            merged = tuple(nnx.merge(self.graphdef, joint))
         return self.treedef.unflatten(self._leaves(parts, merged)), merged, before
 
     def _leaves(self, parts: list, merged: tuple) -> list:
@@ -129,7 +125,8 @@ class Call:
         changed value, refuse it, naming the fix (``state["w"] = w; return state`` is fine)."""
         given = {id(x) for x in self._leaves(self.treedef.flatten_up_to(dynamic), merged)}
         returned = {id(x) for x in jax.tree_util.tree_leaves(out, is_leaf=is_graph_object)}
-        for path, x in jax.tree_util.tree_flatten_with_path(args, is_leaf=is_graph_object)[0]:
+        is_node = _graph_leaf(merged)     # a Variable passed whole is a node, not its value
+        for path, x in jax.tree_util.tree_flatten_with_path(args, is_leaf=is_node)[0]:
             if id(x) not in given and id(x) not in returned:
                 raise _lost("argument " + jax.tree_util.keystr(path))
 
@@ -212,10 +209,10 @@ class Results:
         self.graphdef_after, after = nnx.split(merged)
         self.same = self.graphdef_after == call.graphdef
         donated_nodes = {i for i, a in enumerate(call.node_args) if a in donated}
-        kept = [(path, v) for path, v in after.flat_state()
+        kept = [(path, v) for path, v in nnx.to_flat_state(after)
                 if not self.same or path[0] in donated_nodes
                 or not _same_leaves(jax.tree_util.tree_leaves(v), before.get(path))]
-        changed = nnx.State.from_flat_path(kept)
+        changed = nnx.from_flat_state(kept)
         parts = iter([changed.get(i) for i in range(len(merged))])
         return call.treedef.unflatten([next(parts) if k == NODE else None for k in call.kinds])
 

@@ -153,6 +153,13 @@ def test_shared_references_stay_shared_and_returned_objects_are_the_callers(mesh
     assert got.head is got.embed and head is got.embed
     np.testing.assert_allclose(got.embed.kernel[...], want.embed.kernel[...], rtol=1e-5)
 
+    def count(counter, x):           # an nnx.Variable passed whole is an NNX object too
+        counter[...] += x.sum()
+
+    counter = nnx.Variable(jnp.zeros(()))
+    autopar.autoparallel(count, mesh=mesh_2x4)(counter, x)
+    assert float(counter[...]) == 32
+
 
 def test_updates_the_caller_could_never_see_are_errors(mesh_2x4):
     model, optimizer, metrics = _objects()
