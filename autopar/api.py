@@ -9,7 +9,7 @@ import functools
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 
@@ -251,18 +251,20 @@ class AutoParallel:
         _no_kwargs(self, kwargs)
         call, types, key = self._prepared(args, run=True)
         with on_mesh(self.mesh):
-            entry = self._compiled(call, types, key)
-            exe = self._executables.get(key)
-            if exe is None:
-                exe = self._executables[key] = self._compile(entry, self._abstract(call))
-            return self._run(call, key, exe)
+            entry = self._compiled(call, types, key)     # the key's one lookup in this call
+            if entry.exe is None:
+                entry.exe = self._executables[key] = self._compile(entry, self._abstract(call))
+            return self._run(call, key, entry, entry.exe)
 
-    def _run(self, call: arguments.Call, key, exe):
-        """Move the traced arguments into their planned layouts, run, write NNX changes back."""
-        entry = self._cache[key]
+    def _run(self, call: arguments.Call, key, entry: _Entry, exe):
+        """Move the traced arguments into their planned layouts, run, write NNX changes back.
+        NNX objects keep the moved arrays: the state the step leaves unchanged (an RNG key, a
+        frozen layer) moves once, not at every call."""
         args = distributed.place_host_local(call.dynamic, self.host_local_argnums,
                                             entry.in_shardings)
         args = jax.tree_util.tree_map(_place, args, entry.in_shardings)
+        if call.nodes:
+            call.adopt(args)
         self._last, self._last_key = entry.plan, key
         return call.finish(entry.results, exe(*args))
 
@@ -325,10 +327,10 @@ class AutoParallel:
             return self._compiled_for(key, lambda: self._compile(entry, self._abstract(call)))
 
     def _compiled_for(self, key, make) -> Compiled:
-        exe = self._executables.get(key)
-        if exe is None:
-            exe = self._executables[key] = make()
-        return Compiled(self, key, exe)
+        entry = self._cache[key]
+        if entry.exe is None:
+            entry.exe = self._executables[key] = make()
+        return Compiled(self, key, entry.exe)
 
     def _call_compiled(self, key, exe, args: tuple, kwargs):
         """``Compiled.__call__``: ``args`` must have the signature ``exe`` was compiled for."""
@@ -341,7 +343,7 @@ class AutoParallel:
                 f"itself (it plans and compiles once per signature), or compile for these "
                 f"arguments: step.compile(*args)")
         with on_mesh(self.mesh):
-            return self._run(call, key, exe)
+            return self._run(call, key, self._cache[key], exe)
 
     def input_shardings(self, *args, plan: Plan | None = None):
         """The ``NamedSharding`` of every traced argument leaf (a pytree like ``args``, which
@@ -353,14 +355,16 @@ class AutoParallel:
             return self._compiled(call, types, key, given=plan).in_shardings
 
 
-class _Entry(NamedTuple):
-    """What one signature planned and built."""
+@dataclasses.dataclass
+class _Entry:
+    """What one signature planned and built; ``exe`` once compiled."""
 
     plan: Plan
     jitted: Any
     in_shardings: Any
     graph: ir.Graph
     results: arguments.Results
+    exe: Any = None
 
 
 def _no_kwargs(step: AutoParallel, kwargs) -> None:

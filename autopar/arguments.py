@@ -130,6 +130,15 @@ class Call:
             if id(x) not in given and id(x) not in returned:
                 raise _lost("argument " + jax.tree_util.keystr(path))
 
+    def adopt(self, placed: tuple) -> None:
+        """Give the caller's objects the arrays ``placed`` moved (``placed`` is ``dynamic`` with
+        arrays moved into their planned layouts); nothing when none moved."""
+        states = [_joint_state(self.treedef.flatten_up_to(t), self.kinds)
+                  for t in (self.dynamic, placed)]
+        before, after = (jax.tree_util.tree_leaves(s) for s in states)
+        if any(a is not b for a, b in zip(before, after)):
+            _nnx().update(tuple(self.nodes), states[1])
+
     def finish(self, results: Results, out):
         """The step's results as it returned them, after writing its NNX changes back."""
         if self.nodes:

@@ -107,6 +107,8 @@ def test_nnx_docs_step_trains_as_under_nnx_jit(mesh_2x4, strategy, donate):
         _assert_same_objects(g, w)
     assert got[2].compute()["accuracy"] == pytest.approx(float(want[2].compute()["accuracy"]))
     assert len(step._executables) == 1          # one plan for the graph structure
+    # state the step never changes (the RNG key) moved onto the mesh once, into the caller's
+    assert len(got[0].dropout.rngs.key[...].sharding.device_set) == 8
     if donate:   # a donated argument's buffers are gone: every leaf came back, changed or not
         for obj in got:
             assert not any(x.is_deleted() for x in jax.tree_util.tree_leaves(nnx.state(obj)))
