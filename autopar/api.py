@@ -423,7 +423,10 @@ def autoparallel(fn: Callable | None = None, *, mesh=None, hardware=None,
     """Decorate a training step so it runs sharded over ``mesh`` by a plan autopar chooses.
 
     ``autoparallel(fn, mesh=...)`` and ``@autoparallel(mesh=...)`` both work. The first call with
-    a new abstract signature traces, plans and compiles; later calls reuse the executable.
+    a new abstract signature traces, plans and compiles; later calls reuse the executable. The
+    step takes what ``nnx.jit`` and ``eqx.filter_jit`` take (see ``autopar.arguments``): Flax
+    NNX objects, whose every change the step writes back into them after the call, and pytrees
+    whose non-array leaves are static (part of the signature, as ``eqx.filter_jit`` keys them).
     ``plan=`` applies a saved plan (``Plan.from_json``) without solving. The options are those of
     ``autopar.plan``; every one is checked here, before the first call. Under
     ``jax.distributed`` every process calls the step alike; the arguments in

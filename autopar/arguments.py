@@ -3,9 +3,10 @@ apart (``prepare``), and what the step changed written back (``Call.finish``).
 
 A call's arguments are parted as ``nnx.jit`` and ``eqx.filter_jit`` part them:
 
-* **NNX graph objects** (modules, ``nnx.Optimizer``, ``nnx.Rngs``, metrics, any ``nnx.Object`` or
-  ``nnx.Variable``) are split together (one ``nnx.split`` of them all, so references they share
-  stay shared): their graph definition is static, their state is traced in each object's place;
+* **NNX graph objects** (modules, ``nnx.Optimizer``, ``nnx.Rngs``, metrics, any ``nnx.Object``,
+  an ``nnx.Variable`` passed as an argument itself) are split together (one ``nnx.split`` of
+  them all, so references they share stay shared): their graph definition is static, their
+  state is traced in each object's place;
 * **arrays** (jax, numpy, ``jax.ShapeDtypeStruct``) are traced;
 * **every other leaf** (functions, Python scalars, strings, ...) is static: fixed at trace time
   and part of the plan's cache key, as ``eqx.filter_jit`` keeps it (a Python scalar held by an
@@ -46,8 +47,9 @@ def _nnx():
 
 def is_graph_object(x: Any) -> bool:
     """An NNX object (module, optimizer, ``nnx.Rngs``, metrics, any ``nnx.Object``). A Variable
-    counts only as a whole argument (``_graph_leaf``): inside a plain pytree (an ``nnx.State``,
-    an optax state of a functional step) it is that pytree's leaf, as before NNX was split."""
+    counts only as an argument itself (``_graph_leaf``): inside a plain pytree (an ``nnx.State``,
+    the optax state of a functional step) it is a pytree node whose value is traced, as
+    ``jax.jit`` traces it."""
     nnx = _nnx()
     return nnx is not None and isinstance(x, nnx.Pytree)
 
@@ -82,6 +84,7 @@ class Call:
     nodes: tuple                  # the caller's graph objects, in leaf order
     node_args: tuple[int, ...]    # the argument each node sits in
     graphdef: Any = None          # nnx graph definition of ``nodes``
+    state: Any = None             # their joint nnx.State: the caller's own Variables
 
     def function(self, fn: Callable, donated: Sequence[int] = ()) -> tuple[Callable, Results]:
         """``fn`` as a function of ``dynamic`` alone, and the record its trace fills."""
@@ -133,11 +136,13 @@ class Call:
     def adopt(self, placed: tuple) -> None:
         """Give the caller's objects the arrays ``placed`` moved (``placed`` is ``dynamic`` with
         arrays moved into their planned layouts); nothing when none moved."""
-        states = [_joint_state(self.treedef.flatten_up_to(t), self.kinds)
-                  for t in (self.dynamic, placed)]
-        before, after = (jax.tree_util.tree_leaves(s) for s in states)
-        if any(a is not b for a, b in zip(before, after)):
-            _nnx().update(tuple(self.nodes), states[1])
+        nnx = _nnx()
+        before, after = (nnx.to_flat_state(_joint_state(self.treedef.flatten_up_to(t),
+                                                         self.kinds))
+                         for t in (self.dynamic, placed))
+        for (_, old), (_, new) in zip(before, after):
+            if not _same_leaves(jax.tree_util.tree_leaves(new), jax.tree_util.tree_leaves(old)):
+                old.update_from_state(new)     # old: the caller's own Variable
 
     def finish(self, results: Results, out):
         """The step's results as it returned them, after writing its NNX changes back."""
@@ -173,7 +178,7 @@ def prepare(args: tuple) -> Call:
     key = (treedef, tuple(k if not isinstance(k, tuple) else (STATIC, type(k[1]), k[1])
                           for k in kinds), graphdef)
     return Call(treedef.unflatten(leaves), key, treedef, tuple(kinds), tuple(nodes),
-                tuple(node_args), graphdef)
+                tuple(node_args), graphdef, state)
 
 
 class Results:
@@ -229,8 +234,14 @@ class Results:
     def write_back(self, call: Call, updates: tuple) -> None:
         nnx = _nnx()
         nodes = tuple(call.nodes)
-        nnx.update(nodes, _joint_state(call.treedef.flatten_up_to(updates), call.kinds))
-        if not self.same and nnx.graphdef(nodes) != self.graphdef_after:
+        changed = _joint_state(call.treedef.flatten_up_to(updates), call.kinds)
+        if self.same:   # each changed Variable of the caller's, found by path: no graph walk
+            mine = dict(nnx.to_flat_state(call.state))
+            for path, new in nnx.to_flat_state(changed):
+                mine[path].update_from_state(new)
+            return
+        nnx.update(nodes, changed)
+        if nnx.graphdef(nodes) != self.graphdef_after:
             raise AutoparError(
                 "the step changed a static attribute of an NNX object it was given (a plain "
                 "Python attribute such as a flag or a size, not an nnx.Variable): its arrays were "
