@@ -163,6 +163,25 @@ def test_shared_references_stay_shared_and_returned_objects_are_the_callers(mesh
     assert float(counter[...]) == 32
 
 
+def test_added_variables_come_back_and_a_changed_static_attribute_is_an_error(mesh_2x4):
+    def adds(m, x):
+        m.seen = nnx.BatchStat(x.sum(0))          # a new attribute: the structure changes
+        return m(x).sum()
+
+    want, got = (nnx.Linear(4, 4, rngs=nnx.Rngs(0)) for _ in range(2))
+    x = jnp.ones((8, 4))
+    np.testing.assert_allclose(float(autopar.autoparallel(adds, mesh=mesh_2x4)(got, x)),
+                               float(nnx.jit(adds)(want, x)), rtol=1e-6)
+    np.testing.assert_array_equal(got.seen[...], want.seen[...])
+
+    def flips(m, x):
+        m.use_bias = False
+        return x.sum()
+
+    with pytest.raises(AutoparError, match=r"changed a static attribute .* model\.eval\(\)"):
+        autopar.autoparallel(flips, mesh=mesh_2x4)(got, x)
+
+
 def test_updates_the_caller_could_never_see_are_errors(mesh_2x4):
     model, optimizer, metrics = _objects()
 
