@@ -136,10 +136,12 @@ class Call:
     def adopt(self, placed: tuple) -> None:
         """Give the caller's objects the arrays ``placed`` moved (``placed`` is ``dynamic`` with
         arrays moved into their planned layouts); nothing when none moved."""
+        parts = [self.treedef.flatten_up_to(t) for t in (self.dynamic, placed)]
+        if all(a is b for k, x, y in zip(self.kinds, *parts) if k == NODE
+               for a, b in zip(jax.tree_util.tree_leaves(x), jax.tree_util.tree_leaves(y))):
+            return        # the usual call: the objects hold what the last call placed
         nnx = _nnx()
-        before, after = (nnx.to_flat_state(_joint_state(self.treedef.flatten_up_to(t),
-                                                         self.kinds))
-                         for t in (self.dynamic, placed))
+        before, after = (nnx.to_flat_state(_joint_state(p, self.kinds)) for p in parts)
         for (_, old), (_, new) in zip(before, after):
             if not _same_leaves(jax.tree_util.tree_leaves(new), jax.tree_util.tree_leaves(old)):
                 old.update_from_state(new)     # old: the caller's own Variable

@@ -92,25 +92,26 @@ def split_step(blocks: int):
     return step
 
 
-def median_ms(call, n: int) -> float:
-    jax.block_until_ready(call())                # warm-up: traces, plans, compiles
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
+def medians_ms(calls: dict, n: int) -> dict:
+    """Each call warmed up once (traces, plans, compiles), then ``n`` rounds that run each once
+    in turn, so a change in the machine's load falls on every variant alike: median ms each."""
+    for call in calls.values():
         jax.block_until_ready(call())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    times: dict = {name: [] for name in calls}
+    for _ in range(n):
+        for name, call in calls.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(call())
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
 def row(blocks: int, calls: int, mesh) -> list:
     k1, k2 = jax.random.split(jax.random.PRNGKey(0))
     batch = {"x": jax.random.normal(k1, (64, 64)), "y": jax.random.randint(k2, (64,), 0, 10)}
-    ref = objects(blocks)
+    ref, objs, alone = objects(blocks), objects(blocks), objects(blocks)
     jitted = nnx.jit(train_step)
-    jit_ms = median_ms(lambda: jitted(*ref, batch), calls)
-    objs = objects(blocks)
     step = autopar.autoparallel(train_step, mesh=mesh, strategy="dp", time_limit_s=10)
-    nnx_ms = median_ms(lambda: step(*objs, batch), calls)
     split = autopar.autoparallel(split_step(blocks), mesh=mesh, strategy="dp", time_limit_s=10)
     state = [nnx.split(objects(blocks))[1]]
 
@@ -118,18 +119,16 @@ def row(blocks: int, calls: int, mesh) -> list:
         state[0], loss = split(state[0], batch)
         return loss
 
-    split_ms = median_ms(split_call, calls)
-    alone = objects(blocks)
-
     def split_update():
         _, s = nnx.split(alone)
         nnx.update(alone, s)
         return jnp.zeros(())
 
-    floor_ms = median_ms(split_update, calls)
+    ms = medians_ms({"jit": lambda: jitted(*ref, batch), "nnx": lambda: step(*objs, batch),
+                     "split": split_call, "floor": split_update}, calls)
     n_vars = len(jax.tree.leaves(nnx.state(objs)))
-    return [blocks, n_vars, jit_ms, nnx_ms, split_ms, floor_ms, nnx_ms - split_ms,
-            nnx_ms / jit_ms]
+    return [blocks, n_vars, ms["jit"], ms["nnx"], ms["split"], ms["floor"],
+            ms["nnx"] - ms["split"], ms["nnx"] / ms["jit"]]
 
 
 def main() -> None:
@@ -141,11 +140,12 @@ def main() -> None:
     _common.write_md(args, "nnx_call.md", "\n".join([
         "# A call of an autopar step with Flax NNX objects",
         "",
-        f"{_common.environment()}. Median wall ms per call over {calls} calls (after one "
-        f"warm-up call) of the Flax docs' step on an MLP of `blocks` Linear + BatchNorm + "
-        f"Dropout blocks (width 64, batch 64), AdamW via `nnx.Optimizer`, metrics; `variables`: "
-        f"the state leaves of model, optimizer and metrics. autopar runs on 8 CPU devices with "
-        f"strategy `dp`, `nnx.jit` on one. See `benchmarks/nnx_call.py` for the columns.",
+        f"{_common.environment()}. Median wall ms per call over {calls} rounds (after one "
+        f"warm-up call; each round calls every variant once) of the Flax docs' step on an MLP "
+        f"of `blocks` Linear + BatchNorm + Dropout blocks (width 64, batch 64), AdamW via "
+        f"`nnx.Optimizer`, metrics; `variables`: the state leaves of model, optimizer and "
+        f"metrics. autopar runs on 8 CPU devices with strategy `dp`, `nnx.jit` on one. See "
+        f"`benchmarks/nnx_call.py` for the columns.",
         "",
         _common.md_table(HEADER, rows),
         ""]))
