@@ -15,8 +15,9 @@ import jax
 
 import cost_models
 import ir
-from autopar import codegen, distributed, validate
+from autopar import arguments, codegen, distributed, validate
 from autopar.errors import AutoparError, PlanError, ShardingError
+from autopar.executable import Compiled, Lowered
 from autopar.mesh import axis_sizes, concrete_mesh, hardware_for, on_mesh, without_mesh
 from autopar.options import PlannerOptions, checks_enabled, deterministic_default
 from autopar.plan import Plan
@@ -98,8 +99,12 @@ def plan(fn: Callable, *args, mesh=None, hardware=None, memory_budget: float | N
 
     Args:
       fn: a training step (any JAX-traceable function of pytrees of arrays).
-      *args: its arguments: arrays, ``jax.ShapeDtypeStruct``s (a 175B model costs no memory) or
-        Python scalars (weak-typed, as ``jax.jit`` treats them).
+      *args: its arguments, pytrees whose arrays (or ``jax.ShapeDtypeStruct``s: a 175B model
+        costs no memory) are traced. Every other leaf (a function, a Python scalar, a string)
+        is static, as ``eqx.filter_jit`` keeps it: fixed in the plan and part of its cache key.
+        Flax NNX objects (modules, ``nnx.Optimizer``, ``nnx.Rngs``, any ``nnx.Object``) are
+        split as ``nnx.jit`` splits them: their state is traced, and a decorated step writes
+        every change to it back into the caller's objects (see ``autopar.arguments``).
       mesh: a ``jax.sharding.Mesh``, an ``AbstractMesh`` or a dict of axis sizes
         (``{"data": 32, "model": 8}``) — the devices need not be present.
       hardware: a profile name (``"a100"``, ``"h100"``, ``"h200"``, ``"cpu"``) or a
@@ -140,12 +145,13 @@ def plan(fn: Callable, *args, mesh=None, hardware=None, memory_budget: float | N
     if pipeline is not None:   # inter-op: see autopar.pipeline
         from autopar.pipeline import planning
 
+        _no_graph_objects(args, "plan")
         return planning.plan(fn, args, mesh, hardware=hardware, memory_budget=memory_budget,
                              pipeline=pipeline, time_limit_s=time_limit_s, strategy=strategy,
                              donate_argnums=donate_argnums)
-    types = validate.leaf_types(args, run=False)
-    user_layout = _user_layout(strategy, args)
-    graph, trace_s = _trace(fn, args, types, validate.donate_argnums(donate_argnums))
+    call = arguments.prepare(args)
+    user_layout = _user_layout(strategy, call.dynamic)
+    graph, trace_s = _trace_call(fn, call, validate.donate_argnums(donate_argnums))
     return plan_graph(graph, mesh, hardware=hardware, memory_budget=memory_budget,
                       strategy=strategy, time_limit_s=time_limit_s, trace_s=trace_s,
                       deterministic=deterministic, kernels=kernels, user_layout=user_layout)
@@ -159,6 +165,27 @@ def _user_layout(strategy, args):
     if strategy == "user":
         return resolve(strategy, args)
     return from_arrays(*args) if strategy in (None, "auto") else None
+
+
+def _trace_call(fn: Callable, call, donate_argnums) -> tuple[ir.Graph, float]:
+    """Trace ``fn`` on a call's arguments as a decorated step would: parted
+    (``autopar.arguments.prepare``)."""
+    traced, _ = call.function(fn, donate_argnums)
+    return trace_abstract(traced, call.dynamic, donate_argnums)
+
+
+def trace_abstract(fn: Callable, args: tuple, donate_argnums=()) -> tuple[ir.Graph, float]:
+    """``(graph, seconds)`` of ``fn(*args)`` traced from unsharded abstract arguments (arrays
+    committed to a mesh trace as jax traces them there: jax.random adds reshards)."""
+    return _trace(fn, args, validate.leaf_types(args, run=False), donate_argnums)
+
+
+def _no_graph_objects(args: tuple, where: str) -> None:
+    if arguments.has_graph_objects(args):
+        raise AutoparError(f"{where}(pipeline=...) takes the step's state as plain pytrees "
+                           f"(state, batch), not NNX objects: split them first "
+                           f"(graphdef, state = nnx.split(model)) and merge inside the step, "
+                           f"or plan without pipeline=")
 
 
 def _deterministic(value) -> bool:
@@ -199,7 +226,7 @@ class AutoParallel:
         # Arguments holding this process's rows of the batch (see autopar.distributed).
         self.host_local_argnums = ((host_local_argnums,) if isinstance(host_local_argnums, int)
                                    else tuple(host_local_argnums))
-        self._cache: dict[tuple, tuple[Plan, Any, Any, ir.Graph]] = {}
+        self._cache: dict[tuple, _Entry] = {}
         self._executables: dict[tuple, Any] = {}
         self._last: Plan | None = None
         self._last_key: tuple | None = None
@@ -209,22 +236,31 @@ class AutoParallel:
         """The plan of the last signature this step was called or lowered with."""
         return self._last
 
-    def _compiled(self, args, types, key, given: Plan | None = None):
+    def _prepared(self, args: tuple, run: bool):
+        """``args`` parted (``autopar.arguments``: NNX objects split, static leaves apart) and
+        checked: (the call, its traced leaves' types, its cache key)."""
+        call = arguments.prepare(args)
+        types = validate.leaf_types(call.dynamic, run=run)
+        # placing arrays changes no type: one key for both
+        return call, types, (call.key, validate.signature(call.dynamic, types))
+
+    def _compiled(self, call: arguments.Call, types, key, given: Plan | None = None) -> _Entry:
         hit = self._cache.get(key)
         if hit is None or given is not None:
-            traced = distributed.global_args(args, self.host_local_argnums)
-            if traced is not args:
+            fn, results = call.function(self.fn, self.donate_argnums)
+            traced = distributed.global_args(call.dynamic, self.host_local_argnums)
+            if traced is not call.dynamic:
                 types = validate.leaf_types(traced, run=False)
-            graph, trace_s = _trace(self.fn, traced, types, self.donate_argnums)
+            graph, trace_s = _trace(fn, traced, types, self.donate_argnums)
             distributed.check_same_graph(graph)       # no-ops in a one-process job
             plan = self._plan_for(graph, trace_s, given, _user_layout(
                 self.options["strategy"], traced))
             distributed.check_same_plan(plan)
             jitted, in_shardings = codegen.build(graph, plan, self.mesh, self.donate_argnums)
-            hit = (plan, jitted, in_shardings, graph)
+            hit = _Entry(plan, jitted, in_shardings, graph, results)
             self._cache[key] = hit
             self._executables.pop(key, None)
-        self._last = hit[0]
+        self._last = hit.plan
         return hit
 
     def _plan_for(self, graph: ir.Graph, trace_s: float, given: Plan | None = None,
@@ -238,22 +274,36 @@ class AutoParallel:
 
     def __call__(self, *args, **kwargs):
         _no_kwargs(self, kwargs)
-        types = validate.leaf_types(args, run=True)
-        key = validate.signature(args, types)  # placing arrays changes no type: one key for both
+        call, types, key = self._prepared(args, run=True)
         with on_mesh(self.mesh):
-            plan, jitted, in_shardings, graph = self._compiled(args, types, key)
-            args = distributed.place_host_local(args, self.host_local_argnums, in_shardings)
-            args = jax.tree_util.tree_map(_place, args, in_shardings)
-            exe = self._executables.get(key)
-            if exe is None:
-                exe = self._executables[key] = self._compile(plan, jitted, args, graph)
-            self._last_key = key
-            return exe(*args)
+            entry = self._compiled(call, types, key)     # the key's one lookup in this call
+            if entry.exe is None:
+                entry.exe = self._executables[key] = self._compile(entry, self._abstract(call))
+            return self._run(call, key, entry, entry.exe)
 
-    def _compile(self, plan: Plan, jitted, args, graph: ir.Graph):
+    def _run(self, call: arguments.Call, key, entry: _Entry, exe):
+        """Move the traced arguments into their planned layouts, run, write NNX changes back.
+        NNX objects keep the moved arrays: the state the step leaves unchanged (an RNG key, a
+        frozen layer) moves once, not at every call."""
+        args = distributed.place_host_local(call.dynamic, self.host_local_argnums,
+                                            entry.in_shardings)
+        args = jax.tree_util.tree_map(_place, args, entry.in_shardings)
+        if call.nodes:
+            call.adopt(args)
+        self._last, self._last_key = entry.plan, key
+        return call.finish(entry.results, exe(*args))
+
+    def _abstract(self, call: arguments.Call) -> tuple:
+        """The traced arguments as ShapeDtypeStructs of their global shapes: what lowering
+        needs, whatever layout (or process) the arrays are in."""
+        traced = distributed.global_args(call.dynamic, self.host_local_argnums)
+        return validate.abstract(traced, validate.leaf_types(traced, run=False))
+
+    def _compile(self, entry: _Entry, args):
         """Compile once per signature. Should XLA reject the constraints the plan pins inside the
         step (its partitioner has failed verification on some layouts), fall back to the plan's
         input and output layouts alone, and say so."""
+        plan, jitted, graph = entry.plan, entry.jitted, entry.graph
         try:
             return jitted.lower(*args).compile()
         except Exception as e:  # noqa: BLE001 - XLA raises several runtime error types
@@ -269,36 +319,77 @@ class AutoParallel:
 
     def verify(self, *args, **tolerances):
         """``autopar.verify`` of the executable of ``args``' signature (default: the last one
-        called) against its plan."""
+        called) against its plan; ``args`` as the step takes them."""
         from autopar.verify import verify
 
         if args:
-            types = validate.leaf_types(args, run=False)
-            key = validate.signature(args, types)
-            exe = self._executables.get(key) or self.lower(*args).compile()
-            plan = self._cache[key][0]
+            compiled = self.compile(*args)
+            plan, exe = self._cache[compiled._key].plan, compiled.jax
         elif self._last_key is not None:
-            plan, exe = self._cache[self._last_key][0], self._executables[self._last_key]
+            plan, exe = self._cache[self._last_key].plan, self._executables[self._last_key]
         else:
             raise AutoparError("step.verify() needs the step to have run once, or arguments "
                                "to compile it for: step.verify(state, batch)")
         return verify(plan, exe, **tolerances)
 
-    def lower(self, *args, **kwargs):
-        """Like ``jax.jit(...).lower``: arguments may be ShapeDtypeStructs."""
+    def lower(self, *args, **kwargs) -> Lowered:
+        """Like ``jax.jit(...).lower``, for what the step takes: arrays in any layout (lowered
+        for the planned one, as a call would move them), ShapeDtypeStructs, NNX objects, modules
+        with static leaves. ``.compile()`` gives the executable, which runs as the step does."""
         _no_kwargs(self, kwargs)
-        types = validate.leaf_types(args, run=False)
+        call, types, key = self._prepared(args, run=False)
         with on_mesh(self.mesh):
-            _, jitted, _, _ = self._compiled(args, types, validate.signature(args, types))
-            return jitted.lower(*distributed.global_args(args, self.host_local_argnums))
+            entry = self._compiled(call, types, key)
+            return Lowered(self, key, entry.jitted.lower(*self._abstract(call)))
+
+    def compile(self, *args, **kwargs) -> Compiled:
+        """The executable of ``args``' signature (planned and compiled on first use, shared with
+        the step's calls); it runs as the step does: ``step.compile(*args)(*args)``."""
+        _no_kwargs(self, kwargs)
+        call, types, key = self._prepared(args, run=False)
+        with on_mesh(self.mesh):
+            entry = self._compiled(call, types, key)
+            return self._compiled_for(key, lambda: self._compile(entry, self._abstract(call)))
+
+    def _compiled_for(self, key, make) -> Compiled:
+        entry = self._cache[key]
+        if entry.exe is None:
+            entry.exe = self._executables[key] = make()
+        return Compiled(self, key, entry.exe)
+
+    def _call_compiled(self, key, exe, args: tuple, kwargs):
+        """``Compiled.__call__``: ``args`` must have the signature ``exe`` was compiled for."""
+        _no_kwargs(self, kwargs)
+        call, _, got = self._prepared(args, run=True)
+        if got != key:
+            raise AutoparError(
+                f"this executable was compiled for other arguments: "
+                f"{validate.signature_difference(key[1], got[1], call.dynamic)}. Call the step "
+                f"itself (it plans and compiles once per signature), or compile for these "
+                f"arguments: step.compile(*args)")
+        with on_mesh(self.mesh):
+            return self._run(call, key, self._cache[key], exe)
 
     def input_shardings(self, *args, plan: Plan | None = None):
-        """The ``NamedSharding`` of every argument (a pytree like ``args``, which may be
-        ShapeDtypeStructs): plans for this signature if needed, or applies ``plan`` to it. Use it
-        to load arrays straight into their layouts (``autopar.checkpoint.restore`` does)."""
-        types = validate.leaf_types(args, run=False)
+        """The ``NamedSharding`` of every traced argument leaf (a pytree like ``args``, which
+        may be ShapeDtypeStructs, with each NNX object's place holding its ``nnx.State``): plans
+        for this signature if needed, or applies ``plan`` to it. Use it to load arrays straight
+        into their layouts (``autopar.checkpoint.restore`` does)."""
+        call, types, key = self._prepared(args, run=False)
         with on_mesh(self.mesh):
-            return self._compiled(args, types, validate.signature(args, types), given=plan)[2]
+            return self._compiled(call, types, key, given=plan).in_shardings
+
+
+@dataclasses.dataclass
+class _Entry:
+    """What one signature planned and built; ``exe`` once compiled."""
+
+    plan: Plan
+    jitted: Any
+    in_shardings: Any
+    graph: ir.Graph
+    results: arguments.Results
+    exe: Any = None
 
 
 def _no_kwargs(step: AutoParallel, kwargs) -> None:
@@ -357,7 +448,10 @@ def autoparallel(fn: Callable | None = None, *, mesh=None, hardware=None,
     """Decorate a training step so it runs sharded over ``mesh`` by a plan autopar chooses.
 
     ``autoparallel(fn, mesh=...)`` and ``@autoparallel(mesh=...)`` both work. The first call with
-    a new abstract signature traces, plans and compiles; later calls reuse the executable.
+    a new abstract signature traces, plans and compiles; later calls reuse the executable. The
+    step takes what ``nnx.jit`` and ``eqx.filter_jit`` take (see ``autopar.arguments``): Flax
+    NNX objects, whose every change the step writes back into them after the call, and pytrees
+    whose non-array leaves are static (part of the signature, as ``eqx.filter_jit`` keys them).
     ``plan=`` applies a saved plan (``Plan.from_json``) without solving. The options are those of
     ``autopar.plan``; every one is checked here, before the first call. Under
     ``jax.distributed`` every process calls the step alike; the arguments in
@@ -421,6 +515,7 @@ class _Pipelined:
 
     def __call__(self, *args, **kwargs):
         _no_kwargs(self, kwargs)
+        _no_graph_objects(args, "autoparallel")
         return self._step(args, run=True)(*args)
 
     def lower(self, *args, **kwargs):
@@ -429,6 +524,7 @@ class _Pipelined:
         from autopar.pipeline.planning import stacked_args
 
         _no_kwargs(self, kwargs)
+        _no_graph_objects(args, "autoparallel")
         args = stacked_args(self.fn, args)
         return self._step(args, run=False).jitted(*args).lower(*args)
 

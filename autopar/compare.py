@@ -34,8 +34,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from autopar import hlo, validate
-from autopar.api import _trace, autoparallel, plan_graph
+from autopar import arguments, hlo, validate
+from autopar.api import autoparallel, plan_graph, trace_abstract
 from autopar.errors import PlanError
 from autopar.mesh import axis_sizes, concrete_mesh, hardware_for
 from autopar.plan import Plan
@@ -144,8 +144,9 @@ def compare(fn: Callable, *args, mesh, hardware=None,
     """Plan (and, when the devices are here, run) ``fn(*args)`` under each strategy.
 
     Args:
-      fn: the training step.
-      *args: its arguments (arrays, or ShapeDtypeStructs to only plan).
+      fn, *args: the training step and its arguments, as ``autoparallel`` takes them (arrays, or
+        ShapeDtypeStructs to only plan; NNX objects; modules with static leaves). Timing runs
+        the step on copies: nothing is written back into the caller's objects.
       mesh: a ``jax.sharding.Mesh`` or a dict of axis sizes, as for ``autopar.plan``.
       hardware: the cost model's profile; default the mesh's devices, else ``"h100"``.
       strategies: names from ``autopar.strategies.NAMES``, strategy objects (the user's own
@@ -169,13 +170,17 @@ def compare(fn: Callable, *args, mesh, hardware=None,
     """
     # Bad input fails here, before tracing, not as one error row per strategy.
     validate.callable_fn(fn, "autopar.compare")
-    types = validate.leaf_types(args, run=False)
+    # What the step takes, parted as autoparallel parts it (NNX objects split, static leaves
+    # apart): every strategy plans and times the step as a function of its traced arguments,
+    # and the timed runs write nothing back into the caller's objects.
+    call = arguments.prepare(args)
+    fn, _ = call.function(fn)
+    args = call.dynamic
+    validate.leaf_types(args, run=False)
     validate.memory_budget(memory_budget)
     validate.time_limit(time_limit_s)
     axis_sizes(mesh)
-    # traced as autopar.plan and autoparallel trace (unsharded abstract arguments, no mesh), so
-    # the measured executables run the planned program whatever layouts the arguments carry
-    graph, trace_s = _trace(fn, args, types, ())
+    graph, trace_s = trace_abstract(fn, args)   # as autoparallel traces it, so its plans apply
     run_mesh = _runnable_mesh(mesh, args) if measure else None
     hw = hardware_for(hardware, mesh)
     from autopar.strategies.user import resolve
@@ -272,12 +277,8 @@ def _compile(fn, args, mesh, plan: Plan):
     step = autoparallel(fn, mesh=mesh, plan=plan)
     if plan.pipeline is not None:
         args = (step.stack_state(args[0]), *args[1:])
-    # lowered from unsharded abstract arguments: arrays the user committed to another layout
-    # are placed into the plan's afterwards (_compiled_row), as the step's __call__ places them
-    shapes = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=getattr(x, "weak_type", False)),
-        args)
-    compiled = step.lower(*shapes).compile()
+    compiled = step.lower(*args).compile()
+    compiled = getattr(compiled, "jax", compiled)   # jax's own: timed without autopar's wrapper
     return compiled, time.perf_counter() - t0, args
 
 

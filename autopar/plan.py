@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from typing import Any
 
 import jax
@@ -396,7 +397,26 @@ def _spec_tree(shardings, tree, paths):
     specs = [to_spec(s) for s in shardings]
     if tree is None:   # a plan loaded from JSON before it was applied to its function
         return dict(zip(paths, specs))
-    return jax.tree_util.tree_unflatten(tree, specs)
+    return _unboxed(jax.tree_util.tree_unflatten(tree, specs))
+
+
+def _unboxed(tree):
+    """``tree`` with each metadata box (an NNX ``Variable``, a flax ``Partitioned`` or other
+    ``AxisMetadata``) replaced by the one spec it holds: plain ``PartitionSpec``s, and still a
+    tree prefix of the arguments, so usable as a ``jax.jit``'s ``in_shardings``."""
+    boxes = _box_types()
+    if not boxes:
+        return tree
+    return jax.tree_util.tree_map(
+        lambda x: jax.tree_util.tree_leaves(x)[0] if isinstance(x, boxes) else x, tree,
+        is_leaf=lambda x: isinstance(x, boxes))
+
+
+def _box_types() -> tuple[type, ...]:
+    """Flax's box types, when the program imported flax (no box exists otherwise)."""
+    nnx, meta = sys.modules.get("flax.nnx"), sys.modules.get("flax.core.meta")
+    return ((nnx.Variable,) if nnx is not None else ()) + (
+        (meta.AxisMetadata,) if meta is not None else ())
 
 
 def _ms(s: float) -> str:

@@ -235,9 +235,11 @@ def _typeof(x: Any, where: str):
                            f"jax_enable_x64, or a value that fits") from None
     except TypeError:
         raise AutoparError(
-            f"{where} is {type(x).__name__} {short(x)}, which jax cannot trace; arguments are "
-            f"arrays (jax or numpy, numeric dtypes), jax.ShapeDtypeStructs or Python scalars: "
-            f"close over other values with functools.partial") from None
+            f"{where} is {type(x).__name__} {short(x)}, which jax cannot trace. autopar traces "
+            f"arrays of numeric dtypes (jax or numpy) and jax.ShapeDtypeStructs, and keeps every "
+            f"other leaf static, as eqx.filter_jit does: convert it to a numeric array, or "
+            f"filter it out of the arguments (params, static = eqx.partition(tree, "
+            f"eqx.is_array)) and close over it with functools.partial") from None
 
 
 def abstract(args: tuple, types: list) -> tuple:
@@ -253,6 +255,18 @@ def signature(args: tuple, types: list) -> tuple:
     return (jax.tree_util.tree_structure(args),
             tuple((tuple(t.shape), str(t.dtype), bool(getattr(t, "weak_type", False)))
                   for t in types))
+
+
+def signature_difference(want: tuple, got: tuple, args: tuple) -> str:
+    """Where two ``signature``s differ, for a message; ``args`` are those of ``got``."""
+    if want[0] != got[0]:
+        return f"the argument trees differ (compiled for {want[0]}, called with {got[0]})"
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
+    for path, a, b in zip(paths, want[1], got[1]):
+        if a != b:
+            return (f"argument {path} was {a[1]}{list(a[0])}, is now {b[1]}{list(b[0])}"
+                    f"{' (weak-typed)' if b[2] else ''}")
+    return "the static leaves or NNX graph structure differ"
 
 
 def callable_fn(fn: Any, where: str) -> Callable:
