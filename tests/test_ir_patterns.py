@@ -283,3 +283,17 @@ def test_nnx_grouped_query_attention():
     assert graph.type(fwd.input("q")).shape == (4, 16, 2, 2, 8)
     assert graph.type(fwd.input("k")).shape == (4, 16, 2, 8)
     assert sorted(fwd.attr("keep_dims")) == sorted(("B", "H", "G", "Sq", "Sk"))
+
+
+def test_zoo_nnx_lm_as_the_nnx_guides_write_it():
+    """The zoo's NNX decoder (nnx.make_causal_mask, nnx.LayerNorm, a three-argument optax step):
+    its constant causal mask is rebuilt by the kernel. Its LM head adds a bias to the logits,
+    which the cross-entropy kernel does not take: no xent match (see the kernels guide)."""
+    from autopar.models import zoo
+
+    step, params, opt_state, batch = zoo.nnx_lm(zoo.Config(layers=2, width=32), abstract=True)
+    matches = find_patterns(ir.trace(step, params, opt_state, batch))
+    got = counts(matches)
+    assert (got["attention_fwd"], got["attention_bwd"], got["norm_fwd"], got["xent_fwd"]) == \
+        (2, 2, 5, 0), dict(got)
+    assert {m.attr("mask") for m in matches if m.pattern == "attention_fwd"} == {"causal"}
