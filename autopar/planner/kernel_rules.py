@@ -80,8 +80,7 @@ def _attn_check(index: Index, fwd: Match, bwd: Match | None) -> str | None:
     out = _t(index, fwd.output("out"))
     if fwd.attr("mask") not in ("causal", "none", "data"):
         return ("a mask the kernel cannot apply: it computes where(keep, scale * q k^T + bias, "
-                "fill), and this step masks before adding a bias, masks twice alike, or masks "
-                "grouped (B, S, K, G, D) queries' scores as data")
+                "fill), and this step masks before adding a bias, or masks twice alike")
     if len(k.shape) != 4 or v.shape != k.shape or q.dtype != k.dtype or v.dtype != k.dtype:
         return f"k {k}, v {v}, q {q} (the kernel takes k, v (B, S, K, D) of q's dtype)"
     b, sk, kv, d = k.shape

@@ -13,6 +13,9 @@ only when the substitution is sound (``_unsound``):
   * the kernel can run where its outputs are first needed: each half's inputs are read before
     its first output is made, and the forward's outputs come before the backward's.
 
+Every match that is no site is returned with the reason (``rejected``, which
+``kernel_choice`` adds to with the sites a plan leaves to XLA): ``Plan.rejected_kernels``.
+
 An *option* is one way of splitting the kernel's dims over mesh axes (``kernel_rules``): it
 fixes the layout of each interface value, the kernel's time and its collectives. An option is
 kept only when every interface value's decision group offers its layout. The XLA side of the
