@@ -96,8 +96,44 @@ def summary(plan, max_rows: int = 40) -> str:
     for kind, axes, n, t in collective_rows(plan):
         lines.append(f"{kind:<16} {axes:<14} {n:>6} {t * 1e3:>9.3f} ms")
     lines += _kernel_lines(plan, max_rows)
+    lines += _rejected_lines(plan, max_rows)
     lines += _fallback_lines(plan, max_rows)
     return "\n".join(lines)
+
+
+def rejected_rows(plan):
+    """(kernel, reason, count, module path, source) per kind of match the plan left to XLA
+    (``Plan.rejected_kernels``; reasons alike but for op and value ids are one kind, shown by
+    its first), most frequent first."""
+    groups: dict[tuple[str, str], list] = {}
+    for r in plan.rejected_kernels:
+        g = groups.setdefault((r.kernel, _generic(r.reason)), [0, r])
+        g[0] += 1
+    rows = [(k, first.reason, n, first.module, first.sources[0] if first.sources else "")
+            for (k, _), (n, first) in groups.items()]
+    return sorted(rows, key=lambda row: -row[2])
+
+
+def _generic(reason: str) -> str:
+    """A reason without the op and value ids that differ from layer to layer."""
+    import re
+
+    return re.sub(r"%\d+", "%N", re.sub(r"\bop\d+( [\w-]+)?", "opN", reason))
+
+
+def _rejected_lines(plan, max_rows: int) -> list[str]:
+    rows = rejected_rows(plan)
+    if not rows:
+        return []
+    lines = ["", f"{len(plan.rejected_kernels)} kernel sites left to XLA's ops:",
+             f"{'kernel':<14} {'count':>5}  where (first) / why"]
+    for kernel, why, n, module, src in rows[:max_rows]:
+        lines.append(f"{kernel:<14} {n:>5}  {module or '(no module path)'} @ "
+                     f"{src or '(no source)'}")
+        lines.append(f"{'':<21}{why}")
+    if len(rows) > max_rows:
+        lines.append(f"... {len(rows) - max_rows} more rows")
+    return lines
 
 
 def fallback_rows(plan):
@@ -138,6 +174,11 @@ def html(plan) -> str:
                    for n, sp, specs, k, x, g, src in kernel_rows(plan))
     kern = (f"<table><tr><th>kernel</th><th>split</th><th>per-shard specs</th><th>kernel</th>"
             f"<th>XLA ops</th><th>gain</th><th>source</th></tr>{kern}</table>" if kern else "")
+    left = "".join(f"<tr><td>{esc(k)}</td><td>{esc(n)}</td><td><code>{esc(m)}</code> "
+                   f"{esc(src)}</td><td>{esc(why)}</td></tr>"
+                   for k, why, n, m, src in rejected_rows(plan))
+    kern += (f"<table><tr><th>left to XLA</th><th>count</th><th>where (first)</th><th>why</th>"
+             f"</tr>{left}</table>" if left else "")
     return (f"<div><b>autopar plan</b> strategy={esc(plan.strategy)} mesh={esc(dict(plan.mesh))} "
             f"hardware={esc(plan.hardware)}<br>{esc(plan.cost)}<br>"
             f"<table><tr><th>input</th><th>shape</th><th>spec</th></tr>{rows}</table>"

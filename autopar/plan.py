@@ -77,6 +77,20 @@ class KernelUse:
 
 
 @dataclasses.dataclass(frozen=True)
+class RejectedKernel:
+    """A place a fused kernel could replace XLA's ops (an ``ir.patterns`` match) that the plan
+    leaves to XLA, and why (``autopar.planner.kernel_sites`` and ``kernel_choice``): the match
+    is inside a loop body, its mask or shapes are ones the kernel cannot take, no layout of the
+    plan fits the kernel's splits, or (``kernels="auto"``) XLA's ops are predicted faster."""
+
+    kernel: str                                         # one of KERNELS
+    op_ids: tuple[int, ...]                             # the forward match's ops
+    sources: tuple[str, ...]
+    module: str                                         # module path, "model/layers/0/attn"
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
 class CostBreakdown:
     step_time_s: float
     compute_s: float
@@ -118,7 +132,9 @@ class Plan:
     ``input_shardings``/``output_shardings`` are flat, in the order of the flattened arguments
     and results; ``input_specs``/``output_specs`` give them as pytrees of ``PartitionSpec``.
     ``pins`` are every layout codegen enforces inside the step (``Pin``); ``kernels`` the fused
-    kernels it runs in place of XLA's ops (``KernelUse``).
+    kernels it runs in place of XLA's ops (``KernelUse``), ``rejected_kernels`` the places
+    one could go that it leaves to XLA, and why (``RejectedKernel``; empty with
+    ``kernels="never"``).
     """
 
     mesh: tuple[tuple[str, int], ...]
@@ -136,6 +152,7 @@ class Plan:
     cost: CostBreakdown
     solver: SolverStats
     kernels: tuple[KernelUse, ...] = ()
+    rejected_kernels: tuple[RejectedKernel, ...] = ()
     in_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
     out_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
     notes: tuple[str, ...] = ()   # what a hand-written strategy could not place, and why
@@ -250,7 +267,9 @@ def _plan_from_dict(d) -> Plan:
         notes=J.texts(d.get("notes", []), "notes"),
         pipeline=_pipeline(d["pipeline"], sizes),
         kernels=tuple(_kernel_use(x, sizes, k)
-                      for k, x in enumerate(J.seq(d["kernels"], "kernels"))))
+                      for k, x in enumerate(J.seq(d["kernels"], "kernels"))),
+        rejected_kernels=tuple(_rejected(x, k) for k, x in enumerate(
+            J.seq(d.get("rejected_kernels", []), "rejected_kernels"))))
 
 
 def _pipeline(x, sizes):
@@ -270,7 +289,8 @@ def _check_top(d) -> None:
                         f"autopar reads")
     fields = {f.name for f in dataclasses.fields(Plan)} - {"in_tree", "out_tree"}
     unknown = sorted(set(d) - fields - {"format_version"})
-    missing = sorted(fields - set(d) - {"notes"})     # notes: absent from older saved plans
+    # absent from plans saved before they were recorded
+    missing = sorted(fields - set(d) - {"notes", "rejected_kernels"})
     if unknown or missing:
         raise PlanError(f"unknown fields {unknown} / missing fields {missing}")
 
@@ -358,6 +378,19 @@ def _kernel_use(x, sizes, k: int) -> KernelUse:
                      J.texts(d["sources"], f"{where}.sources"), split, specs,
                      J.number(d["kernel_s"], f"{where}.kernel_s"),
                      J.number(d["xla_s"], f"{where}.xla_s"))
+
+
+def _rejected(x, k: int) -> RejectedKernel:
+    where = f"rejected_kernels[{k}]"
+    d = J.fields(x, where, [f.name for f in dataclasses.fields(RejectedKernel)])
+    kernel = J.text(d["kernel"], f"{where}.kernel")
+    if kernel not in KERNELS:
+        raise PlanError(f"{where}.kernel is {kernel!r}; a kernel is one of {KERNELS}")
+    return RejectedKernel(kernel, tuple(J.integer(i, f"{where}.op_ids")
+                                        for i in J.seq(d["op_ids"], f"{where}.op_ids")),
+                          J.texts(d["sources"], f"{where}.sources"),
+                          J.text(d["module"], f"{where}.module"),
+                          J.text(d["reason"], f"{where}.reason"))
 
 
 def _spec_entry(x, where: str) -> tuple[str, str, tuple[int, ...]]:

@@ -32,12 +32,13 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from autopar.errors import PlanError
-from autopar.kernels import AdamWHyper
+from autopar.kernels import AdamWHyper, Masks
 from autopar.kernels import halves as kh
 from autopar.kernels.sharded import adamw_sharded
 from autopar.planner.kernel_rules import RULES
 from ir.graph import Graph, Op
 from ir.patterns import Match, find_patterns
+from ir.rules_attention import mask_order
 
 DEAD = type("Dead", (), {"__repr__": lambda self: "DEAD"})()
 
@@ -228,17 +229,43 @@ def _attention_fwd(run: _Run, site: _Site):
     m = site.fwd
     q, k, v = (run.get(m, r) for r in ("q", "k", "v"))
     q4 = jnp.reshape(q, q.shape[:2] + (-1, q.shape[-1]))        # (B, S, K, G, D) -> (B, S, H, D)
+    masks = _attention_masks(run, m)
     out, lse = kh.attention_fwd_sharded(q4, k, v, mesh=run.t.mesh, causal=bool(m.attr("causal")),
-                                        scale=m.attr("scale"), **_attn_axes(site))
-    return {"out": out}, (q4, k, v, out, lse)
+                                        scale=m.attr("scale"), masks=masks, **_attn_axes(site))
+    return {"out": out}, (q4, k, v, out, lse, masks)
+
+
+def _attention_masks(run: _Run, m: Match) -> Masks:
+    """The match's masks read as data, in the scores' (B, H, Sq, Sk) order (``ir.rules_attention``
+    says how its attrs describe them)."""
+    def scores_order(role: str):
+        x = run.get(m, role)
+        if x is None:
+            return None
+        x = jnp.transpose(x, mask_order(m.attr(f"{role}_dims")))    # (B, H[, G], Sq, Sk)
+        if x.ndim == 5:        # grouped queries' heads: (H, G) -> H * G, or 1 if broadcast
+            heads = x.shape[1] * x.shape[2]
+            if heads > 1:
+                q = run.get(m, "q")
+                x = jnp.broadcast_to(x, x.shape[:1] + q.shape[2:4] + x.shape[3:])
+            x = jnp.reshape(x, (x.shape[0], -1) + x.shape[3:])
+        return x
+
+    bias, keep = scores_order("bias"), scores_order("keep")
+    if bias is not None:
+        bias = bias.astype(jnp.float32) * m.attr("bias_scale", 1.0)
+    if keep is not None:
+        keep = keep if m.attr("keep_true", True) else jnp.logical_not(keep)
+    return Masks(bias, keep, float(m.attr("fill", 0.0)))
 
 
 def _attention_bwd(run: _Run, site: _Site, res):
-    q4, k, v, out, lse = res
+    q4, k, v, out, lse, masks = res
     dout = jnp.reshape(run.get(site.bwd, "dout"), out.shape)
     dq, dk, dv = kh.attention_bwd_sharded(q4, k, v, out, lse, dout, mesh=run.t.mesh,
                                           causal=bool(site.fwd.attr("causal")),
-                                          scale=site.fwd.attr("scale"), **_attn_axes(site))
+                                          scale=site.fwd.attr("scale"), masks=masks,
+                                          **_attn_axes(site))
     return {"dq": dq, "dk": dk, "dv": dv}
 
 
@@ -248,7 +275,7 @@ def _rows(site: _Site, n: int) -> tuple:
 
 def _norm_fwd(run: _Run, site: _Site):
     m = site.fwd
-    x, scale = run.get(m, "x"), run.get(m, "scale")
+    x, scale = run.get(m, "x"), run.get(m, "scale") + m.attr("scale_offset", 0.0)
     bias, residual = run.get(m, "bias"), run.get(m, "residual")
     rows = _rows(site, x.ndim - 1)
     y, h, mean, rstd = kh.norm_fwd_sharded(m.attr("kind"), x, scale, bias, residual,
@@ -270,12 +297,13 @@ def _xent_fwd(run: _Run, site: _Site):
     h, w, t = (run.get(m, r) for r in ("h", "w", "targets"))
     split = {"rows": _rows(site, t.ndim), "vocab": _axes(site.split["vocab"])}
     loss, lse = kh.xent_fwd_sharded(h, w, t, mesh=run.t.mesh, **split)
-    return {"loss": loss}, (h, w, t, lse, split)
+    sign = m.attr("loss_sign", 1.0)     # -1: the match's output is the picked log-probability
+    return {"loss": sign * loss}, (h, w, t, lse, split, sign)
 
 
 def _xent_bwd(run: _Run, site: _Site, res):
-    h, w, t, lse, split = res
-    dloss = jnp.reshape(run.get(site.bwd, "dloss"), t.shape)
+    h, w, t, lse, split, sign = res
+    dloss = sign * jnp.reshape(run.get(site.bwd, "dloss"), t.shape)
     dh, dw = kh.xent_bwd_sharded(h, w, t, lse, dloss, mesh=run.t.mesh, **split)
     return {"dh": dh, "dw": dw}
 

@@ -36,7 +36,7 @@ _BINARY: dict[str, Callable[[Any, Any], Any]] = {
 _UNARY: dict[str, Callable[[Any], Any]] = {
     "neg": operator.neg, "sqrt": math.sqrt, "rsqrt": lambda a: 1 / math.sqrt(a), "exp": math.exp,
     "log": math.log, "not": lambda a: not a if isinstance(a, bool) else ~a,
-    "stop_gradient": lambda a: a,
+    "stop_gradient": lambda a: a, "copy": lambda a: a, "copy_p": lambda a: a,
 }
 
 
@@ -145,7 +145,14 @@ def _squeeze(ev: Evaluator, op: Op, idx: tuple[int, ...]) -> Any:
     return ev.element(op.ins[0], tuple(inner))
 
 
+def _slice(ev: Evaluator, op: Op, idx: tuple[int, ...]) -> Any:
+    starts = op.param("start_indices")
+    strides = op.param("strides") or (1,) * len(idx)
+    return ev.element(op.ins[0], tuple(s + i * k for s, i, k in zip(starts, idx, strides)))
+
+
 _RULES: dict[str, Callable[[Evaluator, Op, tuple[int, ...]], Any]] = {
     "iota": _iota, "broadcast_in_dim": _broadcast_in_dim, "reshape": _reshape,
     "transpose": _transpose, "convert_element_type": _convert, "squeeze": _squeeze,
+    "slice": _slice,
 }

@@ -14,7 +14,6 @@ from ir.patterns import Index, externals
 LAYOUT = frozenset({"broadcast_in_dim", "reshape", "convert_element_type", "squeeze",
                     "expand_dims", "stop_gradient"})
 OUTPUT_LAYOUT = frozenset({"transpose", "reshape", "convert_element_type"})
-CAUSAL_SAMPLES = 8  # index pairs on which a mask must agree with tril(ones) to count as causal
 
 
 def strip(index: Index, v: int, anchor: Op, prims: frozenset[str] = LAYOUT) -> int:

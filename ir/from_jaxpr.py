@@ -66,6 +66,7 @@ class _Ctx:
     scope: tuple[str, ...] = ()
     name: str = ""
     source: str = ""  # the enclosing call's location, for inlined eqns that have none
+    site: str = ""    # likewise, its site (``Op.site``)
 
 
 class _Builder:
@@ -149,6 +150,37 @@ def source_of(source_info: Any) -> str:
     return ""
 
 
+def site_of(source_info: Any) -> str:
+    """``"file.py:LINE"`` of the innermost frame outside jax's own package (a flax,
+    transformers or user line), or ``""``."""
+    tb = getattr(source_info, "traceback", None)
+    try:
+        codes, lastis = tb.raw_frames()
+    except Exception:  # noqa: BLE001 - private API (and no traceback): no site
+        return ""
+    for code, lasti in zip(codes, lastis):
+        if not _is_jax_file(code.co_filename):
+            return _site(code, lasti)
+    return ""
+
+
+@functools.cache
+def _is_jax_file(filename: str) -> bool:
+    return filename.startswith(_jax_dirs()) or filename.startswith("<")
+
+
+@functools.cache
+def _jax_dirs() -> tuple[str, ...]:
+    import jaxlib
+
+    return tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, jaxlib))
+
+
+@functools.lru_cache(maxsize=4096)
+def _site(code: Any, lasti: int) -> str:
+    return f"{os.path.basename(code.co_filename)}:{_line_of(code, lasti)}"
+
+
 @functools.lru_cache(maxsize=4096)
 def _location(code: Any, lasti: int) -> str:
     line = _line_of(code, lasti)
@@ -174,7 +206,7 @@ def lower_eqns(b: _Builder, jaxpr: Any, env: dict[Any, int], ctx: _Ctx) -> list[
     ops: list[Op] = []
     for i, eqn in enumerate(jaxpr.eqns):
         prim = eqn.primitive.name
-        here = _Ctx(ctx.origin + (i,), ctx.scope, ctx.name, ctx.source)
+        here = _Ctx(ctx.origin + (i,), ctx.scope, ctx.name, ctx.source, ctx.site)
         if prim in INLINE_RULES:
             ops.extend(_inline(b, eqn, env, here))
         elif prim in REGION_RULES:
@@ -221,6 +253,7 @@ def _make_op(b: _Builder, eqn: Any, ctx: _Ctx, ins: tuple[int, ...], outs: tuple
     return Op(id=op_id, prim=eqn.primitive.name, ins=ins, outs=outs, params=params,
               flops=cost.flops, transcendentals=cost.transcendentals, bytes_accessed=nbytes,
               source=source_of(eqn.source_info) or ctx.source,
+              site=site_of(eqn.source_info) or ctx.site,
               name=_join_name(ctx.name, str(eqn.source_info.name_stack)),
               scope=ctx.scope, origin=ctx.origin, regions=regions, trip_count=trip_count)
 
@@ -240,7 +273,8 @@ def _inline(b: _Builder, eqn: Any, env: dict[Any, int], ctx: _Ctx) -> list[Op]:
         inner_env[var] = b.read(env, atom)
     inner_ctx = _Ctx(ctx.origin, ctx.scope + ((marker,) if marker else ()),
                      _join_name(ctx.name, str(eqn.source_info.name_stack)),
-                     source_of(eqn.source_info) or ctx.source)
+                     source_of(eqn.source_info) or ctx.source,
+                     site_of(eqn.source_info) or ctx.site)
     ops = lower_eqns(b, inner, inner_env, inner_ctx)
     for var, atom in zip(eqn.outvars, inner.outvars):
         if not isinstance(var, jcore.DropVar):
@@ -270,7 +304,8 @@ def _region_op(b: _Builder, eqn: Any, env: dict[Any, int], ctx: _Ctx) -> Op:
     if prim == "cond":
         subs = list(subs[0])
     inner_ctx = _Ctx(ctx.origin, ctx.scope, _join_name(ctx.name, str(eqn.source_info.name_stack)),
-                     source_of(eqn.source_info) or ctx.source)
+                     source_of(eqn.source_info) or ctx.source,
+                     site_of(eqn.source_info) or ctx.site)
     # a region's ops extend the origin with the region's index: (eqn, region, eqn in region, ...)
     built = [_region(b, s, dataclasses.replace(inner_ctx, origin=inner_ctx.origin + (r,)))
              for r, s in enumerate(subs)]

@@ -94,6 +94,10 @@ class Op:
       transcendentals: exp/log/tanh/sqrt/... evaluations, which XLA counts apart from flops.
       bytes_accessed: bytes read plus written by one execution (same multiplication rule).
       source: the user's source location, ``"file.py:123 (function)"``, or ``""``.
+      site: the innermost frame outside jax itself, ``"attention.py:47"``: the library line
+        (flax, transformers) or user line that made the equation. Finer than ``source`` when
+        the model is a library's: every op of a transformers model has the user's one calling
+        line as ``source``. A backward equation keeps its forward equation's ``site``.
       name: the name stack (flax module path and transforms), e.g. ``"jvp(GPT)/layer_0/mlp/fc1"``.
       scope: markers of inlined wrappers, outermost first, e.g. ``("remat2",)``.
       origin: equation-index path from the top-level jaxpr (see module docstring).
@@ -118,6 +122,7 @@ class Op:
     trip_count: int = 1
     layer: int | None = None
     transcendentals: float = 0.0
+    site: str = ""
 
     def param(self, key: str, default: Any = None) -> Any:
         for k, v in self.params:

@@ -8,7 +8,8 @@ from collections.abc import Callable
 from ir.dataflow import LAYOUT, OUTPUT_LAYOUT, strip, sum_of
 from ir.graph import Op
 from ir.patterns import Index, Match, backward_inputs, backward_outputs
-from ir.rules_attention_norm import find_attention, find_norm
+from ir.rules_attention import find_attention
+from ir.rules_norm import find_norm
 from ir.rules_xent_adamw import find_adamw, find_xent
 
 
@@ -23,18 +24,28 @@ def _marking_recompute(rule: Callable[[Index, Op], Match | None]):
     return apply
 
 
+def _first_of(*rules: Callable[[Index, Op], Match | None]):
+    """The first match of ``rules`` at one anchor (``sqrt`` is Adam's and transformers'
+    RMSNorm's)."""
+    def apply(index: Index, op: Op) -> Match | None:
+        return next((m for rule in rules if (m := rule(index, op)) is not None), None)
+    return apply
+
+
 FORWARD_RULES: dict[str, Callable[[Index, Op], Match | None]] = {
     prim: _marking_recompute(rule) for prim, rule in
-    (("exp", find_attention), ("rsqrt", find_norm), ("log", find_xent), ("sqrt", find_adamw))}
+    (("exp", find_attention), ("rsqrt", find_norm), ("log", find_xent),
+     ("sqrt", _first_of(find_adamw, find_norm)))}
 
 
 # ---- backward roles ---------------------------------------------------------------------------
 def _grad_dot_operand(index: Index, v: int, ops: set[int]) -> list[int]:
-    """The operands of the matmul that produces ``v`` (through layout ops), inside ``ops``."""
+    """The operands of the matmul that produces ``v`` (through layout ops and the sum that
+    undoes a head repeat), inside ``ops``."""
     while (p := index.producer.get(v)) is not None and p.id in ops:
         if p.prim == "dot_general":
             return [index.origin(i) for i in p.ins]
-        if p.prim not in OUTPUT_LAYOUT | LAYOUT:
+        if p.prim not in OUTPUT_LAYOUT | LAYOUT | {"reduce_sum"}:
             return []
         v = p.ins[0]
     return []
@@ -43,11 +54,13 @@ def _grad_dot_operand(index: Index, v: int, ops: set[int]) -> list[int]:
 def _attention_roles(index: Index, fwd: Match, ops: set[int], touched: set[int]):
     inputs = [("dout" if r == "cotangent" else r, v)
               for r, v in backward_inputs(index, fwd, ops, touched)]
-    q, k = index.origin(fwd.input("q")), index.origin(fwd.input("k"))
+    q = index.origin(fwd.input("q"))
+    k = {index.origin(fwd.input("k")), index.origin(fwd.attr("k_dot", fwd.input("k")))}
 
     def name(v: int) -> str:
         operands = _grad_dot_operand(index, v, ops)
-        return "dq" if k in operands else "dk" if q in operands else "dv" if operands else "other"
+        return "dq" if k.intersection(operands) else "dk" if q in operands else \
+            "dv" if operands else "other"
 
     return inputs, backward_outputs(index, ops, name)
 

@@ -21,8 +21,9 @@ are the ancestors of its outputs back to its inputs (``cone``), so everything th
 replaces (masks built from iotas, scale constants, parameter reshapes) is included and nothing
 that is used elsewhere is, except the inputs.
 
-How backward patterns are found: JAX gives every backward equation the source line and the
-module path (name stack, transforms stripped) of the forward equation it differentiates. The
+How backward patterns are found: JAX gives every backward equation the source line, the site
+(``Op.site``: the library line inside flax or transformers) and the module path (name stack,
+transforms stripped) of the forward equation it differentiates. The
 ops that share those keys with a forward match, are not part of any forward match, and are
 connected by dataflow to the forward match's values (directly, or through the residuals a
 ``scan`` passes from its forward to its backward body) form its backward match. The
@@ -154,22 +155,23 @@ class Index:
             v = nxt
         return v
 
-    def key(self, op: Op) -> tuple[str, str]:
+    def key(self, op: Op) -> tuple[str, str, str]:
         return self.keys[op.id]
 
     @property
-    def keys(self) -> dict[int, tuple[str, str]]:
-        """Op id -> (source line, module path): what a backward op shares with its forward."""
+    def keys(self) -> dict[int, tuple[str, str, str]]:
+        """Op id -> (source line, site, module path): what a backward op shares with its
+        forward."""
         cache = self.__dict__.get("_keys")
         if cache is None:
             paths: dict[str, str] = {}
             cache = self.__dict__["_keys"] = {
-                op.id: (op.source, paths.setdefault(op.name, module_path(op.name)))
+                op.id: (op.source, op.site, paths.setdefault(op.name, module_path(op.name)))
                 for op in self.ops}
         return cache
 
     @property
-    def by_key(self) -> dict[tuple[str, str], list[Op]]:
+    def by_key(self) -> dict[tuple[str, str, str], list[Op]]:
         cache = self.__dict__.get("_by_key")
         if cache is None:
             cache = self.__dict__["_by_key"] = defaultdict(list)
@@ -298,22 +300,27 @@ def _backward_of(index: Index, fwd: Match, position: int, claimed: set[int]) -> 
                          if op.id not in claimed and not op.regions),
                         key=lambda op: index.order[op.id])
     before = _ancestors_among(index, fwd, [op for op in candidates
-                                           if index.order[op.id] < index.order[fwd.op_ids[0]]])
+                                           if index.order[op.id] < index.order[fwd.op_ids[-1]]])
     candidates = [op for op in candidates if op.id not in before]
     touched = {v for i in fwd.op_ids for v in index.ops[index.order[i]].outs}
-    chosen = _grow(index, _components(index, candidates), touched)
+    forward_values = touched | {index.origin(v) for _, v in fwd.inputs} | {v for _, v in
+                                                                           fwd.inputs}
+    grown = _grow(index, _components(index, candidates), touched)
+    chosen = _trim(index, grown, forward_values)
     if not chosen:
         return None
     from ir.pattern_rules import BACKWARD_ROLES
 
+    touched -= {v for i in grown - chosen for v in index.ops[index.order[i]].outs}
     pattern = fwd.pattern.replace("_fwd", "_bwd")
     inputs, outputs = BACKWARD_ROLES[pattern](index, fwd, chosen, touched)
     return make_match(index, pattern, chosen, inputs, outputs, fwd.attrs, forward=position)
 
 
 def _ancestors_among(index: Index, fwd: Match, early: Sequence[Op]) -> set[int]:
-    """The ``early`` ops that the forward match depends on (forward work before the pattern,
-    e.g. a reshape of q written on the same source line): never part of its backward."""
+    """The ``early`` ops that the forward match depends on (forward work before or among the
+    pattern's ops, e.g. a reshape of q written on the same source line, a mask that the
+    backward reads too): never part of its backward."""
     if not early:
         return set()
     floor = min(index.order[op.id] for op in early)
@@ -353,6 +360,30 @@ def _grow(index: Index, components: list[list[int]], touched: set[int]) -> set[i
     return chosen
 
 
+def _trim(index: Index, chosen: set[int], forward: set[int]) -> set[int]:
+    """Drops from a backward match what shares its ops' source but is not the backward: the
+    constants it reads (the ``-1/N`` cotangent of a mean written on the same line as the
+    pattern, a zero fill), which become its inputs, and forward work that only computes the
+    step's other results from the pattern's (the mean of its per-token losses)."""
+    order = sorted(chosen, key=index.order.__getitem__)
+    const: set[int] = set()          # values computed from literals only
+    pure: set[int] = set()           # values computed from forward values (and literals) only
+    for i in order:
+        op = index.ops[index.order[i]]
+        ins = [v for v in op.ins if v not in index.literals]
+        if all(v in const for v in ins):
+            const.update(op.outs)
+        elif all(v in pure or v in forward or index.origin(v) in forward for v in ins):
+            pure.update(op.outs)
+    kept = {i for i in chosen if not const.issuperset(index.ops[index.order[i]].outs)}
+    for i in reversed(order):        # forward-only work no kept backward op reads
+        op = index.ops[index.order[i]]
+        if i in kept and pure.issuperset(op.outs) and not any(
+                c.id in kept for v in op.outs for c in index.consumers.get(v, ())):
+            kept.discard(i)
+    return kept
+
+
 def _components(index: Index, ops: Sequence[Op]) -> list[list[int]]:
     """Connected components of ``ops`` (producer-consumer edges, also through the residuals a
     scan hands from its forward body to its backward body), each in graph order."""
@@ -379,7 +410,7 @@ def backward_inputs(index: Index, fwd: Match, ops: set[int], touched: set[int]):
     """``(role, value)`` for a backward match's inputs: the forward's roles where a value is a
     forward input or output, ``saved`` for other forward values, ``const`` for constants,
     ``cotangent`` for the rest (a value shaped like a forward output is its cotangent even if
-    it is a constant, as the ``1/N`` of a mean loss is)."""
+    it is a constant, as the ``1/N`` of a mean loss is, unless it is all zeros)."""
     from ir.dataflow import is_constant
 
     out_shapes = {index.shape(v) for _, v in fwd.outputs}
@@ -395,10 +426,18 @@ def backward_inputs(index: Index, fwd: Match, ops: set[int], touched: set[int]):
             roles.append((out_roles[o], v))
         elif o in touched or v in touched:
             roles.append(("saved", v))
-        else:
-            constant = index.shape(v) not in out_shapes and is_constant(index, v)
+        else:           # a zero fill shaped like an output is no cotangent
+            constant = is_constant(index, v) and (index.shape(v) not in out_shapes
+                                                  or _all_zero(index, v))
             roles.append(("const" if constant else "cotangent", v))
     return roles
+
+
+def _all_zero(index: Index, v: int) -> bool:
+    try:
+        return index.eval.scalar(v) == 0.0
+    except (ArithmeticError, IndexError, KeyError, TypeError, ValueError):
+        return False
 
 
 def backward_outputs(index: Index, ops: set[int], name) -> list[tuple[str, int]]:

@@ -36,7 +36,7 @@ def find_xent(index: Index, log: Op) -> Match | None:
                    "dot_general")
     if pick is None or dot is None:
         return None
-    loss, indices = pick
+    loss, indices, sign = pick
     w_side = 1 if axis >= len(index.shape(dot.outs[0])) - len(
         free_dims(dot, 1, len(index.shape(dot.ins[1])))) else 0
     h, w = dot.ins[1 - w_side], dot.ins[w_side]
@@ -46,7 +46,7 @@ def find_xent(index: Index, log: Op) -> Match | None:
     if inputs is None:
         return None
     attrs = {"vocab": index.shape(x)[axis], "width": index.shape(h)[-1], "vocab_axis": axis,
-             "w_is_rhs": w_side == 1}
+             "w_is_rhs": w_side == 1, "loss_sign": sign}
     return make_match(index, "xent_fwd", ops, inputs, [("loss", loss)], attrs)
 
 
@@ -58,28 +58,33 @@ def _pick_log_softmax(index: Index, shifted: Op, log: Op) -> tuple[int, int] | N
     return None
 
 
-def _pick_logsumexp(index: Index, x: int, log: Op) -> tuple[int, int] | None:
-    """``(log(sum exp(x - m)) + m) - gather(x, targets)``: (loss, gather indices)."""
+def _pick_logsumexp(index: Index, x: int, log: Op) -> tuple[int, int, float] | None:
+    """``(log(sum exp(x - m)) + m) - gather(x, targets)``: (loss, gather indices, 1)."""
     for add in consumers(index, log.outs[0], "add", log):
         for sub in consumers(index, add.outs[0], "sub", log):
             v = sub.ins[1]
             while (p := index.local_producer(v, log)) is not None and p.prim in (
                     LAYOUT | {"gather"}):
                 if p.prim == "gather" and p.ins[0] == x:
-                    return (sub.outs[0], p.ins[1]) if sub.ins[0] == add.outs[0] else None
+                    return (sub.outs[0], p.ins[1], 1.0) if sub.ins[0] == add.outs[0] \
+                        else None
                 v = p.ins[0]
     return None
 
 
-def _pick(index: Index, logp: int, anchor: Op) -> tuple[int, int] | None:
-    """``(per-token loss, gather indices)`` of ``-gather(logp, targets)``."""
+def _pick(index: Index, logp: int, anchor: Op) -> tuple[int, int, float] | None:
+    """``(per-token value, gather indices, sign)`` of ``gather(logp, targets)``: the loss
+    ``-gather(...)`` (sign 1) when a ``neg`` follows it per token, else the picked
+    log-probability itself (sign -1: the mean and the minus come later, as in
+    ``-take_along_axis(logp, t).mean()``)."""
     for g in consumers(index, logp, "gather", anchor):
+        if g.ins[0] != logp:
+            continue
         v = g.outs[0]
         while len(users := index.consumers.get(v, ())) == 1 and users[0].prim in LAYOUT:
             v = users[0].outs[0]
         neg = [c for c in index.consumers.get(v, ()) if c.prim == "neg"]
-        if g.ins[0] == logp and neg:
-            return neg[0].outs[0], g.ins[1]
+        return (neg[0].outs[0], g.ins[1], 1.0) if neg else (g.outs[0], g.ins[1], -1.0)
     return None
 
 

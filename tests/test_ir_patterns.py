@@ -1,6 +1,8 @@
 """ir.patterns on full adamw training steps: GPT (LayerNorm, multi-head) and Llama-style
 (RMSNorm, rotary, grouped-query, SwiGLU), unrolled and scanned, plus plain-jnp and
-``jax.nn.dot_product_attention`` attention and optax's cross-entropy."""
+``jax.nn.dot_product_attention`` attention and optax's cross-entropy; transformers' Flax Llama,
+Mistral, Gemma and GPT-2 and an NNX language model (masks from the batch, grouped- and
+multi-query heads, remat and scan bodies)."""
 from __future__ import annotations
 
 import dataclasses
@@ -203,3 +205,95 @@ def test_optax_cross_entropy_and_moe_router():
     moe_graph = ir.trace(*moe.abstract(moe.MoEConfig(), 4))
     got = counts(find_patterns(moe_graph))
     assert got["attention_fwd"] == 0 and got["xent_fwd"] == 1
+
+
+# ---- the models users bring ---------------------------------------------------------------------
+def _hf_graph(name: str, **kw):
+    from autopar.models import hf
+
+    pytest.importorskip("transformers", reason="the dev extra installs transformers 4.x")
+    return ir.trace(*hf.abstract(name, hf.tiny(name, layers=2, width=32), 4, **kw))
+
+
+# (family, abstract options) -> (mask kind, kv heads, heads repeated by jnp.repeat, norm scale
+# offset, attention roles read as data)
+THIRD_PARTY = {
+    ("llama", ()): ("causal", 4, 1, 0.0, ()),
+    ("llama", (("padding", True),)): ("data", 4, 1, 0.0, ("bias",)),
+    ("mistral", ()): ("data", 2, 2, 0.0, ("bias",)),        # a 4-token sliding window
+    ("gemma", ()): ("causal", 1, 4, 1.0, ()),               # multi-query; (1 + w) * x
+    ("gpt2", (("padding", True),)): ("data", 4, 1, 0.0, ("bias",)),
+}
+
+
+@pytest.mark.parametrize("name, options", sorted(THIRD_PARTY))
+def test_transformers_attention_norms_and_loss(name, options):
+    """transformers' Flax decoders: rotary embeddings stay before the scores (q and k are the
+    scores matmul's operands), k and v are taken before their repeat over the heads, a mask is
+    rebuilt (causal) or read as data, RMSNorm divides by a sqrt, the loss picks a log-prob."""
+    mask, kv_heads, repeat, offset, data = THIRD_PARTY[name, options]
+    graph = _hf_graph(name, **dict(options))
+    matches = find_patterns(graph)
+    got = counts(matches)
+    assert (got["attention_fwd"], got["attention_bwd"], got["norm_fwd"], got["norm_bwd"],
+            got["xent_fwd"], got["xent_bwd"]) == (2, 2, 5, 5, 1, 1), dict(got)
+    for m in (m for m in matches if m.pattern == "attention_fwd"):
+        assert (m.attr("mask"), m.attr("kv_repeat")) == (mask, repeat)
+        assert graph.type(m.input("k")).shape == (4, 16, kv_heads, 8)
+        assert graph.type(m.input("q")).shape == (4, 16, 4, 8)
+        assert tuple(r for r in m.roles() if r in ("bias", "keep")) == data
+    for m in (m for m in matches if m.pattern == "attention_bwd"):
+        grads = {r: graph.type(v).shape for r, v in m.outputs}
+        assert grads == {"dq": (4, 16, 4, 8), "dk": (4, 16, kv_heads, 8),
+                         "dv": (4, 16, kv_heads, 8)}
+    norms = [m for m in matches if m.pattern == "norm_fwd"]
+    assert {m.attr("kind") for m in norms} == {"layer" if name == "gpt2" else "rms"}
+    assert {m.attr("scale_offset") for m in norms} == {offset}
+    (xent,) = [m for m in matches if m.pattern == "xent_fwd"]
+    assert xent.attr("loss_sign") == -1.0      # -take_along_axis(logp, t).mean(): minus after
+
+
+def test_remat_and_scan_bodies_of_third_party_models():
+    """Patterns under jax.checkpoint (a transformers step) and in nnx.scan and nnx.remat bodies:
+    the recomputed forwards are marked, scanned ones live in the loop body."""
+    from autopar.models import nnx_lm
+
+    matches = find_patterns(_hf_graph("llama", remat=True))
+    attn = [m for m in matches if m.pattern == "attention_fwd"]
+    assert len(attn) == 4 and sum(bool(m.attr("recompute")) for m in attn) == 2
+    assert counts(matches)["attention_bwd"] == 2
+    for cfg, regions in ((nnx_lm.NNXLMConfig(scan=True), True),
+                         (nnx_lm.NNXLMConfig(scan=True, remat=True), True),
+                         (nnx_lm.NNXLMConfig(remat=True), False)):
+        graph = ir.trace(*nnx_lm.abstract(cfg, 4))
+        matches = find_patterns(graph)
+        attn = [m for m in matches if m.pattern == "attention_fwd"]
+        assert attn and counts(matches)["attention_bwd"] >= 1, cfg
+        assert all((m.region is not None) == regions for m in attn), cfg
+        assert all(m.attr("mask") == "data" and "keep" in m.roles() for m in attn), cfg
+
+
+def test_nnx_grouped_query_attention():
+    """NNX's MultiHeadAttention with fewer key/value heads groups the queries (B, S, K, G, D)
+    and names the batch's padding mask by the scores' dims."""
+    from autopar.models import nnx_lm
+
+    graph = ir.trace(*nnx_lm.abstract(nnx_lm.NNXLMConfig(kv_heads=2), 4))
+    fwd = next(m for m in find_patterns(graph) if m.pattern == "attention_fwd")
+    assert graph.type(fwd.input("q")).shape == (4, 16, 2, 2, 8)
+    assert graph.type(fwd.input("k")).shape == (4, 16, 2, 8)
+    assert sorted(fwd.attr("keep_dims")) == sorted(("B", "H", "G", "Sq", "Sk"))
+
+
+def test_zoo_nnx_lm_as_the_nnx_guides_write_it():
+    """The zoo's NNX decoder (nnx.make_causal_mask, nnx.LayerNorm, a three-argument optax step):
+    its constant causal mask is rebuilt by the kernel. Its LM head adds a bias to the logits,
+    which the cross-entropy kernel does not take: no xent match (see the kernels guide)."""
+    from autopar.models import zoo
+
+    step, params, opt_state, batch = zoo.nnx_lm(zoo.Config(layers=2, width=32), abstract=True)
+    matches = find_patterns(ir.trace(step, params, opt_state, batch))
+    got = counts(matches)
+    assert (got["attention_fwd"], got["attention_bwd"], got["norm_fwd"], got["xent_fwd"]) == \
+        (2, 2, 5, 0), dict(got)
+    assert {m.attr("mask") for m in matches if m.pattern == "attention_fwd"} == {"causal"}

@@ -165,24 +165,34 @@ def test_auto_is_never_on_cpu_devices():
     assert validate.kernels("always", h100, make_mesh((2, 4))) == "always"
 
 
-def test_attention_halves_split_over_the_sequence():
+@pytest.mark.parametrize("masked", [False, True])
+def test_attention_halves_split_over_the_sequence(masked):
     """The halves codegen runs, with queries split over the sequence (keys and values gathered,
-    their gradients reduce-scattered), equal the unsharded causal attention's VJP."""
-    from autopar.kernels import AttentionBlocks, attention_reference
+    their gradients reduce-scattered), equal the unsharded causal attention's VJP; masked: a
+    per-batch padding bias and a per-head boolean mask, split with the query rows."""
+    from autopar.kernels import AttentionBlocks, Masks, attention_reference
     from autopar.kernels import halves as kh
 
     blocks = AttentionBlocks(block_q=4, block_k=4, block_q_bwd=4, block_k_bwd=4)
     rng = np.random.default_rng(0)
     q, dout = (jnp.asarray(rng.standard_normal((2, 16, 4, 8)), jnp.float32) for _ in range(2))
     k, v = (jnp.asarray(rng.standard_normal((2, 16, 2, 8)), jnp.float32) for _ in range(2))
+    masks = Masks()
+    if masked:
+        bias = np.zeros((2, 1, 16, 16), np.float32)
+        bias[1, :, :, 12:] = np.finfo(np.float32).min            # row 1 pads its last 4 keys
+        keep = rng.random((1, 4, 16, 16)) > 0.2
+        keep[..., 0] = True                                       # every query sees key 0
+        masks = Masks(jnp.asarray(bias), jnp.asarray(keep), -1e9)
     mesh = make_mesh((2, 4))
-    split = dict(mesh=mesh, batch="data", seq="model", blocks=blocks)
+    split = dict(mesh=mesh, batch="data", seq="model", blocks=blocks, masks=masks)
 
     @jax.jit
     def halves(q, k, v, dout):
         out, lse = kh.attention_fwd_sharded(q, k, v, **split)
         return (out,) + kh.attention_bwd_sharded(q, k, v, out, lse, dout, **split)
 
-    out, vjp = jax.vjp(attention_reference, q, k, v)
+    ref = functools.partial(attention_reference, masks=masks)
+    out, vjp = jax.vjp(ref, q, k, v)
     for got, want in zip(halves(q, k, v, dout), (out,) + vjp(dout)):
         np.testing.assert_allclose(got, want, atol=2e-5)

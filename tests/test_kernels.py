@@ -20,6 +20,7 @@ from autopar import AutoparError, ShardingError
 from autopar.kernels import (
     AdamWHyper,
     AttentionBlocks,
+    Masks,
     XentBlocks,
     adamw_reference,
     adamw_tree_update,
@@ -96,6 +97,32 @@ def test_attention_matches_reference(b, s, hq, hkv, d, causal):
     fn = functools.partial(attention_with_lse, causal=causal, blocks=ATTN_BLOCKS)
     ref = functools.partial(attention_reference, causal=causal, return_lse=True)
     assert_same_value_and_grads(fn, ref, _qkv(b, s, hq, hkv, d), (0, 1, 2))
+
+
+def _padding_bias(b, s):
+    """transformers' (B, 1, S, S) bias: 0 where a causal, unpadded key is seen, else
+    finfo.min; batch row 1 is left-padded, so its first query rows see nothing."""
+    pad = np.ones((b, s), bool)
+    pad[1, :5] = False
+    seen = np.tril(np.ones((s, s), bool))[None] & pad[:, None, :]
+    return jnp.asarray(np.where(seen, 0.0, np.finfo(np.float32).min)[:, None], jnp.float32)
+
+
+@pytest.mark.parametrize("case", ["padding_bias", "keep_and_bias"])
+def test_attention_masks_match_reference(case):
+    """Masks read as data: a batch's padding bias (rows that see no key at all included), and
+    a per-head boolean mask over a per-batch bias with the causal mask, grouped-query."""
+    b, s, hq, hkv = 2, 20, 4, 2
+    if case == "padding_bias":
+        masks, causal = Masks(bias=_padding_bias(b, s)), False
+    else:
+        keep = jnp.asarray(np.random.default_rng(8).random((1, hq, s, s)) > 0.3)
+        masks, causal = Masks(_randn(9, (b, 1, s, 1)), keep, -1e9), True
+    fn = functools.partial(attention, causal=causal, blocks=ATTN_BLOCKS, masks=masks)
+    ref = functools.partial(attention_reference, causal=causal, masks=masks)
+    # Rows that see no key: their weights are recomputed to 1e-3 in the backward (FLOOR).
+    tol = 2e-3 if case == "padding_bias" else 2e-5
+    assert_same_value_and_grads(fn, ref, _qkv(b, s, hq, hkv, 12), (0, 1, 2), atol=tol, rtol=tol)
 
 
 def test_attention_query_offset_and_bf16():

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _steps import assert_same_update
 from jax.sharding import PartitionSpec as P
 
 import autopar
@@ -79,16 +80,7 @@ def _assert_same_step(name: str, strategy: str) -> None:
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-7)
     for old, got, want, g in zip(*(jax.tree_util.tree_leaves(t) for t in (
             state["params"], new_state["params"], ref_state["params"], grads))):
-        _assert_same_update(*(np.asarray(x) for x in (old, got, want, g)))
-
-
-def _assert_same_update(old, got, want, grad, lr: float = 1e-3) -> None:
-    """Adam's first update is about lr * sign(gradient): where a gradient is rounding noise (a
-    key bias's is exactly zero in exact arithmetic: softmax ignores shifts) its sign, and so a
-    ~lr step, may differ between two correct programs. Elsewhere the updates agree closely."""
-    assert np.max(np.abs(got - want)) <= 2.05 * lr
-    real = np.abs(grad) > 1e-5     # 1000 x Adam's eps: the update no longer amplifies noise
-    np.testing.assert_allclose((got - old)[real], (want - old)[real], rtol=1e-3, atol=1e-8)
+        assert_same_update(*(np.asarray(x) for x in (old, got, want, g)))
 
 
 # ---- numerics -------------------------------------------------------------------------------

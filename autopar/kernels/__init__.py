@@ -11,23 +11,29 @@ traced step already holds the forward and the backward as separate ops.
 Pattern -> kernel call. Values are named by ``ir.patterns.Match`` role; "primed" values are the
 graph value brought to the kernel's layout (reshape/transpose, given by the match's attrs).
 
-  attention_fwd  reads q, k, v (roles ``mask``, ``scale``, ``const`` are not passed: the
-                 kernel rebuilds the mask from attr ``causal`` and takes attr ``scale``).
-                 ``out, lse = attention_fwd(q', k', v', causal=, scale=)``; ``out`` -> role
-                 ``out``; ``lse (B, Hq, Sq)`` float32 is new, kept for the backward.
+  attention_fwd  reads q, k, v [, bias, keep] (roles ``mask``, ``scale``, ``const`` are not
+                 passed: the kernel rebuilds a causal mask from attr ``causal`` and takes attr
+                 ``scale``). A mask read as data (attr ``mask`` ``"data"``) is brought to the
+                 scores' ``(B, H, Sq, Sk)`` order by attrs ``bias_dims``/``keep_dims`` and
+                 passed as ``Masks(bias * bias_scale, keep == keep_true, fill)``. k and v are
+                 taken before a ``jnp.repeat`` over the heads (attr ``kv_repeat``).
+                 ``out, lse = attention_fwd(q', k', v', causal=, scale=, masks=)``; ``out`` ->
+                 role ``out``; ``lse (B, Hq, Sq)`` float32 is new, kept for the backward.
                  Layout: ``q' (B, Sq, Hq, D)``, ``k', v' (B, Sk, Hkv, D)``; the attrs
                  ``score_dims``/``value_dims`` (dot_general dimension numbers), ``q_is_lhs`` and
                  ``p_is_lhs`` say which graph dim is which. GPT's q is already ``(B, S, H, D)``;
                  a grouped-query ``(B, S, Hkv, G, D)`` q reshapes to ``(B, S, Hkv*G, D)``;
                  role ``out`` is the value after the match's trailing transpose/reshape,
-                 ``(B, Sq, Hq, D)``. Substitute only when attr ``mask`` is ``"causal"`` or
-                 ``"none"``. Attr ``recompute`` marks a re-run under ``jax.checkpoint``.
+                 ``(B, Sq, Hq, D)``. Substitute only when attr ``mask`` is ``"causal"``,
+                 ``"none"`` or ``"data"``. Attr ``recompute`` marks a re-run under
+                 ``jax.checkpoint``.
   attention_bwd  reads dout (cotangent of out), q, k, v; the ``saved`` inputs (probabilities,
                  exp, row sums, mask) are not read: P is recomputed from lse.
                  ``dq, dk, dv = attention_bwd(q', k', v', out, lse, dout', causal=, scale=)``
                  with ``out, lse`` from the call that replaced ``matches[m.forward]``; writes
                  roles ``dq``, ``dk``, ``dv`` (in the graph's layout of q, k, v).
-  norm_fwd       reads x [, residual], scale [, bias].
+  norm_fwd       reads x [, residual], scale [, bias]; the kernel's scale is ``scale +
+                 scale_offset`` (attr; Gemma's ``(1 + w)``).
                  ``y, h, mean, rstd = norm_fwd(kind, x, scale, bias, residual, eps=)`` with
                  attrs ``kind`` ("layer"/"rms") and ``eps``; writes ``y`` [and ``h`` = x +
                  residual, when attr ``residual``]; ``mean``, ``rstd`` (rows, float32) are new.
@@ -38,7 +44,8 @@ graph value brought to the kernel's layout (reshape/transpose, given by the matc
                  which the graph sums into dx: pass it as ``dh``, the kernel adds it.
   xent_fwd       reads h, w, targets. ``loss, lse = xent_fwd(h', w', targets)`` with
                  ``h' (..., D)``, ``w' (D, V)`` (transpose when not attr ``w_is_rhs``); role
-                 ``loss`` may carry a trailing size-1 dim (``take_along_axis``): reshape.
+                 ``loss`` may carry a trailing size-1 dim (``take_along_axis``): reshape; it
+                 is the picked log-probability (``-loss``) when attr ``loss_sign`` is -1.
   xent_bwd       reads dloss (cotangent of loss), h, w, targets; ``saved`` inputs unread.
                  ``dh, dw = xent_bwd(h', w', targets, lse, dloss')``; writes ``dh``, ``dw``.
   adamw          reads param, grad, mu, nu, bc1, bc2 [, lr].
@@ -69,6 +76,7 @@ from autopar.kernels.cross_entropy import (
 )
 from autopar.kernels.flash_attention import (
     AttentionBlocks,
+    Masks,
     attention,
     attention_bwd,
     attention_fwd,
@@ -77,7 +85,8 @@ from autopar.kernels.flash_attention import (
 )
 from autopar.kernels.norms import layer_norm, norm_bwd, norm_fwd, norm_reference, rms_norm
 
-__all__ = ["AdamWHyper", "AttentionBlocks", "XentBlocks", "adamw_reference", "adamw_tree_update",
-           "adamw_update", "attention", "attention_bwd", "attention_fwd", "attention_reference",
-           "attention_with_lse", "cross_entropy_reference", "layer_norm", "lm_head_cross_entropy",
-           "norm_bwd", "norm_fwd", "norm_reference", "rms_norm", "xent_bwd", "xent_fwd"]
+__all__ = ["AdamWHyper", "AttentionBlocks", "Masks", "XentBlocks", "adamw_reference",
+           "adamw_tree_update", "adamw_update", "attention", "attention_bwd", "attention_fwd",
+           "attention_reference", "attention_with_lse", "cross_entropy_reference", "layer_norm",
+           "lm_head_cross_entropy", "norm_bwd", "norm_fwd", "norm_reference", "rms_norm",
+           "xent_bwd", "xent_fwd"]

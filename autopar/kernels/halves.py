@@ -6,7 +6,8 @@ returned handed to the backward. ``sharded`` wraps the differentiable kernels; t
 the halves with the same per-shard specs (``Axes``: a mesh axis, a tuple of axes, or ``None``):
 
   half            splits                         residuals (spec)          collectives inside
-  attention_fwd   batch, seq, heads              lse (batch, heads, seq)   seq: all-gather k, v
+  attention_fwd   batch, seq, heads (masks: rows lse (batch, heads, seq)   seq: all-gather k, v
+                  like q, keys whole)
   attention_bwd   batch, seq, heads              -                         seq: all-gather k, v,
                                                                            reduce-scatter dk, dv
   norm_fwd        rows (one per leading dim)     h, mean, rstd (rows)      none
@@ -26,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -59,43 +61,69 @@ def _attn_check(mesh, q, k, batch, heads, seq):
         _check_divisible(mesh, name, x.shape, (batch, seq, heads, None))
 
 
+def _mask_args(masks: attn_mod.Masks, q, k, batch: Axes, heads: Axes, seq: Axes):
+    """The masks' arrays, their sequence dims broadcast, and their specs: rows split like the
+    queries, keys whole, a broadcast batch or head dim whole."""
+    arrays, specs = [], []
+    for x in (masks.bias, masks.keep):
+        if x is None:
+            continue
+        arrays.append(jnp.broadcast_to(x, x.shape[:2] + (q.shape[1], k.shape[1])))
+        specs.append(P(batch if x.shape[0] > 1 else None, heads if x.shape[1] > 1 else None,
+                       seq, None))
+    return arrays, specs
+
+
+def _masks_of(masks: attn_mod.Masks, arrays) -> attn_mod.Masks:
+    """``masks`` with the per-shard arrays in place of the global ones."""
+    it = iter(arrays)
+    return attn_mod.Masks(next(it) if masks.bias is not None else None,
+                          next(it) if masks.keep is not None else None, masks.fill)
+
+
 def attention_fwd_sharded(q, k, v, *, mesh: Mesh, batch: Axes = None, heads: Axes = None,
                           seq: Axes = None, causal: bool = True, scale: float | None = None,
                           blocks: attn_mod.AttentionBlocks = attn_mod.DEFAULT_BLOCKS,
-                          backend: str | None = None):
+                          backend: str | None = None,
+                          masks: attn_mod.Masks = attn_mod.NO_MASKS):
     """``attention_fwd`` on ``mesh``: ``(out, lse)``; q ``(B, S, Hq, D)``, k, v ``(B, S, Hkv,
-    D)``."""
+    D)``, masks ``(1 or B, 1 or Hq, Sq, Sk)``."""
     _attn_check(mesh, q, k, batch, heads, seq)
     spec = P(batch, seq, heads, None)
+    arrays, m_specs = _mask_args(masks, q, k, batch, heads, seq)
 
-    def body(q_, k_, v_):
+    def body(q_, k_, v_, *m_):
         k_, v_, offset = gather_kv(k_, v_, seq, q_.shape[1])
         return attn_mod.attention_fwd(q_, k_, v_, causal=causal, scale=scale, q_offset=offset,
-                                      blocks=blocks, backend=backend)
+                                      blocks=blocks, backend=backend, masks=_masks_of(masks, m_))
 
-    return smap(body, mesh, (spec,) * 3, (spec, P(batch, heads, seq)))(q, k, v)
+    return smap(body, mesh, (spec,) * 3 + tuple(m_specs), (spec, P(batch, heads, seq)))(
+        q, k, v, *arrays)
 
 
 def attention_bwd_sharded(q, k, v, out, lse, dout, *, mesh: Mesh, batch: Axes = None,
                           heads: Axes = None, seq: Axes = None, causal: bool = True,
                           scale: float | None = None,
                           blocks: attn_mod.AttentionBlocks = attn_mod.DEFAULT_BLOCKS,
-                          backend: str | None = None):
+                          backend: str | None = None,
+                          masks: attn_mod.Masks = attn_mod.NO_MASKS):
     """``attention_bwd`` on ``mesh``: ``(dq, dk, dv)`` laid out like ``q, k, v``."""
     _attn_check(mesh, q, k, batch, heads, seq)
     spec = P(batch, seq, heads, None)
+    arrays, m_specs = _mask_args(masks, q, k, batch, heads, seq)
 
-    def body(q_, k_, v_, o_, l_, do_):
+    def body(q_, k_, v_, o_, l_, do_, *m_):
         kf, vf, offset = gather_kv(k_, v_, seq, q_.shape[1])
         dq, dk, dv = attn_mod.attention_bwd(q_, kf, vf, o_, l_, do_, causal=causal, scale=scale,
-                                            q_offset=offset, blocks=blocks, backend=backend)
+                                            q_offset=offset, blocks=blocks, backend=backend,
+                                            masks=_masks_of(masks, m_))
         if seq is not None:   # every query shard adds to every key: sum, keep this shard's keys
             dk = lax.psum_scatter(dk, seq, scatter_dimension=1, tiled=True)
             dv = lax.psum_scatter(dv, seq, scatter_dimension=1, tiled=True)
         return dq, dk, dv
 
-    in_specs = (spec,) * 4 + (P(batch, heads, seq), spec)
-    return smap(body, mesh, in_specs, (spec,) * 3)(q, k, v, out, lse, dout)
+    in_specs = (spec,) * 4 + (P(batch, heads, seq), spec) + tuple(m_specs)
+    return smap(body, mesh, in_specs, (spec,) * 3)(q, k, v, out, lse, dout, *arrays)
 
 
 # ---- norms ------------------------------------------------------------------------------------

@@ -43,6 +43,8 @@ class Family:
 FAMILIES: dict[str, Family] = {
     "gpt2": Family("FlaxGPT2LMHeadModel", "GPT2Config", "causal"),
     "llama": Family("FlaxLlamaForCausalLM", "LlamaConfig", "causal"),
+    "mistral": Family("FlaxMistralForCausalLM", "MistralConfig", "causal"),
+    "gemma": Family("FlaxGemmaForCausalLM", "GemmaConfig", "causal"),
     "bert": Family("FlaxBertForMaskedLM", "BertConfig", "masked"),
     "t5": Family("FlaxT5ForConditionalGeneration", "T5Config", "seq2seq"),
     "bart": Family("FlaxBartForConditionalGeneration", "BartConfig", "seq2seq"),
@@ -63,18 +65,22 @@ def _transformers():
     return transformers
 
 
-def tiny(name: str, layers: int = 2, width: int = 64) -> Any:
+def tiny(name: str, layers: int = 2, width: int = 64, kv_heads: int | None = None) -> Any:
     """A small config of family ``name``: ``layers`` layers, ``width`` hidden units, vocabulary
-    128, 4 heads, MLP 2x wider, float32."""
+    128, 4 heads (Llama, Mistral, Gemma: ``kv_heads`` key/value heads, default 4, 2 and 1:
+    multi-head, grouped- and multi-query attention), MLP 2x wider, float32. Mistral's sliding
+    window is 4 tokens (shorter than ``SEQ``, so its mask is not causal)."""
     tf = _transformers()
     cfg_cls = getattr(tf, FAMILIES[name].config)
     heads, ff, vocab = 4, 2 * width, 128
     common = dict(vocab_size=vocab)
+    decoder = dict(num_hidden_layers=layers, hidden_size=width, num_attention_heads=heads,
+                   intermediate_size=ff, max_position_embeddings=64)
     kwargs = {
         "gpt2": dict(n_layer=layers, n_embd=width, n_head=heads, n_positions=64, n_inner=ff),
-        "llama": dict(num_hidden_layers=layers, hidden_size=width, num_attention_heads=heads,
-                      num_key_value_heads=heads, intermediate_size=ff,
-                      max_position_embeddings=64),
+        "llama": dict(decoder, num_key_value_heads=kv_heads or heads),
+        "mistral": dict(decoder, num_key_value_heads=kv_heads or 2, sliding_window=4),
+        "gemma": dict(decoder, num_key_value_heads=kv_heads or 1, head_dim=width // heads),
         "bert": dict(num_hidden_layers=layers, hidden_size=width, num_attention_heads=heads,
                      intermediate_size=ff, max_position_embeddings=64),
         "t5": dict(num_layers=layers, num_decoder_layers=layers, d_model=width, num_heads=heads,
@@ -132,8 +138,11 @@ def build(name: str, config: Any, dtype=jnp.float32) -> Any:
     return cls(config, _do_init=False, dtype=dtype)
 
 
-def make_batch(name: str, config: Any, rows: int, seq: int = SEQ, seed: int = 0) -> dict:
-    """``{"inputs": model keyword arguments, "labels": int32}`` with random contents."""
+def make_batch(name: str, config: Any, rows: int, seq: int = SEQ, seed: int = 0,
+               padding: bool = False) -> dict:
+    """``{"inputs": model keyword arguments, "labels": int32}`` with random contents; with
+    ``padding`` (causal families), an ``attention_mask`` that pads every other row after a
+    random length of at least half the sequence."""
     kind = FAMILIES[name].batch
     k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
     vocab = getattr(config, "vocab_size", 0)
@@ -151,13 +160,21 @@ def make_batch(name: str, config: Any, rows: int, seq: int = SEQ, seed: int = 0)
                 "labels": labels}
     if kind == "seq2seq":
         return {"inputs": {"input_ids": tokens, "decoder_input_ids": labels}, "labels": labels}
+    if padding:
+        lengths = jax.random.randint(k2, (rows,), seq // 2, seq)
+        lengths = jnp.where(jnp.arange(rows) % 2 == 1, lengths, seq)
+        mask = (jnp.arange(seq)[None] < lengths[:, None]).astype(jnp.int32)   # (B, S)
+        return {"inputs": {"input_ids": tokens, "attention_mask": mask}, "labels": labels}
     return {"inputs": {"input_ids": tokens}, "labels": labels}
 
 
-def make_train_step(model: Any, lr: float = 1e-3, clip: float | None = None
-                    ) -> tuple[Callable, optax.GradientTransformation]:
+def make_train_step(model: Any, lr: float = 1e-3, clip: float | None = None,
+                    remat: bool = False) -> tuple[Callable, optax.GradientTransformation]:
     """``train_step(state, batch) -> (state, loss)``: cross-entropy of the logits against the
-    labels, one adamw step, after clipping the gradients' global norm to ``clip`` if given."""
+    labels, one adamw step, after clipping the gradients' global norm to ``clip`` if given;
+    with ``remat`` the loss is under ``jax.checkpoint`` (its forward recomputed for the
+    backward: what a user writes for a Flax model without gradient checkpointing, as
+    transformers' Llama and GPT-2 are)."""
     tx = optax.adamw(lr, weight_decay=0.01)
     if clip is not None:
         tx = optax.chain(optax.clip_by_global_norm(clip), tx)
@@ -167,7 +184,7 @@ def make_train_step(model: Any, lr: float = 1e-3, clip: float | None = None
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         return -jnp.take_along_axis(logp, batch["labels"][..., None], axis=-1).mean()
 
-    return adamw_step(loss_fn, tx), tx
+    return adamw_step(jax.checkpoint(loss_fn) if remat else loss_fn, tx), tx
 
 
 def _params(model: Any, seed: int) -> Any:
@@ -184,18 +201,21 @@ def _init_state(model: Any, tx: optax.GradientTransformation, seed: int) -> dict
 
 
 def concrete(name: str, config: Any, batch_size: int, seed: int = 0, lr: float = 1e-3,
-             clip: float | None = None):
-    """Small real model: ``(train_step, state, batch)`` with random weights."""
+             clip: float | None = None, padding: bool = False, remat: bool = False):
+    """Small real model: ``(train_step, state, batch)`` with random weights (``padding``,
+    ``remat``: see ``make_batch``, ``make_train_step``)."""
     model = build(name, config)
-    step, tx = make_train_step(model, lr, clip)
-    return step, _init_state(model, tx, seed), make_batch(name, config, batch_size, seed=seed)
+    step, tx = make_train_step(model, lr, clip, remat)
+    return step, _init_state(model, tx, seed), make_batch(name, config, batch_size, seed=seed,
+                                                          padding=padding)
 
 
 def abstract(name: str, config: Any, batch_size: int, seq: int = SEQ, dtype=jnp.float32,
-             clip: float | None = None):
+             clip: float | None = None, padding: bool = False, remat: bool = False):
     """Any size, no memory: ``(train_step, state, batch)`` as ShapeDtypeStruct pytrees."""
     model = build(name, config, dtype)
-    step, tx = make_train_step(model, clip=clip)
+    step, tx = make_train_step(model, clip=clip, remat=remat)
     params = jax.eval_shape(lambda: _params(model, 0))
     state = {"params": params, "opt_state": jax.eval_shape(tx.init, params)}
-    return step, state, jax.eval_shape(lambda: make_batch(name, config, batch_size, seq))
+    return step, state, jax.eval_shape(lambda: make_batch(name, config, batch_size, seq,
+                                                          padding=padding))

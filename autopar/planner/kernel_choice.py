@@ -18,9 +18,11 @@ kernel reads the values in the same layouts, so those edges are mostly free), an
 constraints ignore what the kernel saves (the probabilities of attention, the logits): the
 planner's peak memory stays an upper bound.
 
-With ``kernels="always"`` the kernels' times are 0 in the objective, so the ILP prefers
-layouts a kernel can take, and ``choose`` takes a kernel at every site whose layouts fit one of
-its options, faster or not: a mode for testing the kernels and forcing them.
+With ``kernels="always"`` the kernels' times are 0 and leaving a site to XLA costs
+``ALWAYS_PENALTY_NS`` (one second, more than any resharding a layout change costs), so the ILP
+takes layouts a kernel can take wherever there are some, and ``choose`` takes a kernel at every
+site whose layouts fit one of its options, faster or not: a mode for testing the kernels and
+forcing them.
 """
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ from collections.abc import Sequence
 from autopar.plan import Collective, KernelUse, Plan
 from autopar.planner import problem
 from autopar.planner.kernel_sites import Option, Site
+
+ALWAYS_PENALTY_NS = 10**9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +57,8 @@ def _picks(mdl, g: int, v: int, layout) -> list:
 
 def add_to_model(mdl, sites: Sequence[Site], mode: str) -> None:
     """The variables, constraints and objective terms of the module docstring, on ``mdl``
-    (``ilp._Model``); for ``mode`` "always" the kernels' times are 0. Their handles go to
+    (``ilp._Model``); for ``mode`` "always" the kernels' times are 0 and each site left to XLA
+    is penalised. Their handles go to
     ``mdl.kernel_vars`` for ``hint``."""
     mdl.kernel_vars = []
     p, m = mdl.p, mdl.m
@@ -66,6 +71,11 @@ def add_to_model(mdl, sites: Sequence[Site], mode: str) -> None:
                 m.Add(y <= sum(ok)).WithName(f"kernel-layout:{n}:{j}")
         times = [_ns(o.time_s) if mode != "always" else 0 for o in site.options]
         mdl.obj += [(t, y) for t, y in zip(times, ys) if t]
+        xla = None
+        if mode == "always":          # a penalty for leaving the site to XLA
+            xla = m.NewBoolVar(f"kernel{n}_xla")
+            m.Add(xla + sum(ys) == 1).WithName(f"kernel-always:{n}")
+            mdl.obj.append((ALWAYS_PENALTY_NS, xla))
         terms = [(_ns(cs + ms), x) for g, (comp, comm) in site.savings.items()
                  for cs, ms, x in zip(comp, comm, mdl.xs(g))]
         most = _most(site)
@@ -73,7 +83,7 @@ def add_to_model(mdl, sites: Sequence[Site], mode: str) -> None:
         m.Add(s <= sum(t * x for t, x in terms if t)).WithName(f"kernel-saved:{n}")
         m.Add(s <= most * sum(ys)).WithName(f"kernel-saved:{n}")
         mdl.obj.append((-1, s))
-        mdl.kernel_vars.append((site, ys, s))
+        mdl.kernel_vars.append((site, ys, s, xla))
 
 
 def _most(site: Site) -> int:
@@ -86,10 +96,12 @@ def hint(mdl, pick: dict[int, int], mode: str) -> None:
     """Hints for the kernel variables that complete ``pick`` (root group -> strategy): each
     site takes its kernel exactly where ``choose`` would."""
     choice = [pick[mdl.root[g.id]] for g in mdl.p.groups]
-    for site, ys, s in getattr(mdl, "kernel_vars", ()):
+    for site, ys, s, xla in getattr(mdl, "kernel_vars", ()):
         got = _decide(mdl.p, site, choice, mode)
         for o, y in zip(site.options, ys):
             mdl.m.AddHint(y, got is not None and got.option == o)
+        if xla is not None:
+            mdl.m.AddHint(xla, got is None)
         saved = sum(_ns(comp[choice[g]] + comm[choice[g]])
                     for g, (comp, comm) in site.savings.items())
         mdl.m.AddHint(s, min(saved, _most(site)) if got is not None else 0)
@@ -185,9 +197,32 @@ def prepare(prob: problem.Problem, cm, mode: str, clock=None) -> None:
     if clock is not None and clock.spent(SEARCH_BEFORE):
         clock.note("time limit: no fused kernels considered")
         return
-    prob.kernel_sites, _ = find_sites(prob, cm)
+    prob.kernel_sites, prob.kernel_rejected = find_sites(prob, cm)
 
 
 def finish(plan: Plan, prob: problem.Problem, choice: Sequence[int], cm) -> Plan:
-    """The assembled ``plan`` with the kernels the solution ``choice`` runs."""
-    return attach(plan, choose(prob, prob.kernel_sites, choice, prob.kernel_mode), cm)
+    """The assembled ``plan`` with the kernels the solution ``choice`` runs, and every match
+    it leaves to XLA with the reason (``Plan.rejected_kernels``)."""
+    chosen = choose(prob, prob.kernel_sites, choice, prob.kernel_mode)
+    taken = {id(c.site) for c in chosen}
+    left = [_why_not(prob, s, choice) for s in prob.kernel_sites if id(s) not in taken]
+    skipped = sorted(list(prob.kernel_rejected) + left, key=lambda r: r.op_ids[0])
+    return dataclasses.replace(attach(plan, chosen, cm), rejected_kernels=tuple(skipped))
+
+
+def _why_not(prob: problem.Problem, site: Site, choice: Sequence[int]):
+    """Why ``choose`` left a sound site to XLA under the plan ``choice``."""
+    from autopar.planner.kernel_sites import rejected
+    from autopar.sharding import to_spec
+
+    option = _compatible(prob, site, choice)
+    if option is None:
+        g = prob.group_of_value[site.anchor]
+        spec = to_spec(prob.groups[g].shard[site.anchor][choice[g]])
+        return rejected(prob.graph, site.kernel, site.fwd,
+                        f"the plan's layouts fit none of the kernel's {len(site.options)} splits "
+                        f"(its {site.fwd.pattern} input %{site.anchor} is laid out {spec})")
+    comp, comm = site.saved_s(choice)
+    return rejected(prob.graph, site.kernel, site.fwd,
+                    f"XLA's ops are predicted faster: {(comp + comm) * 1e3:.4f} ms against the "
+                    f"kernel's {option.time_s * 1e3:.4f} ms")

@@ -29,6 +29,7 @@ from autopar.kernels import costs as kc
 from autopar.sharding import Sharding, shard_factor, to_spec, used_axes
 from ir.graph import TensorType
 from ir.patterns import Index, Match
+from ir.rules_attention import mask_order
 
 Split = tuple[tuple[str, tuple[str, ...]], ...]     # slot name -> mesh axes (major to minor)
 Comm = tuple[str, float, tuple[str, ...]]           # (kind, bytes per device, axes)
@@ -77,8 +78,9 @@ def _only(m: Match, role: str) -> bool:
 def _attn_check(index: Index, fwd: Match, bwd: Match | None) -> str | None:
     q, k, v = (_t(index, fwd.input(r)) for r in ("q", "k", "v"))
     out = _t(index, fwd.output("out"))
-    if fwd.attr("mask") not in ("causal", "none"):
-        return f"mask {fwd.attr('mask')!r} (the kernel masks causally or not at all)"
+    if fwd.attr("mask") not in ("causal", "none", "data"):
+        return ("a mask the kernel cannot apply: it computes where(keep, scale * q k^T + bias, "
+                "fill), and this step masks before adding a bias, or masks twice alike")
     if len(k.shape) != 4 or v.shape != k.shape or q.dtype != k.dtype or v.dtype != k.dtype:
         return f"k {k}, v {v}, q {q} (the kernel takes k, v (B, S, K, D) of q's dtype)"
     b, sk, kv, d = k.shape
@@ -95,7 +97,37 @@ def _attn_check(index: Index, fwd: Match, bwd: Match | None) -> str | None:
     if bwd is not None and not (_only(bwd, "dout") and all(_only(bwd, r) for r in
                                                            ("dq", "dk", "dv"))):
         return "a backward without one cotangent and one dq, dk, dv"
+    return _mask_check(index, fwd, q.shape[:3], sk)
+
+
+def _mask_check(index: Index, fwd: Match, bsh: tuple[int, ...], sk: int) -> str | None:
+    """A mask read as data must broadcast to the scores ``(B, H, Sq, Sk)``."""
+    for role in ("bias", "keep"):
+        if role not in fwd.roles():
+            continue
+        shape = mask_shape(index, fwd, role)
+        full = (bsh[0], math.prod(_t(index, fwd.input("q")).shape[2:-1]), bsh[1], sk)
+        if shape is None:
+            return (f"{role} {_t(index, fwd.input(role))} spans dims {fwd.attr(role + '_dims')} "
+                    f"of the scores, not their (B, H, Sq, Sk)")
+        if any(n not in (1, f) for n, f in zip(shape, full)):
+            return (f"{role} {_t(index, fwd.input(role))} read as the scores' (B, H, Sq, Sk) "
+                    f"= {full} has shape {shape} there, which does not broadcast")
     return None
+
+
+def mask_shape(index: Index, fwd: Match, role: str) -> tuple[int, ...] | None:
+    """The shape of mask ``role`` brought to the scores' ``(B, H, Sq, Sk)`` order (the heads
+    of grouped queries merged: 1 if the mask broadcasts over both); ``None`` if its dims are
+    not the scores'."""
+    shape, dims = _t(index, fwd.input(role)).shape, fwd.attr(f"{role}_dims")
+    order = mask_order(dims)
+    if order is None:
+        return None
+    by = {dims[i]: shape[i] for i in order}
+    q = _t(index, fwd.input("q")).shape
+    heads = 1 if by["H"] == by.get("G", 1) == 1 else math.prod(q[2:-1])
+    return by["B"], heads, by["Sq"], by["Sk"]
 
 
 def _sides(dims, first_is_lhs: bool):
@@ -110,16 +142,15 @@ def _attn_slots(index: Index, fwd: Match):
 
 
 def _attn_layouts(index: Index, fwd: Match, bwd: Match | None, split) -> dict[int, Sharding]:
-    b, s, h = split["batch"], split["seq"], split["heads"]
-    act = (b, s, h, ())
-    q_rank = len(_t(index, fwd.input("q")).shape)
-    q_layout = act + ((),) * (q_rank - 4)
-    out = {fwd.input("q"): q_layout, fwd.input("k"): act, fwd.input("v"): act,
-           fwd.output("out"): act}
+    act = (split["batch"], split["seq"], split["heads"], ())
+
+    def layout(v: int) -> Sharding:      # (B, S, H, D), or grouped (B, S, K, G, D)
+        return act + ((),) * (len(_t(index, v).shape) - 4)
+
+    values = [fwd.input("q"), fwd.input("k"), fwd.input("v"), fwd.output("out")]
     if bwd is not None:
-        out.update({bwd.input("dout"): act, bwd.output("dq"): q_layout, bwd.output("dk"): act,
-                    bwd.output("dv"): act})
-    return out
+        values += [bwd.input("dout"), bwd.output("dq"), bwd.output("dk"), bwd.output("dv")]
+    return {v: layout(v) for v in values}
 
 
 def _attn_sizes(index: Index, fwd: Match, split, mesh):
@@ -135,7 +166,8 @@ def _attn_cost(index: Index, fwd: Match, bwd: Match | None, split, mesh):
     # A query shard of a causal attention split over the sequence sees keys up to its own
     # position: the last shard sees them all, and it sets the step time.
     causal = bool(fwd.attr("causal")) and not split["seq"]
-    cost = kc.attention_fwd_cost(b, sq, sk, hq, hkv, d, it, causal)
+    cost = kc.attention_fwd_cost(b, sq, sk, hq, hkv, d, it, causal) + _mask_cost(
+        index, fwd, bwd, (b, hq, sq, sk))
     kv_bytes = float(b * sk * hkv * d * it)
     comms: list[Comm] = []
     if split["seq"]:
@@ -146,6 +178,16 @@ def _attn_cost(index: Index, fwd: Match, bwd: Match | None, split, mesh):
             comms += [("all-gather", kv_bytes, split["seq"])] * 2
             comms += [("reduce-scatter", kv_bytes, split["seq"])] * 2
     return cost, tuple(comms)
+
+
+def _mask_cost(index: Index, fwd: Match, bwd: Match | None, local) -> kc.KernelCost:
+    """Reading the masks given as data: once forward, twice backward (dq and dk/dv)."""
+    nbytes = 0.0
+    for role, itemsize in (("bias", 4), ("keep", 1)):
+        if role in fwd.roles():
+            shape = mask_shape(index, fwd, role)
+            nbytes += itemsize * math.prod(min(n, m) for n, m in zip(shape, local))
+    return kc.KernelCost(hbm_bytes=nbytes * (3 if bwd is not None else 1))
 
 
 def _attn_specs(index: Index, fwd: Match, bwd: Match | None, split, mesh):
@@ -327,8 +369,9 @@ def _adamw_specs(index: Index, fwd: Match, bwd: Match | None, split, mesh):
 
 
 RULES: dict[str, KernelRule] = {
-    "attention": KernelRule(("q", "k", "v"), ("dout",), ("out",), ("dq", "dk", "dv"), (),
-                            _attn_check, _attn_slots, _attn_layouts, _attn_cost, _attn_specs),
+    "attention": KernelRule(("q", "k", "v", "bias", "keep"), ("dout",), ("out",),
+                            ("dq", "dk", "dv"), ("bias", "keep"), _attn_check, _attn_slots,
+                            _attn_layouts, _attn_cost, _attn_specs),
     "norm": KernelRule(("x", "residual", "scale", "bias"), ("dy", "dh"), ("y", "h"),
                        ("dx", "dscale", "dbias"), ("residual", "bias", "dh"), _norm_check,
                        _norm_slots, _norm_layouts, _norm_cost, _norm_specs),

@@ -13,6 +13,9 @@ only when the substitution is sound (``_unsound``):
   * the kernel can run where its outputs are first needed: each half's inputs are read before
     its first output is made, and the forward's outputs come before the backward's.
 
+Every match that is no site is returned with the reason (``rejected``, which
+``kernel_choice`` adds to with the sites a plan leaves to XLA): ``Plan.rejected_kernels``.
+
 An *option* is one way of splitting the kernel's dims over mesh axes (``kernel_rules``): it
 fixes the layout of each interface value, the kernel's time and its collectives. An option is
 kept only when every interface value's decision group offers its layout. The XLA side of the
@@ -27,9 +30,11 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from autopar.plan import RejectedKernel
 from autopar.planner import problem
 from autopar.planner.kernel_rules import RULES, Comm, KernelRule, Split, kernel_of
 from autopar.sharding import Sharding, enumerate_shardings
+from ir.layers import module_path
 from ir.patterns import Index, Match, find_patterns
 
 # How a plan uses kernels (``PlannerOptions.kernels``): "auto" lets the ILP weigh each kernel
@@ -84,57 +89,70 @@ class Site:
         return comp, comm
 
 
-@dataclasses.dataclass(frozen=True)
-class Rejected:
-    """A match no kernel takes, and why (shown by ``explain_sites``)."""
+def rejected(graph, kernel: str, fwd: Match, reason: str) -> RejectedKernel:
+    """The plan's record of a match left to XLA (``Plan.rejected_kernels``), with the module
+    path its ops share (``model/layers/0/self_attn``)."""
+    paths = [module_path(graph.op(i).name).split("/") for i in fwd.op_ids if graph.op(i).name]
+    common = paths[0] if paths else []
+    for p in paths[1:]:
+        n = next((k for k, (a, b) in enumerate(zip(common, p)) if a != b), min(len(common),
+                                                                              len(p)))
+        common = common[:n]
+    return RejectedKernel(kernel, fwd.op_ids, fwd.sources, "/".join(common), reason)
 
-    pattern: str
-    op_ids: tuple[int, ...]
-    sources: tuple[str, ...]
-    reason: str
 
-
-def find_sites(prob: problem.Problem, cost_model) -> tuple[list[Site], list[Rejected]]:
-    """Every sound site of ``prob``'s graph with at least one layout its groups can take."""
+def find_sites(prob: problem.Problem, cost_model) -> tuple[list[Site], list[RejectedKernel]]:
+    """Every sound site of ``prob``'s graph with at least one layout its groups can take, and
+    every other match with the reason it is not one."""
     matches = find_patterns(prob.graph)
     index = Index(prob.graph)
     backward = {m.forward: m for m in matches if m.forward is not None}
     builder = problem._Builder(prob.graph, prob.mesh, cost_model, 1, fusion=prob.fusion)
-    sites, rejected = [], []
+    sites, skipped = [], []
     for i, fwd in enumerate(matches):
         if fwd.forward is not None:
             continue
         kernel = kernel_of(fwd.pattern)
         rule, bwd = RULES[kernel], backward.get(i)
-        reason = rule.check(index, fwd, bwd) or _unsound(index, fwd, bwd, rule)
+        reason = _placement(index, fwd, bwd) or _missing(fwd, bwd, rule) or \
+            rule.check(index, fwd, bwd) or _unsound(index, fwd, bwd, rule)
         options = () if reason else _options(prob, index, fwd, bwd, rule, cost_model)
         if not reason and not options:
             reason = "no layout of the plan's groups fits the kernel's splits"
         if reason:
-            rejected.append(Rejected(fwd.pattern, fwd.op_ids, fwd.sources, reason))
+            skipped.append(rejected(prob.graph, kernel, fwd, reason))
             continue
         replaced = frozenset(fwd.op_ids) | frozenset(bwd.op_ids if bwd else ())
         sites.append(Site(kernel, fwd, bwd, replaced, options[0].layouts[0][0], options,
                           _savings(prob, builder, index, replaced)))
-    return sites, rejected
+    return sites, skipped
 
 
 # ---- soundness --------------------------------------------------------------------------------
-def _unsound(index: Index, fwd: Match, bwd: Match | None, rule: KernelRule) -> str | None:
-    ops = set(fwd.op_ids) | set(bwd.op_ids if bwd else ())
-    for i in sorted(ops):
+def _placement(index: Index, fwd: Match, bwd: Match | None) -> str | None:
+    """Why codegen cannot replace the ops where they are: in a loop body, under remat or a
+    custom derivative."""
+    for i in sorted(set(fwd.op_ids) | set(bwd.op_ids if bwd else ())):
         op = index.ops[index.order[i]]
         if index.scope[i] is not None:
             return f"op{i} {op.prim} is inside a loop body (kernels replace top-level ops only)"
         if op.scope:
             return f"op{i} {op.prim} is inside {op.scope[-1]} (rematerialised or custom " \
                    f"derivative code is retraced whole)"
+    return None
+
+
+def _unsound(index: Index, fwd: Match, bwd: Match | None, rule: KernelRule) -> str | None:
+    ops = set(fwd.op_ids) | set(bwd.op_ids if bwd else ())
+    return _leaks(index, fwd, bwd, rule, ops) or _out_of_order(index, fwd, bwd, rule, ops)
+
+
+def _missing(fwd: Match, bwd: Match | None, rule: KernelRule) -> str | None:
+    """The roles the kernel reads that the match lacks."""
     missing = [r for r in rule.reads if r not in rule.optional and r not in fwd.roles()]
     missing += [r for r in rule.cotangents if bwd is not None and r not in rule.optional
                 and r not in bwd.roles()]
-    if missing:
-        return f"the match has no {missing}"
-    return _leaks(index, fwd, bwd, rule, ops) or _out_of_order(index, fwd, bwd, rule, ops)
+    return f"the match has no {missing}" if missing else None
 
 
 def _leaks(index: Index, fwd: Match, bwd: Match | None, rule: KernelRule,

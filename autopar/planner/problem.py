@@ -103,6 +103,7 @@ class Problem:
     fusion: Fusion                                # the kernels XLA makes of the graph
     kernel_sites: list = dataclasses.field(default_factory=list)   # planner.kernel_sites.Site
     kernel_mode: str = "never"                    # PlannerOptions.kernels
+    kernel_rejected: list = dataclasses.field(default_factory=list)   # plan.RejectedKernel
     # a folded graph (``ir.fold``): (value, first, last position, copies) of the removed
     # layers' values live across the gap, each the representative's value ``copies`` times
     phantoms: list[tuple[int, int, int, int]] = dataclasses.field(default_factory=list)
