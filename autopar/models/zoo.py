@@ -279,7 +279,9 @@ def eqx_lm(cfg: Config = Config(), *, abstract: bool = False, seed: int = 0):
 
     make = (lambda: LM(jax.random.PRNGKey(seed)))
     model = eqx.filter_eval_shape(make) if abstract else make()
-    params, static = eqx.partition(model, eqx.is_array)
+    # abstract: the arrays are ShapeDtypeStructs, which eqx.is_array does not take for arrays
+    params, static = eqx.partition(model, lambda x: eqx.is_array(x) or isinstance(
+        x, jax.ShapeDtypeStruct))
     tx = optax.adamw(cfg.lr)
 
     def loss_fn(params, batch):

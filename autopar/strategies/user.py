@@ -9,7 +9,8 @@
 ``user(in_shardings)`` takes a pytree prefix of the step's arguments (as ``jax.jit`` does) whose
 leaves are ``PartitionSpec``s, ``NamedSharding``s, ``None`` (the planner decides that input) or
 flax ``Partitioned`` boxes (``jax.eval_shape(model.init, ...)``'s boxed variables: their
-``names`` are used); with ``rules`` (flax ``logical_axis_rules``) the specs' names are logical
+``names`` are used; an unboxed variable among them is replicated, as flax's
+``nn.get_partition_spec`` has it); with ``rules`` (flax ``logical_axis_rules``) the specs' names are logical
 and map to mesh axes as flax maps them. ``from_arrays(*args)`` reads the layouts the arguments
 are committed to (``jax.Array``s on a ``NamedSharding``, or ``ShapeDtypeStruct``s carrying one);
 ``strategy="user"`` does this for the arguments of the call.
@@ -148,6 +149,8 @@ def _spec_of(x) -> PartitionSpec | None:
         return x.spec
     if _is_box(x):
         return PartitionSpec(*x.names)
+    if hasattr(x, "shape") and hasattr(x, "dtype"):   # an unboxed variable beside boxed ones:
+        return PartitionSpec()                       # replicated, as nn.get_partition_spec has it
     return x
 
 
