@@ -144,9 +144,10 @@ def compare(fn: Callable, *args, mesh, hardware=None,
     """Plan (and, when the devices are here, run) ``fn(*args)`` under each strategy.
 
     Args:
-      fn, *args: the training step and its arguments, as ``autoparallel`` takes them (arrays, or
-        ShapeDtypeStructs to only plan; NNX objects; modules with static leaves). Timing runs
-        the step on copies: nothing is written back into the caller's objects.
+      fn: the training step.
+      *args: its arguments, as ``autoparallel`` takes them (arrays, or ShapeDtypeStructs to
+        only plan; NNX objects; modules with static leaves). Timing runs the step on copies:
+        nothing is written back into the caller's objects.
       mesh: a ``jax.sharding.Mesh`` or a dict of axis sizes, as for ``autopar.plan``.
       hardware: the cost model's profile; default the mesh's devices, else ``"h100"``.
       strategies: names from ``autopar.strategies.NAMES``, strategy objects (the user's own
@@ -174,6 +175,9 @@ def compare(fn: Callable, *args, mesh, hardware=None,
     # apart): every strategy plans and times the step as a function of its traced arguments,
     # and the timed runs write nothing back into the caller's objects.
     call = arguments.prepare(args)
+    # pipelined strategies plan and run the step as written: its declared layers are attributes
+    # of the user's function (autopar.pipeline.model.declare), which the parted one lacks
+    user = (fn, args) if not call.nodes else None
     fn, _ = call.function(fn)
     args = call.dynamic
     validate.leaf_types(args, run=False)
@@ -196,8 +200,9 @@ def compare(fn: Callable, *args, mesh, hardware=None,
         rows, compiling = _plan_all(graph, mesh, hw, strategies, names, memory_budget,
                                     time_limit_s, trace_s, progress, seed_auto,
                                     None if run_mesh is None else
-                                    lambda plan: pool.submit(_compile, fn, args, run_mesh, plan),
-                                    (fn, args))
+                                    lambda plan: pool.submit(_compile, *_step_for(
+                                        plan, (fn, args), user), run_mesh, plan),
+                                    user or (fn, args))
         ready = {}
         for i, job in compiling.items():
             rows[i], ready[i] = _compiled_row(rows[i], job, args)
@@ -268,6 +273,11 @@ def _runnable_mesh(mesh, args):
     if isinstance(mesh, Mapping) and math.prod(axis_sizes(mesh).values()) == jax.device_count():
         return concrete_mesh(mesh)
     return None
+
+
+def _step_for(plan: Plan, parted: tuple, user: tuple | None) -> tuple:
+    """(step, arguments) a plan is compiled for: the user's own for a pipelined plan."""
+    return user if plan.pipeline is not None and user is not None else parted
 
 
 def _compile(fn, args, mesh, plan: Plan):

@@ -166,10 +166,12 @@ def _seeds(prob: problem.Problem, cm, allowed, options: PlannerOptions, hint,
         if best is not None and bound >= best.step_s:
             continue
         sub = prob.untied(merged)
+        if budget is not None and ilp.memory_lower_bound(sub, merged) > budget:
+            continue           # its pinned state alone breaks the budget: it fits no plan
         try:
             sol = ilp.solve(sub, cm, budget, options.time_limit_s, merged, clock=clock,
                             score=_scorer(prob, cm))
-            sol, peak = _within_budget(sub, sol, cm, options, merged, clock)
+            sol, peak = _within_budget(sub, sol, cm, options, merged, clock, SEED_CUT_ROUNDS, 0)
         except PlanError:      # this strategy fits no plan: auto has nothing to beat here
             continue
         out.append(_Seed(name, sol.choice, plan_cost(prob, cm, sol.choice), peak, sol.status))
@@ -200,6 +202,13 @@ def _seed(prob, cm, name: str, choice, budget) -> _Seed:
     choice = ilp._as_tuple(prob, choice) if isinstance(choice, Mapping) else tuple(choice)
     peak = None if budget is None else memory.estimate(prob, choice).peak
     return _Seed(name, choice, plan_cost(prob, cm, choice), peak)
+
+
+def _seed_plan(prob: problem.Problem, seed: _Seed, cm, options: PlannerOptions) -> Plan:
+    """A seed as a Plan (of ``prob``'s graph), labelled with its strategy."""
+    stats = SolverStats(seed.status or "DESCENT", None, 0.0, 0.0, 0.0, prob.num_decisions, 0, 0)
+    return assemble(prob, seed.choice, cm, cm.hw.name, seed.name, options.memory_budget, stats,
+                    seed.peak)
 
 
 def _pinned(prob: problem.Problem, strat, allowed) -> tuple[str, dict[int, set[int]]] | None:
@@ -270,8 +279,10 @@ def make_plan(graph: Graph, mesh: Mapping[str, int], cost_model,
         t0 = time.perf_counter()
         folded = _foldable(graph, options)
         if folded is not None:
+            seeds: list[Plan] = []
             try:
-                plan = _make_plan(folded.graph, mesh, cost_model, options, trace_s, t0, folded)
+                plan = _make_plan(folded.graph, mesh, cost_model, options, trace_s, t0, folded,
+                                  seeds)
             except PlanError:     # the full graph's own planning says what does not fit
                 plan = None
             budget = options.memory_budget
@@ -279,6 +290,11 @@ def make_plan(graph: Graph, mesh: Mapping[str, int], cost_model,
                 return unfold(plan, folded)
             trace_s += time.perf_counter() - t0    # the full graph plans in what is left
             t0 = time.perf_counter()
+            # the hand-written starts' plans, solved on the folded graph (whose objective is
+            # the full graph's for the same decisions), are held against the full graph's plan
+            # as they are, not solved again on it: that took 230 s of 340 on Llama-7B
+            options = options.replace(starts=(), seed_plans=tuple(options.seed_plans) + tuple(
+                unfold(s, folded) for s in seeds))
         return _make_plan(graph, mesh, cost_model, options, trace_s, t0)
 
 
@@ -293,7 +309,9 @@ def _foldable(graph: Graph, options: PlannerOptions):
 
 
 def _make_plan(graph: Graph, mesh: Mapping[str, int], cost_model, options: PlannerOptions,
-               trace_s: float, t0: float, folded=None) -> Plan:
+               trace_s: float, t0: float, folded=None, keep_seeds: list | None = None) -> Plan:
+    """One plan of ``graph``; ``keep_seeds``: a list that receives the hand-written starts'
+    own plans (assembled) as they were solved."""
     clock = Clock(t0 - trace_s, options.time_limit_s, options.deterministic)
     warn_many_axes(mesh, clock)
     prob = problem.build(graph, mesh, cost_model, clock=clock, host_inputs=options.host_inputs,
@@ -308,8 +326,11 @@ def _make_plan(graph: Graph, mesh: Mapping[str, int], cost_model, options: Plann
         clock.note(f"building the problem ({len(prob.groups)} decision groups) spent the time "
                    f"limit; each group takes its cheapest strategy alone, no descent or ILP")
         hint, hint_name = _cheapest_alone(prob, allowed, hint), "GREEDY"
-    elif options.starts:
+    elif options.starts or options.seed_plans:
         seeds = _seeds(prob, cost_model, allowed, options, hint, clock)
+        if keep_seeds is not None:
+            keep_seeds += [_seed_plan(prob, s, cost_model, options) for s in seeds
+                           if s.name not in ("descent", "hint")]
         start = _cheapest(seeds, options.memory_budget) or seeds[0]
         hint, hint_name = dict(enumerate(start.choice)), start.name.upper()
     build_s = time.perf_counter() - t0
@@ -346,26 +367,36 @@ def _never_worse(prob, cm, sol, peak, seeds: list[_Seed], budget):
                                objective_s=best.step_s), best.peak, False
 
 
-def _within_budget(prob, sol, cost_model, options, allowed, clock):
+def _within_budget(prob, sol, cost_model, options, allowed, clock, rounds=None,
+                   margins=None):
     """The solver's memory constraints see resharded copies only through cuts added lazily
     (``planner.memory``): while the chosen plan's full estimate exceeds the budget, add a
-    ``CopyCut`` at its peak and solve again (from the plan so far), ``COPY_CUT_ROUNDS`` times at
-    most. Keeps the first solution that fits, else the lowest estimated peak (and
-    ``_warn_over_budget`` says so). Returns (the solution, its estimated peak; None when no
-    budget asked for one)."""
+    ``CopyCut`` at its peak and solve again (from the plan so far), ``COPY_CUT_ROUNDS`` times
+    at most (or ``rounds``). Should the plan still break the budget, the budget shapes the
+    solve: ``MARGIN_ROUNDS`` (or ``margins``) more solves, each under the solver's limit less
+    what the plan so far holds beyond the budget (the copies no cut caught, a folded graph's
+    gap, which the estimate sees and the solver's memory terms do not). Keeps the first
+    solution that fits, else the lowest estimated peak (and ``_warn_over_budget`` says so).
+    Returns (the solution, its estimated peak; None when no budget asked for one)."""
     budget = options.memory_budget
     if budget is None:
         return sol, None
     est = memory.estimate(prob, sol.choice)
-    best, cuts = (est.peak, sol), []
-    for _ in range(COPY_CUT_ROUNDS):
+    best, cuts, limit = (est.peak, sol), [], budget
+    cut_rounds = COPY_CUT_ROUNDS if rounds is None else rounds
+    for k in range(cut_rounds + (MARGIN_ROUNDS if margins is None else margins)):
         if est.peak <= budget or clock.spent(SEARCH_BEFORE):
             break
-        cuts.append(memory.cut_at(prob, est.peak_position))
-        hint = sol.choice if isinstance(sol.choice, Mapping) else dict(enumerate(sol.choice))
+        if k < cut_rounds:
+            cuts.append(memory.cut_at(prob, est.peak_position))
+        else:
+            limit -= est.peak - budget      # what the plan so far holds beyond the budget
+            if limit <= 0:
+                break
         try:
-            sol = ilp.solve(prob, cost_model, budget, options.time_limit_s, allowed, hint,
-                            clock=clock, hint_name="FIRST SOLUTION", cuts=cuts)
+            sol = ilp.solve(prob, cost_model, limit, options.time_limit_s, allowed,
+                            _as_map(sol.choice), clock=clock, hint_name="FIRST SOLUTION",
+                            cuts=cuts)
         except PlanError:
             break
         est = memory.estimate(prob, sol.choice)
@@ -373,11 +404,24 @@ def _within_budget(prob, sol, cost_model, options, allowed, clock):
     return (sol, est.peak) if est.peak <= budget else (best[1], best[0])
 
 
+def _as_map(choice) -> dict[int, int]:
+    return choice if isinstance(choice, Mapping) else dict(enumerate(choice))
+
+
 # Re-solves with copy cuts when a plan's resharded copies break the memory budget: each round
 # adds the copies live at the new peak. The cases seen fit after one to four: the 3-layer MLP of
 # test_memory_budget_below_replicated_adam... takes four from the descent's ops-first start (its
 # first solution, as fast as the other start's, holds other copies), three from the other.
 COPY_CUT_ROUNDS = 6
+# Then re-solves under a budget less what the estimate holds beyond the solver's memory terms:
+# transformers' Llama-7B on {data: 8, model: 8} at one sequence a device, folded, still broke
+# 80 GiB (90.2 GiB) after six cut rounds, and planning the full graph instead took 467 s.
+MARGIN_ROUNDS = 3
+# A hand-written start's plan gets this many cut rounds and no margin rounds (auto's own gets
+# COPY_CUT_ROUNDS and MARGIN_ROUNDS): one that still breaks the budget is dropped as a seed,
+# though plan(strategy=...) with its full rounds might fit it. A 7B model's dp start went
+# through all six (7 solves) to end over 80 GiB, a third of the plan call.
+SEED_CUT_ROUNDS = 2
 
 
 def _warn_over_budget(plan: Plan, budget: float | None) -> None:

@@ -671,6 +671,21 @@ def memory_of(p: Problem, choice) -> float:
     return float(total(base) + max((total(t) for t in points), default=0.0))
 
 
+def memory_lower_bound(p: Problem, allowed: Mapping[int, set[int]]) -> float:
+    """Bytes every plan that keeps to ``allowed`` holds the whole step at least: each group's
+    always-live values under its smallest allowed strategy (a pinned input's, exactly). A
+    strategy whose bound exceeds the memory budget fits no plan: ``planner._seeds`` skips it
+    without solving."""
+    (gids, flat, offsets), _ = _memory_tables(p)
+    total = 0.0
+    for j, g in enumerate(gids.tolist()):
+        n = p.groups[g].n
+        row = flat[offsets[j]: offsets[j] + n]
+        ok = allowed.get(g)
+        total += float(min(row[i] for i in ok) if ok else row.min())
+    return total
+
+
 def _memory_tables(p: Problem):
     """Per group, the bytes of its always-live values and of its values live at each check
     point, under each of its strategies (summed once per problem: descent asks per start), each

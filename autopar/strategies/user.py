@@ -10,10 +10,11 @@
 leaves are ``PartitionSpec``s, ``NamedSharding``s, ``None`` (the planner decides that input) or
 flax ``Partitioned`` boxes (``jax.eval_shape(model.init, ...)``'s boxed variables: their
 ``names`` are used; an unboxed variable among them is replicated, as flax's
-``nn.get_partition_spec`` has it); with ``rules`` (flax ``logical_axis_rules``) the specs' names are logical
-and map to mesh axes as flax maps them. ``from_arrays(*args)`` reads the layouts the arguments
-are committed to (``jax.Array``s on a ``NamedSharding``, or ``ShapeDtypeStruct``s carrying one);
-``strategy="user"`` does this for the arguments of the call.
+``nn.get_partition_spec`` has it); with ``rules`` (flax ``logical_axis_rules``) the specs'
+names are logical and map to mesh axes as flax maps them. ``from_arrays(*args)`` reads the
+layouts the arguments are committed to (``jax.Array``s on a ``NamedSharding``, or
+``ShapeDtypeStruct``s carrying one); ``strategy="user"`` does this for the arguments of the
+call.
 
 Only the inputs are pinned, as for every hand-written strategy (``autopar.strategies``): the
 planner fills in every activation under the same cost model, so the row is the user's layout
