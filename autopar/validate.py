@@ -289,10 +289,12 @@ def short(x: Any) -> str:
 def plan_applies(plan, graph) -> None:
     """A loaded plan fits the traced ``graph``: same program (fingerprint), and each pinned
     layout names an op of this program and divides its output shape."""
-    if plan.graph_fingerprint != graph.fingerprint():
+    inputs = _input_difference(plan, graph)    # before the fingerprint, which may be edited
+    if inputs is not None or plan.graph_fingerprint != graph.fingerprint():
         raise PlanError(f"the loaded plan was made for another program: {_difference(plan, graph)}"
                         f"; plan again for this step, or call it with the arguments the plan was "
                         f"made for")
+    _check_choices(plan, graph)
     mesh = dict(plan.mesh)
     by_origin = {tuple(op.origin): op for op in graph.all_ops()}
     for pin in plan.pins:
@@ -324,6 +326,13 @@ def _pinned_value(pin, by_origin):
 
 def _difference(plan, graph) -> str:
     """Where a plan and a graph first differ, for the mismatch message."""
+    return _input_difference(plan, graph) or (
+        "the input paths and shapes match but the traced program differs (dtypes, ops, or "
+        "op parameters such as a reduction axis or a constant)")
+
+
+def _input_difference(plan, graph) -> str | None:
+    """The first input whose path or shape differs between a plan and a graph, or None."""
     shapes = tuple(graph.values[v].shape for v in graph.inputs)
     if len(plan.input_paths) != len(graph.inputs):
         return (f"it has {len(plan.input_paths)} inputs, this call has {len(graph.inputs)} "
@@ -331,5 +340,69 @@ def _difference(plan, graph) -> str:
     for p, q, a, b in zip(plan.input_paths, graph.input_paths, plan.input_shapes, shapes):
         if p != q or tuple(a) != tuple(b):
             return f"its input {p} has shape {tuple(a)}, this call's {q} has shape {tuple(b)}"
-    return ("the input paths and shapes match but the traced program differs (dtypes, ops, or "
-            "op parameters such as a reduction axis or a constant)")
+    return None
+
+
+def _check_choices(plan, graph) -> None:
+    """Each op a plan decides for is an op of ``graph`` with the same primitive: a plan whose
+    fingerprint was copied from another program's still names that program's ops."""
+    prims = {op.id: op.prim for op in graph.all_ops()}
+    for op_id, prim, source, _ in plan.choices:
+        if prims.get(op_id) != prim:
+            have = f"op {op_id} is {prims[op_id]}" if op_id in prims else f"there is no op {op_id}"
+            raise PlanError(f"the loaded plan decides op {op_id} {prim} @ {source or '?'}, but in "
+                            f"this step {have}: the plan was made for another program (its "
+                            f"fingerprint was edited); plan again for this step")
+
+
+# ---- where a plan is applied: its mesh and its inputs --------------------------------------------
+def mesh_difference(plan_mesh, mesh) -> str | None:
+    """How the mesh a plan was made for differs from ``mesh`` (names, sizes or order of the
+    axes), or None when they are the same. A plan's layouts name axes, and its predictions price
+    each axis by its place in the device order, so the order counts too."""
+    from autopar.mesh import axis_sizes
+
+    want, have = list(dict(plan_mesh).items()), list(axis_sizes(mesh).items())
+    if want == have:
+        return None
+    if dict(want) == dict(have):
+        return (f"the axis order differs: the plan's mesh is {_axes(want)}, this one "
+                f"{_axes(have)}")
+    if sorted(n for n, _ in want) != sorted(n for n, _ in have):
+        return f"the axis names differ: the plan's mesh is {_axes(want)}, this one {_axes(have)}"
+    sizes = [f"{n!r} {a} -> {dict(have)[n]}" for n, a in want if dict(have)[n] != a]
+    return (f"the axis sizes differ ({', '.join(sizes)}): the plan's mesh is {_axes(want)}, "
+            f"this one {_axes(have)}")
+
+
+def _axes(pairs) -> str:
+    return "(" + ", ".join(f"{n}={s}" for n, s in pairs) + ")"
+
+
+def check_plan_mesh(plan, mesh, where: str = "the given plan") -> None:
+    """Refuse a plan made for another mesh, saying what differs."""
+    diff = mesh_difference(plan.mesh, mesh)
+    if diff is not None:
+        raise PlanError(f"{where} was made for another mesh: {diff}; plan again for this mesh "
+                        f"(drop plan=), or run on the mesh the plan was made for")
+
+
+def state_difference(plan, leaves: Sequence[tuple[str, tuple]], argnum: int) -> str | None:
+    """How argument ``argnum`` of ``plan`` differs from ``leaves`` ((keystr path, shape) of a
+    state, in flattened order), or None when the plan's inputs there are those leaves."""
+    prefix = f"[{argnum}]"
+    mine = [(p[len(prefix):], tuple(s)) for p, s in zip(plan.input_paths, plan.input_shapes)
+            if p.startswith(prefix)]
+    if not mine:
+        return f"it has no argument {argnum} (its inputs: {list(plan.input_paths[:3])}, ...)"
+    paths = dict(mine)
+    for path, shape in leaves:
+        if path not in paths:
+            return (f"its argument {argnum} has no leaf {path} ({len(mine)} leaves, "
+                    f"{len(leaves)} in the state)")
+        if tuple(paths[path]) != tuple(shape):
+            return f"its input {prefix}{path} has shape {paths[path]}, the state's {tuple(shape)}"
+    if len(mine) != len(leaves):
+        extra = sorted(set(paths) - {p for p, _ in leaves})
+        return f"its argument {argnum} has leaves the state lacks: {extra[:3]}"
+    return None

@@ -462,7 +462,8 @@ PLAN_CASES = [
     ("plan-for-other-mesh",
      lambda: autopar.autoparallel(_pair, mesh=_mesh((8,), ("data",)),
                                   plan=autopar.Plan.from_json(_saved())), PlanError,
-     r"is for mesh \{'data': 2, 'model': 4\}, this step runs on \{'data': 8\}"),
+     r"made for another mesh: the axis names differ: the plan.s mesh is \(data=2, model=4\), "
+     r"this one \(data=8\)"),
     ("plan-as-text", lambda: autopar.autoparallel(_pair, mesh=_mesh(), plan=_saved()), PlanError,
      r"\(str\) is not an autopar\.Plan.*Plan\.from_json"),
     ("plan-with-ignored-options",

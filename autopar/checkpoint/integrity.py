@@ -1,0 +1,175 @@
+"""Checksums of every file of a checkpoint step, written before the step is committed and checked
+before it is read.
+
+orbax writes arrays as zarr chunks in an OCDBT database. The database's index (manifest and
+b-tree nodes, which also hold chunks under 1 KiB inline) carries checksums, but larger chunks are
+written to data files without one, and zarr2 with zstd decodes a flipped byte into wrong numbers
+without an error. orbax offers no option to add zarr3's ``crc32c`` chunk codec, so autopar keeps
+its own record: the size and CRC-32 of every file of the step (``RECORD``), computed by the
+primary process after every process has written its files and orbax has merged the index, and
+before orbax renames the temporary directory into place (``AsyncOptions.post_finalization_
+callback``). A step directory that exists therefore always carries its record, and a step killed
+before its rename is not a step at all.
+
+Restoring reads the record and checks every file's size and CRC before orbax reads any array:
+the files are shared out over the processes of a job and the damaged ones gathered, so each host
+reads about its share once more (the page cache then serves orbax's read). Files are hashed in a
+few threads (``zlib.crc32`` releases the GIL). What a damaged file holds is found from the OCDBT
+index (``arrays_in``), so an error names the arrays as well as the file.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import zlib
+from collections.abc import Iterable, Sequence
+
+from etils import epath
+
+RECORD = "autopar_integrity.json"
+RECORD_VERSION = 1
+# Top-level files orbax rewrites when it commits the step, after the record is taken: its step
+# metadata (timestamps) and, on storage without atomic renames, the commit marker.
+_UNRECORDED = (RECORD, "_CHECKPOINT_METADATA", "commit_success.txt")
+_CHUNK_BYTES = 16 << 20
+_THREADS = 4
+
+
+# ---- writing -------------------------------------------------------------------------------------
+def write_record(step_dir: epath.Path) -> dict:
+    """Checksum every file under ``step_dir`` and write ``RECORD`` there; returns the record."""
+    files = sorted(_files(step_dir))
+    sums = _checksums(step_dir, files)
+    record = {"version": RECORD_VERSION, "files": {f: list(sums[f]) for f in files}}
+    record["crc32"] = _self_crc(record)
+    (step_dir / RECORD).write_text(json.dumps(record))
+    return record
+
+
+def _files(root: epath.Path, prefix: str = "") -> Iterable[str]:
+    """Files under ``root``, relative to it (a walk: epath has no recursive glob on GCS)."""
+    for path in root.iterdir():
+        name = prefix + path.name
+        if path.is_dir():
+            yield from _files(path, name + "/")
+        elif name not in _UNRECORDED:
+            yield name
+
+
+def _self_crc(record: dict) -> int:
+    body = {k: v for k, v in record.items() if k != "crc32"}
+    return zlib.crc32(json.dumps(body, sort_keys=True).encode())
+
+
+def _checksum(path: epath.Path) -> tuple[int, int]:
+    """(size, CRC-32) of one file, read in chunks."""
+    size, crc = 0, 0
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK_BYTES):
+            size += len(chunk)
+            crc = zlib.crc32(chunk, crc)
+    return size, crc
+
+
+def _checksums(root: epath.Path, files: Sequence[str]) -> dict[str, tuple[int, int]]:
+    with concurrent.futures.ThreadPoolExecutor(_THREADS) as pool:
+        return dict(zip(files, pool.map(lambda f: _checksum(root / f), files)))
+
+
+# ---- reading -------------------------------------------------------------------------------------
+class RecordProblem(Exception):
+    """The record itself is missing or unreadable (``str`` says how)."""
+
+
+def read_record(step_dir: epath.Path) -> dict:
+    path = step_dir / RECORD
+    if not path.exists():
+        raise RecordProblem(f"it has no integrity record ({RECORD})")
+    try:
+        record = json.loads(path.read_text())
+        files = record["files"]
+        ok = (isinstance(files, dict) and record.get("crc32") == _self_crc(record)
+              and all(isinstance(v, list) and len(v) == 2 for v in files.values()))
+    except (ValueError, TypeError, KeyError, AttributeError, UnicodeDecodeError) as e:
+        raise RecordProblem(f"its integrity record {RECORD} is unreadable ({e})") from None
+    if not ok:
+        raise RecordProblem(f"its integrity record {RECORD} is damaged (its own CRC differs)")
+    return record
+
+
+def damaged_files(step_dir: epath.Path, record: dict, part: tuple[int, int] = (0, 1)
+                  ) -> dict[str, str]:
+    """Recorded file -> what is wrong with it, over this process's share ``part`` = (index,
+    count) of the files (every ``count``-th, from ``index``)."""
+    files = sorted(record["files"])[part[0]::part[1]]
+    present = [f for f in files if (step_dir / f).is_file()]
+    bad = {f: "is missing" for f in files if f not in present}
+    sizes = {f: (step_dir / f).stat().length for f in present}
+    for f in present:
+        want = record["files"][f][0]
+        if sizes[f] != want:
+            bad[f] = f"has {sizes[f]} bytes where {want} were written (truncated or extended)"
+    sums = _checksums(step_dir, [f for f in present if f not in bad])
+    for f, (_, crc) in sums.items():
+        if crc != record["files"][f][1]:
+            bad[f] = "holds other bytes than were written (its CRC-32 differs from the record)"
+    return bad
+
+
+# ---- what a file holds -------------------------------------------------------------------------
+def arrays_in(state_dir: epath.Path, files: Iterable[str]) -> dict[str, set[str]] | None:
+    """For files of a ``state`` item (paths relative to it), the names of the arrays (orbax's
+    dotted names) with chunks in them, read from the OCDBT index; a file of the index itself
+    maps to ``{"*"}`` (every array), a file no entry of the merged index reads to an empty set
+    (a process's own index of what it wrote). None when the index cannot be read."""
+    import tensorstore as ts
+
+    wanted = set(files)
+    out: dict[str, set[str]] = {f: set() for f in wanted}
+    for f in wanted:
+        if f == "manifest.ocdbt" or f.endswith("/manifest.ocdbt"):
+            out[f].add("*")
+    try:
+        base = ts.KvStore.open(_kvstore_url(state_dir)).result()
+        top = ts.ocdbt.dump(base).result()
+        roots = [v["root"]["location"] for v in top.get("versions", [])[-1:]
+                 if v.get("root", {}).get("location")]
+        for loc in roots:
+            _walk(ts, base, loc, out)
+    except Exception:  # noqa: BLE001 - a damaged index: the caller says so
+        return None
+    return out
+
+
+def _kvstore_url(path: epath.Path) -> str:
+    text = str(path)
+    return (text if "://" in text else "file://" + text).rstrip("/") + "/"
+
+
+def _file_of(location: str) -> str | None:
+    """``"value:ocdbt.process_0/:d/abc:10:20"`` -> ``"ocdbt.process_0/d/abc"``;
+    ``"btreenode::d/abc:0:99"`` -> ``"d/abc"`` (kind, base path, file, offset, length)."""
+    parts = location.split(":")
+    if len(parts) < 5:
+        return None
+    return parts[1] + ":".join(parts[2:-2])
+
+
+def _walk(ts, base, location: str, out: dict[str, set[str]]) -> None:
+    """Record, for the files in ``out``, the arrays whose chunks the b-tree node at
+    ``location`` (and its children) places in them; a node's own file is index: every array."""
+    node = ts.ocdbt.dump(base, location).result()
+    node_file = _file_of(location)
+    if node_file in out:
+        out[node_file].add("*")
+    for entry in node.get("entries", []):
+        child = next((v for v in entry.values() if isinstance(v, str)
+                      and v.startswith("btreenode:")), None)
+        if child is not None:
+            _walk(ts, base, child, out)
+        elif "indirect_value" in entry:
+            f = _file_of(entry["indirect_value"])
+            if f in out and "*" not in out[f]:
+                key = entry.get("key", b"")
+                name = key.decode(errors="replace") if isinstance(key, bytes) else str(key)
+                out[f].add(name.rsplit("/", 1)[0])
