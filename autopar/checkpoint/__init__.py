@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -40,14 +39,15 @@ from etils import epath
 
 from autopar import validate
 from autopar.checkpoint import integrity, layouts
+from autopar.checkpoint import meta as stepmeta
 from autopar.checkpoint.integrity import RECORD
+from autopar.checkpoint.meta import FORMAT_VERSION
 from autopar.errors import AutoparError, CheckpointError, PlanError
 from autopar.plan import Plan
 
-__all__ = ["RECORD", "CheckpointError", "Checkpointer", "Restored", "restore", "save", "wait"]
+__all__ = ["FORMAT_VERSION", "RECORD", "CheckpointError", "Checkpointer", "Restored", "restore",
+           "save", "wait"]
 
-# 2: an integrity record (every file's size and CRC-32) and the state's argument of the plan.
-FORMAT_VERSION = 2
 _MAX_LINES = 5          # damaged files named in one message
 _FIX = ("restore another step (steps() lists them; restore(..., fallback=True) takes the newest "
         "intact one), or save again from a live run")
@@ -127,8 +127,8 @@ class Checkpointer:
         at once. The files are written in the background; ``wait()`` blocks until they are.
         """
         ocp = _orbax()
-        step = _step_number(step)
-        argnum = _state_argnum(plan, state)
+        step = stepmeta.step_number(step)
+        argnum = stepmeta.state_argnum(plan, state)
         self._manager.wait_until_finished()     # the record callback reads _pending
         latest = self._manager.latest_step()
         if latest is not None and step <= latest:
@@ -140,7 +140,7 @@ class Checkpointer:
         self._pending = step
         self._manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state),
-            meta=ocp.args.JsonSave(_meta(step, state, plan, argnum)),
+            meta=ocp.args.JsonSave(stepmeta.build(step, state, plan, argnum)),
             plan=ocp.args.JsonSave({"plan": saved_plan})))
         if wait or not self._async:
             self.wait()
@@ -257,7 +257,7 @@ class Checkpointer:
                       plan: Plan | None, replan: bool | None, mesh, shardings) -> Restored:
         verified, plan_damage = self._verify(step)
         meta = self._checked_meta(step)
-        _check_like(like, meta, self._where(step))
+        stepmeta.check_like(like, meta, self._where(step))
         saved, why = self._checked_plan(step, meta, plan_damage)
         target, used, replanned, notes = layouts.targets(
             like, saved, why and f"it {why}", train_step, args, argnum, plan, replan, mesh,
@@ -266,7 +266,8 @@ class Checkpointer:
             notes += (f"step {step} was saved without checksums (checkpoint format "
                       f"{meta.get('format_version')}); its files were not verified",)
         abstract = jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(np.shape(x), _dtype(x), sharding=s), like, target)
+            lambda x, s: jax.ShapeDtypeStruct(np.shape(x), stepmeta.dtype(x), sharding=s), like,
+            target)
         state = self._read_state(step, abstract)
         return Restored(state, int(meta["step"]), used, replanned, saved, meta, notes, verified)
 
@@ -283,13 +284,14 @@ class Checkpointer:
         try:
             record = integrity.read_record(step_dir)
         except integrity.RecordProblem as e:
-            if _raw_meta_version(step_dir) == 1:    # saved before checkpoints had records
+            if stepmeta.raw_version(step_dir) == 1:    # saved before checkpoints had records
                 return False, {}
             raise CheckpointError(
                 f"checkpoint {self._where(step)}: {e}, so its files cannot be checked (a step "
                 f"written by this autopar always has one: the record was deleted, or the step "
                 f"was copied in part); {_FIX}") from None
-        bad = _gathered(integrity.damaged_files(step_dir, record, _part()), record)
+        bad = integrity.gathered(
+            integrity.damaged_files(step_dir, record, integrity.part()), record)
         plan_bad = {f: why for f, why in bad.items() if f.startswith("plan/")}
         other = {f: why for f, why in bad.items() if f not in plan_bad}
         if other:
@@ -300,12 +302,12 @@ class Checkpointer:
         state = self._step_dir(step) / "state"
         held = integrity.arrays_in(state, [f[len("state/"):] for f in bad if
                                            f.startswith("state/")])
-        names = _user_paths(self._step_dir(step))
+        names = stepmeta.user_paths(self._step_dir(step))
         lines = []
         for f, why in sorted(bad.items())[:_MAX_LINES]:
             arrays = None if held is None else {names.get(a, a) for a in
                                                 held.get(f[len("state/"):], ())}
-            lines.append(f"file {f} {why}; {_holds(f, arrays)}")
+            lines.append(f"file {f} {why}; {integrity.describe(f, arrays)}")
         if len(bad) > _MAX_LINES:
             lines.append(f"and {len(bad) - _MAX_LINES} more files")
         return (f"checkpoint {self._where(step)} is damaged: " + "\n  ".join(lines) + f"\n{_FIX}")
@@ -321,7 +323,7 @@ class Checkpointer:
             raise CheckpointError(f"{where} is missing; {_FIX}") from None
         except (ValueError, UnicodeDecodeError, OSError) as e:
             raise CheckpointError(f"{where} is not readable JSON ({e}); {_FIX}") from None
-        problem = _meta_problem(meta)
+        problem = stepmeta.problem(meta)
         if problem is not None:
             raise CheckpointError(f"{where} is damaged: {problem}; {_FIX}")
         if meta["format_version"] > FORMAT_VERSION:
@@ -354,7 +356,7 @@ class Checkpointer:
             plan = Plan.from_json(json.dumps(d))
         except PlanError as e:
             return None, f"cannot be loaded: {e}"
-        mismatch = _plan_meta_mismatch(plan, meta)
+        mismatch = stepmeta.plan_mismatch(plan, meta)
         if mismatch is not None:
             return None, f"does not describe the saved state: {mismatch}"
         return plan, None
@@ -372,7 +374,7 @@ class Checkpointer:
         """A failed orbax read as a message naming the step's files the error mentions."""
         text = str(e)
         root = str(self._step_dir(step))
-        files = sorted({m for m in _paths_in(text) if m.startswith(root)})
+        files = sorted({m for m in integrity.paths_in(text) if m.startswith(root)})
         named = ", ".join(os.path.relpath(f, root) for f in files[:3]) or "state/"
         return (f"checkpoint {self._where(step)}: reading the state from {named} failed "
                 f"({type(e).__name__}: {text[:300]}); {_FIX}")
@@ -429,155 +431,3 @@ def wait(path=None) -> None:
             ckpt.wait()
 
 
-# ---- helpers ------------------------------------------------------------------------------------
-def _step_number(step) -> int:
-    if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)) or step < 0:
-        raise AutoparError(f"step={step!r}: the step counter must be an integer >= 0 (the "
-                           f"number of training steps applied to the state)")
-    return int(step)
-
-
-def _state_argnum(plan: Plan | None, state) -> int | None:
-    """The argument of ``plan`` that ``state`` is (its leaves and shapes), checked at save so
-    that a checkpoint never holds a plan of another step."""
-    if plan is None:
-        return None
-    if not isinstance(plan, Plan):
-        raise AutoparError(f"save(plan={validate.short(plan)}): plan= takes an autopar.Plan (the "
-                           f"plan of the step the state feeds: step.plan), or None")
-    have = layouts.shapes(state)
-    argnums = sorted({int(p[1:p.index("]")]) for p in plan.input_paths if p.startswith("[")})
-    whys = []
-    for k in argnums:
-        why = validate.state_difference(plan, have, k)
-        if why is None:
-            return k
-        whys.append(f"argument {k}: {why}")
-    raise AutoparError(f"save(plan=...): the plan's arguments do not include this state "
-                       f"({'; '.join(whys[:2]) or 'it has no inputs'}); pass the plan of the step "
-                       f"the state feeds (step.plan), or none")
-
-
-def _meta(step: int, state, plan: Plan | None, argnum: int | None) -> dict:
-    leaves = layouts.leaves(state)
-    return {"format_version": FORMAT_VERSION, "step": step,
-            "num_processes": jax.process_count(), "num_devices": jax.device_count(),
-            "mesh": None if plan is None else dict(plan.mesh),
-            "graph_fingerprint": None if plan is None else plan.graph_fingerprint,
-            "state_argnum": argnum,
-            "paths": [p for p, _ in leaves], "shapes": [list(np.shape(x)) for _, x in leaves],
-            "dtypes": [str(_dtype(x)) for _, x in leaves]}
-
-
-def _meta_problem(meta) -> str | None:
-    """What is malformed in a metadata object (hand-edited or damaged without a record)."""
-    if not isinstance(meta, dict):
-        return f"a JSON object was expected, got {type(meta).__name__}"
-    for key in ("format_version", "step"):
-        v = meta.get(key)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            return f"{key} is {v!r}, not an integer >= 0"
-    lists = [meta.get(k) for k in ("paths", "shapes", "dtypes")]
-    if not all(isinstance(x, list) for x in lists) or len({len(x) for x in lists}) != 1:
-        return "paths, shapes and dtypes must be lists of one length"
-    if not all(isinstance(s, list) and all(isinstance(n, int) for n in s) for s in lists[1]):
-        return "shapes must be lists of integers"
-    return None
-
-
-def _plan_meta_mismatch(plan: Plan, meta: dict) -> str | None:
-    """How the saved plan contradicts the saved state's metadata, or None."""
-    saved_mesh = meta.get("mesh")
-    if saved_mesh is not None and list(dict(saved_mesh).items()) != list(plan.mesh):
-        return f"it is for mesh {dict(plan.mesh)}, the state was saved from {saved_mesh}"
-    fp = meta.get("graph_fingerprint")
-    if fp is not None and fp != plan.graph_fingerprint:
-        return (f"its program fingerprint is {plan.graph_fingerprint}, the state was saved "
-                f"with {fp}")
-    argnum = meta.get("state_argnum", 0 if meta["format_version"] == 1 else None)
-    if argnum is None:
-        return None
-    return validate.state_difference(plan, [(p, tuple(s)) for p, s in
-                                            zip(meta["paths"], meta["shapes"])], argnum)
-
-
-def _raw_meta_version(step_dir: epath.Path):
-    try:
-        return json.loads((step_dir / "meta" / "metadata").read_text()).get("format_version")
-    except Exception:  # noqa: BLE001 - unreadable: not a format-1 step
-        return None
-
-
-def _user_paths(step_dir: epath.Path) -> dict[str, str]:
-    """orbax's dotted array names -> the state's pytree paths (from the metadata, if it reads)."""
-    try:
-        paths = json.loads((step_dir / "meta" / "metadata").read_text())["paths"]
-        return {".".join(g for m in re.finditer(r"\['([^']*)'\]|\[(\d+)\]|\.(\w+)", p)
-                         for g in m.groups() if g is not None): p for p in paths}
-    except Exception:  # noqa: BLE001 - damaged metadata: orbax's names will do
-        return {}
-
-
-def _dtype(x):
-    """A leaf's dtype without moving it (python scalars included)."""
-    return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
-
-
-def _check_like(like, meta: dict, where: str) -> None:
-    """Raise unless ``like`` has the saved leaves, shapes and dtypes (orbax's own error would
-    come from deep inside tensorstore)."""
-    saved = {p: (tuple(s), d) for p, s, d in zip(meta["paths"], meta["shapes"], meta["dtypes"])}
-    given = {p: (tuple(np.shape(x)), str(_dtype(x))) for p, x in layouts.leaves(like)}
-    where = f"checkpoint {where}"
-    missing, extra = sorted(saved.keys() - given.keys()), sorted(given.keys() - saved.keys())
-    if missing or extra:
-        raise AutoparError(
-            f"`like` does not have the saved state's structure ({where}): saved but not in "
-            f"`like`: {missing[:5]}, in `like` but not saved: {extra[:5]}; pass the abstract "
-            f"state of the model and optimizer that were saved (jax.eval_shape of their init)")
-    for path, want in saved.items():
-        if given[path] != want:
-            raise AutoparError(
-                f"{path}: `like` has shape/dtype {given[path]}, the {where} holds {want}; "
-                f"restore with the model configuration that was saved")
-
-
-def _holds(file: str, arrays: set[str] | None) -> str:
-    """What a damaged file holds, for the message."""
-    if file == "meta/metadata":
-        return "it holds the step counter and the state's leaf list"
-    if not file.startswith("state/"):
-        return "it is orbax's bookkeeping of the step"
-    if re.match(r"state/(d/|(ocdbt\.process_\d+/)?manifest\.ocdbt$)", file):
-        return ("it is part of the state's index, which locates every array (and holds those "
-                "under 1 KiB)")
-    if not re.match(r"state/ocdbt\.process_\d+/d/", file):
-        return "it is orbax's metadata of the state (tree, shardings, array layouts)"
-    if arrays is None:
-        return "it holds part of the state (its index could not be read to say which arrays)"
-    if "*" in arrays or not arrays:   # no entry reads it: a process's own index
-        return "it is part of the state's index, which locates every array"
-    names = sorted(arrays)
-    more = f" and {len(names) - 4} more" if len(names) > 4 else ""
-    return f"it holds arrays {', '.join(names[:4])}{more}"
-
-
-def _paths_in(text: str) -> list[str]:
-    return [m.rstrip("\"',.;)") for m in re.findall(r"(?:file://)?(/[^\s\"']+)", text)]
-
-
-def _part() -> tuple[int, int]:
-    return jax.process_index(), jax.process_count()
-
-
-def _gathered(bad: dict[str, str], record: dict) -> dict[str, str]:
-    """Every process's damaged files (each checked its share), on every process."""
-    if jax.process_count() == 1:
-        return bad
-    from jax.experimental import multihost_utils
-
-    files = sorted(record["files"])
-    mine = np.array([f in bad for f in files], dtype=np.int32)
-    everyone = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, len(files))
-    return {f: bad.get(f, "did not match its record (checked by another process)")
-            for f, hit in zip(files, everyone.max(axis=0)) if hit}

@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import zlib
 from collections.abc import Iterable, Sequence
 
+import jax
+import numpy as np
 from etils import epath
 
 RECORD = "autopar_integrity.json"
@@ -173,3 +176,46 @@ def _walk(ts, base, location: str, out: dict[str, set[str]]) -> None:
                 key = entry.get("key", b"")
                 name = key.decode(errors="replace") if isinstance(key, bytes) else str(key)
                 out[f].add(name.rsplit("/", 1)[0])
+
+
+# ---- messages and multi-process ------------------------------------------------------------
+def describe(file: str, arrays: set[str] | None) -> str:
+    """What a damaged file holds, for the message."""
+    if file == "meta/metadata":
+        return "it holds the step counter and the state's leaf list"
+    if not file.startswith("state/"):
+        return "it is orbax's bookkeeping of the step"
+    if re.match(r"state/(d/|(ocdbt\.process_\d+/)?manifest\.ocdbt$)", file):
+        return ("it is part of the state's index, which locates every array (and holds those "
+                "under 1 KiB)")
+    if not re.match(r"state/ocdbt\.process_\d+/d/", file):
+        return "it is orbax's metadata of the state (tree, shardings, array layouts)"
+    if arrays is None:
+        return "it holds part of the state (its index could not be read to say which arrays)"
+    if "*" in arrays or not arrays:   # no entry reads it: a process's own index
+        return "it is part of the state's index, which locates every array"
+    names = sorted(arrays)
+    more = f" and {len(names) - 4} more" if len(names) > 4 else ""
+    return f"it holds arrays {', '.join(names[:4])}{more}"
+
+
+def paths_in(text: str) -> list[str]:
+    return [m.rstrip("\"',.;)") for m in re.findall(r"(?:file://)?(/[^\s\"']+)", text)]
+
+
+def part() -> tuple[int, int]:
+    """This process's share of the files to check: (index, count)."""
+    return jax.process_index(), jax.process_count()
+
+
+def gathered(bad: dict[str, str], record: dict) -> dict[str, str]:
+    """Every process's damaged files (each checked its share), on every process."""
+    if jax.process_count() == 1:
+        return bad
+    from jax.experimental import multihost_utils
+
+    files = sorted(record["files"])
+    mine = np.array([f in bad for f in files], dtype=np.int32)
+    everyone = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, len(files))
+    return {f: bad.get(f, "did not match its record (checked by another process)")
+            for f, hit in zip(files, everyone.max(axis=0)) if hit}
