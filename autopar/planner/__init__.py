@@ -17,7 +17,7 @@ from autopar.errors import PlanError, ShardingError
 from autopar.options import PlannerOptions
 from autopar.plan import Collective, CostBreakdown, Plan, SolverStats
 from autopar.planner import combine, ilp, kernel_choice, memory, pins, problem
-from autopar.planner.budget import LOG, SEARCH_BEFORE, START_BEFORE, Clock, warn_many_axes
+from autopar.planner.budget import SEARCH_BEFORE, START_BEFORE, Clock, warn_many_axes
 from autopar.planner.reshard import reshard_steps, step_bytes, step_hbm_bytes
 from autopar.planner.unfold import unfold
 from autopar.sharding import Sharding, fmt
@@ -235,14 +235,14 @@ def _make_plan(graph: Graph, mesh: Mapping[str, int], cost_model, options: Plann
     build_s = time.perf_counter() - t0
     sol = ilp.solve(prob, cost_model, options.memory_budget, options.time_limit_s, allowed, hint,
                     clock=clock, hint_name=hint_name, seeds=seeds)
-    sol, peak = _within_budget(prob, sol, cost_model, options, allowed, clock)
+    sol, peak, least = _within_budget(prob, sol, cost_model, options, allowed, clock)
     stats = SolverStats(sol.status, sol.gap, sol.solve_s, build_s, trace_s, prob.num_decisions,
                         sol.num_vars, sol.num_constraints, sol.candidates)
     plan = assemble(prob, sol.choice, cost_model, cost_model.hw.name, options.strategy,
                     options.memory_budget, stats, peak)
     plan = kernel_choice.finish(plan, prob, sol.choice, cost_model)
     if folded is None:      # a folded plan over the budget is planned again on the full graph
-        _warn_over_budget(plan, options.memory_budget)
+        _check_budget(plan, options.memory_budget, prob, least)
     return plan
 
 
@@ -250,12 +250,13 @@ def _within_budget(prob, sol, cost_model, options, allowed, clock):
     """The solver's memory constraints see resharded copies only through cuts added lazily
     (``planner.memory``): while the chosen plan's full estimate exceeds the budget, add a
     ``CopyCut`` at its peak and solve again (from the plan so far), ``COPY_CUT_ROUNDS`` times at
-    most. Keeps the first solution that fits, else the lowest estimated peak (and
-    ``_warn_over_budget`` says so). Returns (the solution, its estimated peak; None when no
-    budget asked for one)."""
+    most. Keeps the first solution that fits, else the plan of least memory if it fits, else the
+    lowest estimated peak (``_check_budget`` then refuses it). Returns (the solution, its
+    estimated peak, ``ilp.min_memory``'s answer if it was sought; Nones when no budget asked for
+    one)."""
     budget = options.memory_budget
     if budget is None:
-        return sol, None
+        return sol, None, None
     est = memory.estimate(prob, sol.choice)
     best, cuts = (est.peak, sol), []
     for _ in range(COPY_CUT_ROUNDS):
@@ -270,7 +271,15 @@ def _within_budget(prob, sol, cost_model, options, allowed, clock):
             break
         est = memory.estimate(prob, sol.choice)
         best = min(best, (est.peak, sol), key=lambda b: b[0])
-    return (sol, est.peak) if est.peak <= budget else (best[1], best[0])
+    if est.peak <= budget:
+        return sol, est.peak, None
+    # The plan of least memory: it is taken if it fits, and its budget is what the PlanError of
+    # _check_budget suggests otherwise.
+    least = ilp.min_memory(prob, cost_model, allowed, options.time_limit_s, clock.solver_wall_s())
+    if least is not None and least[1] <= budget:
+        kept = ilp.kept_choice(prob, least[0], "MIN MEMORY")
+        return kept, memory.estimate(prob, kept.choice).peak, least
+    return best[1], best[0], least
 
 
 # Re-solves with copy cuts when a plan's resharded copies break the memory budget: each round
@@ -280,16 +289,25 @@ def _within_budget(prob, sol, cost_model, options, allowed, clock):
 COPY_CUT_ROUNDS = 6
 
 
-def _warn_over_budget(plan: Plan, budget: float | None) -> None:
-    """The ILP sees resharded copies only through the cuts ``_within_budget`` adds (see
-    ``planner.memory``): say so when the chosen plan's full estimate still exceeds the budget."""
+def _check_budget(plan: Plan, budget: float | None, prob, least) -> None:
+    """A plan whose full estimate exceeds the budget is refused, with the smallest budget a plan
+    was found to fit (``least``: ``ilp.min_memory``'s answer). The ILP sees resharded copies
+    (and bytes below 1 KiB) only through the cuts ``_within_budget`` adds (see
+    ``planner.memory``), so its own solution may not fit."""
     peak = plan.cost.peak_memory_bytes
-    if budget is not None and peak > budget:
-        LOG.warning("autopar: the plan's predicted peak memory %.3g GiB/device exceeds "
-                    "memory_budget %.3g GiB by the resharded copies its transitions make (%d "
-                    "rounds of copy cuts did not find a plan without them); pass a "
-                    "memory_budget about %.3g GiB lower to leave room for them",
-                    peak / 2**30, budget / 2**30, COPY_CUT_ROUNDS, (peak - budget) / 2**30)
+    if budget is None or peak <= budget:
+        return
+    need = None if least is None else least[1]
+    smallest = ("no smaller plan was found in time" if need is None else
+                f"the smallest peak found for any plan is {need / 2**30:.3g} GiB ({int(need)} "
+                f"bytes: memory_budget={int(need)} plans)")
+    raise PlanError(
+        f"no plan fits a memory budget of {budget / 2**30:.3g} GiB ({int(budget)} bytes) per "
+        f"device on mesh {dict(prob.mesh)}: the solver's best plan peaks at {int(peak)} bytes "
+        f"by the full estimate (exact bytes and the copies its resharding makes, which the "
+        f"solver counts only in part: {COPY_CUT_ROUNDS} rounds of copy cuts did not bring it "
+        f"within); {smallest}. Raise memory_budget to at least that, use a larger mesh, or "
+        f"shrink the batch.")
 
 
 def _layout(prob: problem.Problem, choice, v: int) -> Sharding:
