@@ -266,7 +266,9 @@ class AutoParallel:
         _no_kwargs(self, kwargs)
         types = validate.leaf_types(args, run=False)
         with on_mesh(self.mesh):
-            _, jitted, _, _ = self._compiled(args, types, validate.signature(args, types))
+            _, jitted, in_shardings, _ = self._compiled(args, types,
+                                                        validate.signature(args, types))
+            validate.given_shardings(args, in_shardings)
             return jitted.lower(*distributed.global_args(args, self.host_local_argnums))
 
     def input_shardings(self, *args, plan: Plan | None = None):

@@ -171,6 +171,7 @@ def compare(fn: Callable, *args, mesh, hardware=None,
     validate.memory_budget(memory_budget)
     validate.time_limit(time_limit_s)
     axis_sizes(mesh)
+    strategies = validate.strategy_list(strategies, "autopar.compare")
     t0 = time.perf_counter()
     graph = ir.trace(fn, *args)
     trace_s = time.perf_counter() - t0

@@ -136,6 +136,18 @@ def strategy(value: Any):
     return getattr(value, "name", type(value).__name__), value
 
 
+def strategy_list(value: Any, where: str) -> tuple:
+    """A non-empty sequence of strategies (names or objects; each is planned, or reported as an
+    error row, by ``compare`` itself)."""
+    if isinstance(value, str) or not isinstance(value, Sequence):
+        raise AutoparError(f"{where}(strategies={short(value)}): give a list of strategies, e.g. "
+                           f"strategies=('dp', 'zero3', 'auto')")
+    if not value:
+        raise AutoparError(f"{where}(strategies=()): there is nothing to compare; give at least "
+                           f"one strategy, e.g. strategies=('dp', 'auto'), or leave the default")
+    return tuple(value)
+
+
 def fixed_layouts(fixed: Any, graph, mesh: Mapping[str, int], name: str) -> dict[int, tuple]:
     """A strategy's ``fix_inputs`` answer: input index -> a layout that fits that input."""
     if not isinstance(fixed, Mapping):
@@ -234,6 +246,30 @@ def _typeof(x: Any, where: str):
             f"{where} is {type(x).__name__} {short(x)}, which jax cannot trace; arguments are "
             f"arrays (jax or numpy, numeric dtypes), jax.ShapeDtypeStructs or Python scalars: "
             f"close over other values with functools.partial") from None
+
+
+def given_shardings(args: tuple, planned) -> None:
+    """``step.lower`` compiles for the plan's layouts: a ``ShapeDtypeStruct`` (or committed
+    array) that carries another sharding would reach jax's own mismatch error; name it."""
+    flat = jax.tree_util.tree_flatten_with_path(args)[0]
+    for (path, x), want in zip(flat, jax.tree_util.tree_leaves(planned)):
+        have = getattr(x, "sharding", None)
+        committed = isinstance(x, jax.ShapeDtypeStruct) or getattr(x, "committed", False)
+        if have is None or not committed or not isinstance(want, jax.sharding.Sharding):
+            continue
+        if not have.is_equivalent_to(want, len(x.shape)):
+            raise ShardingError(
+                f"argument {jax.tree_util.keystr(path)} ({x.dtype}{list(x.shape)}) carries "
+                f"sharding {_spec_text(have)}, but the plan lays it out as {_spec_text(want)}: "
+                f"the step places every argument in the plan's layout. Drop sharding= from the "
+                f"ShapeDtypeStruct, or give it step.input_shardings(...)'s sharding")
+
+
+def _spec_text(s) -> str:
+    spec = getattr(s, "spec", None)
+    mesh = getattr(s, "mesh", None)
+    on = f" on mesh {dict(mesh.shape)}" if mesh is not None and hasattr(mesh, "shape") else ""
+    return f"{spec}{on}" if spec is not None else str(s)
 
 
 def abstract(args: tuple, types: list) -> tuple:
