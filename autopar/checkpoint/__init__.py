@@ -129,7 +129,7 @@ class Checkpointer:
         ocp = _orbax()
         step = stepmeta.step_number(step)
         argnum = stepmeta.state_argnum(plan, state)
-        self._manager.wait_until_finished()     # the record callback reads _pending
+        self.wait()     # the record callback reads _pending
         latest = self._manager.latest_step()
         if latest is not None and step <= latest:
             raise AutoparError(
@@ -159,12 +159,22 @@ class Checkpointer:
         integrity.write_record(step_dir)
 
     def wait(self) -> None:
-        """Block until the last asynchronous save is on disk."""
-        self._manager.wait_until_finished()
+        """Block until the last asynchronous save is on disk; ``CheckpointError`` if writing it
+        failed (the step is then not committed: the previous one stays the latest)."""
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 - orbax re-raises its writer thread's error
+            raise CheckpointError(
+                f"checkpoint {self._where(self._pending)}: saving failed ({type(e).__name__}: "
+                f"{str(e)[:300]}); the step was not committed, so the latest complete step is "
+                f"still {self.latest_step()}. Free space or fix the storage, then save again"
+                ) from e
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        try:
+            self.wait()
+        finally:
+            self._manager.close()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -190,7 +200,11 @@ class Checkpointer:
         """The plan saved with ``step`` (default the latest), or ``None`` if none was saved;
         ``CheckpointError`` if it is damaged or does not describe the saved state."""
         step = self._pick(step)
-        plan, why = self._checked_plan(step, self._checked_meta(step), {})
+        record = self._record(step)
+        plan_files = {"files": {f: v for f, v in (record or {"files": {}})["files"].items()
+                                if f.startswith("plan/")}}
+        damage = integrity.damaged_files(self._step_dir(step), plan_files)
+        plan, why = self._checked_plan(step, self._checked_meta(step), damage)
         if why is not None:
             raise CheckpointError(f"checkpoint {self._where(step)}: the saved plan {why}")
         return plan
@@ -278,18 +292,25 @@ class Checkpointer:
     def _step_dir(self, step: int) -> epath.Path:
         return epath.Path(self.directory) / str(step)
 
-    def _verify(self, step: int) -> tuple[bool, dict[str, str]]:
-        """(verified?, damaged files of the saved plan); raises for any other damaged file."""
+    def _record(self, step: int) -> dict | None:
+        """The step's integrity record; None for a step saved before there were records."""
         step_dir = self._step_dir(step)
         try:
-            record = integrity.read_record(step_dir)
+            return integrity.read_record(step_dir)
         except integrity.RecordProblem as e:
             if stepmeta.raw_version(step_dir) == 1:    # saved before checkpoints had records
-                return False, {}
+                return None
             raise CheckpointError(
                 f"checkpoint {self._where(step)}: {e}, so its files cannot be checked (a step "
                 f"written by this autopar always has one: the record was deleted, or the step "
                 f"was copied in part); {_FIX}") from None
+
+    def _verify(self, step: int) -> tuple[bool, dict[str, str]]:
+        """(verified?, damaged files of the saved plan); raises for any other damaged file."""
+        step_dir = self._step_dir(step)
+        record = self._record(step)
+        if record is None:
+            return False, {}
         bad = integrity.gathered(
             integrity.damaged_files(step_dir, record, integrity.part()), record)
         plan_bad = {f: why for f, why in bad.items() if f.startswith("plan/")}

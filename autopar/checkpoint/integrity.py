@@ -41,11 +41,17 @@ _THREADS = 4
 # ---- writing -------------------------------------------------------------------------------------
 def write_record(step_dir: epath.Path) -> dict:
     """Checksum every file under ``step_dir`` and write ``RECORD`` there; returns the record."""
+    record = record_of(step_dir)
+    (step_dir / RECORD).write_text(json.dumps(record))
+    return record
+
+
+def record_of(step_dir: epath.Path) -> dict:
+    """The record of the files under ``step_dir`` as they are now (reads every file)."""
     files = sorted(_files(step_dir))
     sums = _checksums(step_dir, files)
     record = {"version": RECORD_VERSION, "files": {f: list(sums[f]) for f in files}}
     record["crc32"] = _self_crc(record)
-    (step_dir / RECORD).write_text(json.dumps(record))
     return record
 
 
