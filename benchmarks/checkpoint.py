@@ -37,16 +37,19 @@ import _common
 import jax
 import jax.numpy as jnp
 import numpy as np
+from etils import epath
 from jax.sharding import Mesh
 
 import autopar
 from autopar import checkpoint, distributed
+from autopar.checkpoint import integrity
 from autopar.models import gpt
 
 ROWS = 8                 # global batch rows
 HEADER = ("config", "processes", "params_M", "state_MB", "disk_MB", "save_return_s",
           "save_total_s", "write_MB_s", "restore_saved_plan_s", "restore_read_s",
-          "replan_4dev_s", "restore_4dev_s", "read_MB_s")
+          "replan_4dev_s", "restore_4dev_s", "read_MB_s", "record_s", "record_pct",
+          "verify_s", "verify_pct")
 REPLAN_HEADER = ("model", "from", "to", "plan_from_s", "status_from", "replan_s", "status", "gap",
                  "predicted step ms (from)", "predicted step ms (to)")
 
@@ -113,7 +116,9 @@ def save_once(s: Setup, directory: str) -> dict:
     ckpt.wait()
     total = time.perf_counter() - t0
     ckpt.close()
-    return {"save_return_s": returned, "save_total_s": total,
+    step_dir = epath.Path(directory) / "1"
+    t_record, _ = timed(lambda: integrity.record_of(step_dir))   # what the save's callback did
+    return {"save_return_s": returned, "save_total_s": total, "record_s": t_record,
             "disk_MB": _disk_bytes(os.path.join(directory, "1")) / 1e6}
 
 
@@ -125,7 +130,10 @@ def restore_same(s: Setup, directory: str) -> dict:
         t_plan, r = timed(lambda: ckpt.restore(s.like, train_step=fresh, args=(s.batch,)))
         assert not r.replanned
         t_read, _ = timed(lambda: ckpt.restore(s.like, plan=r.plan, mesh=s.step8.mesh))
-    return {"restore_saved_plan_s": t_plan, "restore_read_s": t_read}
+    step_dir = epath.Path(directory) / "1"
+    t_verify, _ = timed(lambda: integrity.damaged_files(step_dir, integrity.read_record(step_dir),
+                                                        integrity.part()))
+    return {"restore_saved_plan_s": t_plan, "restore_read_s": t_read, "verify_s": t_verify}
 
 
 def restore_4(s: Setup, directory: str, devices) -> dict:
@@ -187,6 +195,9 @@ def finish_row(m: dict) -> tuple:
     m.setdefault("replan_4dev_s", float("nan"))
     m.setdefault("restore_4dev_s", float("nan"))
     m["write_MB_s"] = m["state_MB"] / m["save_total_s"]
+    # The integrity record's share of the save and of the bare read (both include it).
+    m["record_pct"] = 100 * m["record_s"] / (m["save_total_s"] - m["record_s"])
+    m["verify_pct"] = 100 * m["verify_s"] / (m["restore_read_s"] - m["verify_s"])
     read = m["restore_4dev_s"] if m["restore_4dev_s"] == m["restore_4dev_s"] else m[
         "restore_read_s"]
     m["read_MB_s"] = m["state_MB"] / read
@@ -303,8 +314,14 @@ def _write(out: pathlib.Path, rows, replans, repeats: int, elapsed: float) -> No
         "`restore_read_s`: the bare read given the plan. `replan_4dev_s`: a new auto plan for 4",
         "devices (trace + solve); `restore_4dev_s`: reading the checkpoint into that plan's",
         "layouts (for processes = 2: this one process reading the two-process checkpoint).",
-        "`read_MB_s` is state bytes over the 4-device read (else the same-mesh read). Medians",
-        f"of {repeats} runs. The disk is the machine's local disk.",
+        "`read_MB_s` is state bytes over the 4-device read (else the same-mesh read).",
+        "Integrity: every restore first checks each file of the step against the size and",
+        "CRC-32 recorded at save. `record_s`: writing that record (what the save's background",
+        "callback computes, timed again on the saved step; part of `save_total_s`); `verify_s`:",
+        "checking every file against it (part of every restore). `record_pct` and `verify_pct`",
+        "are their shares of the save and of the bare read without them: `record_s /",
+        "(save_total_s - record_s)`, `verify_s / (restore_read_s - verify_s)`. Medians",
+        f"of {repeats} runs, all in one run of the script. The disk is the machine's local disk.",
         "",
         _common.md_table(HEADER, rows),
         "",
