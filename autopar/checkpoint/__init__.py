@@ -26,6 +26,7 @@ blocks an intact state: the step plans again (or, with ``replan=False``, refuses
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import os
@@ -63,8 +64,9 @@ class Restored:
       plan: the plan whose layouts the arrays were read into (``None`` for ``shardings=``).
       replanned: True when ``plan`` was made for this mesh rather than taken from the checkpoint
         or the caller.
-      saved_plan: the plan stored in the checkpoint (``None`` if none was saved, or it was
-        damaged or did not describe the state: ``notes`` says which).
+      saved_plan: the plan stored in the checkpoint (``None`` if none was saved, if it was
+        damaged or did not describe the state, as ``notes`` says, or if the restore did not
+        need it: ``plan=`` or ``shardings=``).
       meta: the checkpoint's metadata (saved mesh, process and device counts, leaf shapes).
       notes: what ``restore`` did that the caller did not ask for: a damaged step skipped for an
         older one (``fallback=True``), the saved plan set aside and why, an unverified step.
@@ -203,7 +205,7 @@ class Checkpointer:
         record = self._record(step)
         plan_files = {"files": {f: v for f, v in (record or {"files": {}})["files"].items()
                                 if f.startswith("plan/")}}
-        damage = integrity.damaged_files(self._step_dir(step), plan_files)
+        damage = integrity.damaged_files(self._step_dir(step), plan_files)   # all plan files
         plan, why = self._checked_plan(step, self._checked_meta(step), damage)
         if why is not None:
             raise CheckpointError(f"checkpoint {self._where(step)}: the saved plan {why}")
@@ -269,21 +271,54 @@ class Checkpointer:
 
     def _restore_step(self, step: int, like, train_step, args: tuple, argnum: int,
                       plan: Plan | None, replan: bool | None, mesh, shardings) -> Restored:
-        verified, plan_damage = self._verify(step)
+        """Check the step's index and metadata files, then read the state while its array
+        chunks are checked in a background thread; the state is returned only if they match
+        their record (a damaged read is discarded for the damage's error)."""
+        record = self._record(step)
+        plan_damage = {} if record is None else self._verify(step, record, bulk=False)
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+        try:
+            chunks = None if record is None else pool.submit(
+                integrity.damaged_files, self._step_dir(step), record,
+                integrity.share([f for f in record["files"] if integrity.bulk(f)],
+                                integrity.part()))
+            got = self._restore_checked(step, like, train_step, args, argnum, plan, replan, mesh,
+                                        shardings, plan_damage, record, chunks)
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+        return got
+
+    def _restore_checked(self, step, like, train_step, args, argnum, plan, replan, mesh,
+                         shardings, plan_damage, record, chunks) -> Restored:
         meta = self._checked_meta(step)
         stepmeta.check_like(like, meta, self._where(step))
-        saved, why = self._checked_plan(step, meta, plan_damage)
+        needed = shardings is None and plan is None and train_step is not None
+        saved, why = self._checked_plan(step, meta, plan_damage) if needed else (None, None)
         target, used, replanned, notes = layouts.targets(
             like, saved, why and f"it {why}", train_step, args, argnum, plan, replan, mesh,
             shardings, self._where(step))
-        if not verified:
+        if record is None:
             notes += (f"step {step} was saved without checksums (checkpoint format "
                       f"{meta.get('format_version')}); its files were not verified",)
         abstract = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(np.shape(x), stepmeta.dtype(x), sharding=s), like,
             target)
-        state = self._read_state(step, abstract)
-        return Restored(state, int(meta["step"]), used, replanned, saved, meta, notes, verified)
+        try:
+            state = self._read_state(step, abstract)
+        except CheckpointError:
+            if chunks is not None:    # a read that failed on damage says which file
+                self._raise_damage(step, chunks.result(), record)
+            raise
+        if chunks is not None:
+            self._raise_damage(step, chunks.result(), record)
+        return Restored(state, int(meta["step"]), used, replanned, saved, meta, notes,
+                        record is not None)
+
+    def _raise_damage(self, step: int, bad: dict[str, str], record: dict) -> None:
+        """Raise for the chunk files any process found damaged (a collective)."""
+        bad = integrity.gathered(bad, [f for f in record["files"] if integrity.bulk(f)])
+        if bad:
+            raise CheckpointError(self._damage(step, bad))
 
     # ---- checks -----------------------------------------------------------------------------
     def _where(self, step: int) -> str:
@@ -305,19 +340,17 @@ class Checkpointer:
                 f"written by this autopar always has one: the record was deleted, or the step "
                 f"was copied in part); {_FIX}") from None
 
-    def _verify(self, step: int) -> tuple[bool, dict[str, str]]:
-        """(verified?, damaged files of the saved plan); raises for any other damaged file."""
-        step_dir = self._step_dir(step)
-        record = self._record(step)
-        if record is None:
-            return False, {}
-        bad = integrity.gathered(
-            integrity.damaged_files(step_dir, record, integrity.part()), record)
+    def _verify(self, step: int, record: dict, bulk: bool) -> dict[str, str]:
+        """Check the recorded files that are (``bulk``) or are not array chunks, each process
+        its share; returns the damaged files of the saved plan, raises for any other."""
+        files = [f for f in record["files"] if integrity.bulk(f) == bulk]
+        bad = integrity.gathered(integrity.damaged_files(
+            self._step_dir(step), record, integrity.share(files, integrity.part())), files)
         plan_bad = {f: why for f, why in bad.items() if f.startswith("plan/")}
         other = {f: why for f, why in bad.items() if f not in plan_bad}
         if other:
             raise CheckpointError(self._damage(step, other))
-        return True, plan_bad
+        return plan_bad
 
     def _damage(self, step: int, bad: dict[str, str]) -> str:
         state = self._step_dir(step) / "state"

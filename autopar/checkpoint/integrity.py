@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import re
+import threading
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import jax
 import numpy as np
@@ -34,8 +36,10 @@ RECORD_VERSION = 1
 # Top-level files orbax rewrites when it commits the step, after the record is taken: its step
 # metadata (timestamps) and, on storage without atomic renames, the commit marker.
 _UNRECORDED = (RECORD, "_CHECKPOINT_METADATA", "commit_success.txt")
-_CHUNK_BYTES = 16 << 20
-_THREADS = 4
+# Files are hashed in blocks of this many bytes, all blocks in parallel: a checkpoint's data is
+# mostly in one or two large files.
+BLOCK_BYTES = 32 << 20
+_THREADS = max(2, min(8, os.cpu_count() or 2))
 
 
 # ---- writing -------------------------------------------------------------------------------------
@@ -47,10 +51,13 @@ def write_record(step_dir: epath.Path) -> dict:
 
 
 def record_of(step_dir: epath.Path) -> dict:
-    """The record of the files under ``step_dir`` as they are now (reads every file)."""
+    """The record of the files under ``step_dir`` as they are now (reads every file): per file
+    its size and the CRC-32 of each ``BLOCK_BYTES`` block."""
     files = sorted(_files(step_dir))
-    sums = _checksums(step_dir, files)
-    record = {"version": RECORD_VERSION, "files": {f: list(sums[f]) for f in files}}
+    sizes = {f: (step_dir / f).stat().length for f in files}
+    sums = _checksums(step_dir, sizes)
+    record = {"version": RECORD_VERSION, "block_bytes": BLOCK_BYTES,
+              "files": {f: [sizes[f], sums[f]] for f in files}}
     record["crc32"] = _self_crc(record)
     return record
 
@@ -70,19 +77,31 @@ def _self_crc(record: dict) -> int:
     return zlib.crc32(json.dumps(body, sort_keys=True).encode())
 
 
-def _checksum(path: epath.Path) -> tuple[int, int]:
-    """(size, CRC-32) of one file, read in chunks."""
-    size, crc = 0, 0
-    with path.open("rb") as f:
-        while chunk := f.read(_CHUNK_BYTES):
-            size += len(chunk)
-            crc = zlib.crc32(chunk, crc)
-    return size, crc
+def _checksums(root: epath.Path, sizes: dict[str, int]) -> dict[str, list[int]]:
+    """File -> the CRC-32 of each of its blocks, the blocks of all files hashed in parallel (one
+    large file would otherwise keep a single core busy), each thread reading into one buffer
+    of its own (a fresh 32 MiB object per block costs more than the hash)."""
+    blocks = [(f, at) for f, n in sizes.items() for at in range(0, max(n, 1), BLOCK_BYTES)]
+    local = threading.local()
+    size = min(BLOCK_BYTES, max(sizes.values(), default=1))
 
+    def crc(block) -> int:
+        f, at = block
+        buf = getattr(local, "buf", None)
+        if buf is None:
+            buf = local.buf = bytearray(size)
+        with (root / f).open("rb") as h:
+            h.seek(at)
+            if hasattr(h, "readinto"):
+                return zlib.crc32(memoryview(buf)[:h.readinto(buf)])
+            return zlib.crc32(h.read(size))
 
-def _checksums(root: epath.Path, files: Sequence[str]) -> dict[str, tuple[int, int]]:
     with concurrent.futures.ThreadPoolExecutor(_THREADS) as pool:
-        return dict(zip(files, pool.map(lambda f: _checksum(root / f), files)))
+        crcs = list(pool.map(crc, blocks))
+    out: dict[str, list[int]] = {f: [] for f in sizes}
+    for (f, _), c in zip(blocks, crcs):
+        out[f].append(c)
+    return out
 
 
 # ---- reading -------------------------------------------------------------------------------------
@@ -98,7 +117,9 @@ def read_record(step_dir: epath.Path) -> dict:
         record = json.loads(path.read_text())
         files = record["files"]
         ok = (isinstance(files, dict) and record.get("crc32") == _self_crc(record)
-              and all(isinstance(v, list) and len(v) == 2 for v in files.values()))
+              and record.get("block_bytes") == BLOCK_BYTES
+              and all(isinstance(v, list) and len(v) == 2 and isinstance(v[1], list)
+                      for v in files.values()))
     except (ValueError, TypeError, KeyError, AttributeError, UnicodeDecodeError) as e:
         raise RecordProblem(f"its integrity record {RECORD} is unreadable ({e})") from None
     if not ok:
@@ -106,11 +127,20 @@ def read_record(step_dir: epath.Path) -> dict:
     return record
 
 
-def damaged_files(step_dir: epath.Path, record: dict, part: tuple[int, int] = (0, 1)
-                  ) -> dict[str, str]:
-    """Recorded file -> what is wrong with it, over this process's share ``part`` = (index,
-    count) of the files (every ``count``-th, from ``index``)."""
-    files = sorted(record["files"])[part[0]::part[1]]
+def bulk(file: str) -> bool:
+    """A file of array chunks (most of a step's bytes), as opposed to index and metadata."""
+    return re.match(r"state/ocdbt\.process_\d+/d/", file) is not None
+
+
+def share(files, part: tuple[int, int]) -> list[str]:
+    """This process's share ``part`` = (index, count) of ``files``: every ``count``-th of them
+    in sorted order, from ``index``."""
+    return sorted(files)[part[0]::part[1]]
+
+
+def damaged_files(step_dir: epath.Path, record: dict, files=None) -> dict[str, str]:
+    """Recorded file -> what is wrong with it, over ``files`` (default every recorded file)."""
+    files = sorted(record["files"]) if files is None else list(files)
     present = [f for f in files if (step_dir / f).is_file()]
     bad = {f: "is missing" for f in files if f not in present}
     sizes = {f: (step_dir / f).stat().length for f in present}
@@ -118,9 +148,9 @@ def damaged_files(step_dir: epath.Path, record: dict, part: tuple[int, int] = (0
         want = record["files"][f][0]
         if sizes[f] != want:
             bad[f] = f"has {sizes[f]} bytes where {want} were written (truncated or extended)"
-    sums = _checksums(step_dir, [f for f in present if f not in bad])
-    for f, (_, crc) in sums.items():
-        if crc != record["files"][f][1]:
+    sums = _checksums(step_dir, {f: sizes[f] for f in present if f not in bad})
+    for f, crcs in sums.items():
+        if crcs != record["files"][f][1]:
             bad[f] = "holds other bytes than were written (its CRC-32 differs from the record)"
     return bad
 
@@ -214,13 +244,14 @@ def part() -> tuple[int, int]:
     return jax.process_index(), jax.process_count()
 
 
-def gathered(bad: dict[str, str], record: dict) -> dict[str, str]:
-    """Every process's damaged files (each checked its share), on every process."""
+def gathered(bad: dict[str, str], files) -> dict[str, str]:
+    """Every process's damaged files among ``files`` (each checked its share), on every
+    process."""
     if jax.process_count() == 1:
         return bad
     from jax.experimental import multihost_utils
 
-    files = sorted(record["files"])
+    files = sorted(files)
     mine = np.array([f in bad for f in files], dtype=np.int32)
     everyone = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, len(files))
     return {f: bad.get(f, "did not match its record (checked by another process)")
