@@ -27,6 +27,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 import shutil
 import statistics
 import sys
@@ -284,16 +285,30 @@ def replan_rows(quick: bool) -> list[tuple]:
         before, t_before = _plan(fn, state, batch, {"data": 8, "model": 8})
         after, t_after = _plan(fn, state, batch, {"data": 7, "model": 8})
         rows.append((f"GPT-{name} scan", "64 H100 (data8 x model8)", "56 H100 (data7 x model8)",
-                     t_before, before.solver.status, t_after, after.solver.status, after.solver.gap,
-                     before.cost.step_time_s * 1e3, after.cost.step_time_s * 1e3))
+                     t_before, _status(before), t_after, _status(after),
+                     getattr(after, "solver", None) and after.solver.gap,
+                     _step_ms(before), _step_ms(after)))
         print("  " + "  ".join(_common._cell(x) for x in rows[-1]), flush=True)
     return rows
 
 
 def _plan(fn, state, batch, mesh):
+    """(the plan, or the PlanError's first clause when no plan fits; seconds)."""
     t0 = time.perf_counter()
-    p = autopar.plan(fn, state, batch, mesh=mesh, hardware="h100", time_limit_s=10)
+    try:
+        p = autopar.plan(fn, state, batch, mesh=mesh, hardware="h100", time_limit_s=10)
+    except autopar.PlanError as e:
+        least = re.search(r"smallest peak found for any plan is ([\d.]+ GiB)", str(e))
+        p = "no plan within 80 GiB" + (f", least found {least.group(1)}" if least else "")
     return p, time.perf_counter() - t0
+
+
+def _status(p) -> str:
+    return p.solver.status if isinstance(p, autopar.Plan) else f"none ({p})"
+
+
+def _step_ms(p) -> float:
+    return p.cost.step_time_s * 1e3 if isinstance(p, autopar.Plan) else float("nan")
 
 
 # ---- report -------------------------------------------------------------------------------------
