@@ -71,6 +71,15 @@ def problem(meta) -> str | None:
         return "paths, shapes and dtypes must be lists of one length"
     if not all(isinstance(s, list) and all(isinstance(n, int) for n in s) for s in lists[1]):
         return "shapes must be lists of integers"
+    mesh = meta.get("mesh")
+    if mesh is not None and not (isinstance(mesh, dict) and all(
+            isinstance(k, str) and isinstance(v, int) for k, v in mesh.items())):
+        return f"mesh is {mesh!r}, not null or an object of axis sizes"
+    argnum = meta.get("state_argnum")
+    if argnum is not None and (isinstance(argnum, bool) or not isinstance(argnum, int)):
+        return f"state_argnum is {argnum!r}, not null or an integer"
+    if not isinstance(meta.get("graph_fingerprint", ""), (str, type(None))):
+        return "graph_fingerprint must be null or a string"
     return None
 
 
