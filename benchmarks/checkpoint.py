@@ -124,31 +124,37 @@ def save_once(s: Setup, directory: str) -> dict:
 
 
 def restore_same(s: Setup, directory: str) -> dict:
-    """Onto the same devices: through a fresh step (saved plan, checked by a trace) and bare."""
+    """Onto the same devices through a fresh step (saved plan, checked by a trace), and the
+    time of checking every file against the integrity record on its own."""
     fresh = autopar.autoparallel(s.train_step, mesh=s.step8.mesh, hardware="cpu",
                                  strategy="zero3", time_limit_s=2)
     with checkpoint.Checkpointer(directory) as ckpt:
         t_plan, r = timed(lambda: ckpt.restore(s.like, train_step=fresh, args=(s.batch,)))
         assert not r.replanned
-        t_read, _ = timed(lambda: ckpt.restore(s.like, plan=r.plan, mesh=s.step8.mesh))
+    del r
     step_dir = epath.Path(directory) / "1"
     record = integrity.read_record(step_dir)
     t_verify, _ = timed(lambda: integrity.damaged_files(
         step_dir, record, integrity.share(record["files"], integrity.part())))
-    return {"restore_saved_plan_s": t_plan, "restore_read_s": t_read, "verify_s": t_verify}
+    return {"restore_saved_plan_s": t_plan, "verify_s": t_verify}
 
 
-def orbax_alone(s: Setup, directory: str, plain: str) -> dict:
-    """The same save (state, plan JSON, a small metadata item) and the same read of the state
-    into the saved plan's layouts through orbax alone: no integrity record, no checks. The
-    baseline of save_extra_pct and read_extra_pct."""
+# ---- the same save and read through orbax alone (the baseline of the integrity's cost) ----------
+def _orbax_handlers():
+    import orbax.checkpoint as ocp
+
+    return {"state": ocp.StandardCheckpointHandler(), "plan": ocp.JsonCheckpointHandler(),
+            "meta": ocp.JsonCheckpointHandler()}
+
+
+def orbax_save(s: Setup, plain: str) -> dict:
+    """The same items (state, plan JSON, a small metadata item) saved by orbax alone, with no
+    integrity record; until the files are committed."""
     import orbax.checkpoint as ocp
 
     shutil.rmtree(plain, ignore_errors=True)
-    handlers = {"state": ocp.StandardCheckpointHandler(), "plan": ocp.JsonCheckpointHandler(),
-                "meta": ocp.JsonCheckpointHandler()}
     mgr = ocp.CheckpointManager(plain, options=ocp.CheckpointManagerOptions(create=True),
-                                item_handlers=handlers)
+                                item_handlers=_orbax_handlers())
     t0 = time.perf_counter()
     mgr.save(1, args=ocp.args.Composite(
         state=ocp.args.StandardSave(s.state), meta=ocp.args.JsonSave({"step": 1}),
@@ -156,14 +162,33 @@ def orbax_alone(s: Setup, directory: str, plain: str) -> dict:
     mgr.wait_until_finished()
     t_save = time.perf_counter() - t0
     mgr.close()
+    shutil.rmtree(plain, ignore_errors=True)
+    return {"orbax_save_s": t_save}
+
+
+def bare_reads(s: Setup, directory: str, autopar_first: bool) -> dict:
+    """The state read into the saved plan's layouts by autopar (its checks included) and by
+    orbax alone, back to back from the same files, each through a fresh checkpointer."""
+    import orbax.checkpoint as ocp
+
     layouts = s.step8.input_shardings(s.like, s.batch)[0]
     abstract = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                             s.like, layouts)
-    mgr = ocp.CheckpointManager(directory, item_handlers={"state": handlers["state"]})
-    t_read, _ = timed(lambda: mgr.restore(1, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract)))["state"])
-    mgr.close()
-    return {"orbax_save_s": t_save, "orbax_read_s": t_read}
+
+    def by_autopar():
+        with checkpoint.Checkpointer(directory) as ckpt:
+            return ckpt.restore(s.like, plan=s.step8.plan, mesh=s.step8.mesh).state
+
+    def by_orbax():
+        mgr = ocp.CheckpointManager(directory, item_handlers={"state": _orbax_handlers()["state"]})
+        try:
+            return mgr.restore(1, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract)))["state"]
+        finally:
+            mgr.close()
+
+    order = [("restore_read_s", by_autopar), ("orbax_read_s", by_orbax)]
+    return {name: timed(fn)[0] for name, fn in (order if autopar_first else order[::-1])}
 
 
 def restore_4(s: Setup, directory: str, devices) -> dict:
@@ -210,9 +235,11 @@ def measure(label: str, cfg: gpt.GPTConfig, repeats: int, work: str, four: bool 
     runs = []
     for k in range(repeats):
         d = os.path.join(work, f"{label}.{jax.process_count()}.{k}")
-        run = save_once(s, d)
+        first = k % 2 == 0     # autopar's save and read first in even runs, orbax's in odd
+        run = save_once(s, d) if first else orbax_save(s, d + ".orbax")
+        run.update(orbax_save(s, d + ".orbax") if first else save_once(s, d))
         run.update(restore_same(s, d))
-        run.update(orbax_alone(s, d, d + ".orbax"))
+        run.update(bare_reads(s, d, first))
         if four and jax.process_count() == 1:
             run.update(restore_4(s, d, devices))
         runs.append(run)
@@ -356,7 +383,8 @@ def _write(out: pathlib.Path, rows, replans, repeats: int, elapsed: float) -> No
         "off the devices; training may go on); `save_total_s`: until the files are committed.",
         "`restore_saved_plan_s`: `restore(train_step=...)` onto the same mesh, taking the saved",
         "plan (it traces the step to check the plan fits it; nothing is solved);",
-        "`restore_read_s`: the bare read given the plan. `replan_4dev_s`: a new auto plan for 4",
+        "`restore_read_s`: the bare read given the plan (`restore(plan=..., mesh=...)` through a",
+        "fresh `Checkpointer`). `replan_4dev_s`: a new auto plan for 4",
         "devices (trace + solve); `restore_4dev_s`: reading the checkpoint into that plan's",
         "layouts (for processes = 2: this one process reading the two-process checkpoint).",
         "`read_MB_s` is state bytes over the 4-device read (else the same-mesh read).",
@@ -367,8 +395,9 @@ def _write(out: pathlib.Path, rows, replans, repeats: int, elapsed: float) -> No
         "every file (this process's share); `orbax_save_s` / `orbax_read_s`: the same save and",
         "the same read of the state into the same layouts through orbax alone, no record and no",
         "checks; `save_extra_pct` / `read_extra_pct`: `save_total_s` / `restore_read_s` over",
-        "them, minus 1. Medians of " + str(repeats) + " runs, each run doing autopar's and",
-        "orbax's back to back, all in one run of the script. The disk is the machine's local disk.",
+        "them, minus 1. Medians of " + str(repeats) + " runs, each doing autopar's and",
+        "orbax's save, then their reads, back to back (autopar's first in even runs, orbax's in",
+        "odd ones), all in one run of the script. The disk is the machine's local disk.",
         "",
         _common.md_table(HEADER, rows),
         "",
