@@ -183,3 +183,19 @@ def test_a_failed_write_is_a_checkpoint_error_and_commits_nothing(tmp_path, monk
                                                        r"latest complete step is still 1"):
             ckpt.wait()
         assert ckpt.steps() == [1]
+
+
+def test_the_block_checksum_notices_every_flipped_byte_and_swapped_words():
+    from autopar.checkpoint import integrity
+
+    data = bytes(range(256)) * 4 + b"tail"        # 1028 bytes: a partial last word
+    weights = integrity._weights(len(data))
+    base = integrity._sum64(memoryview(data), weights)
+    for i in range(len(data)):
+        for flip in (0x01, 0x80, 0xFF):
+            damaged = bytearray(data)
+            damaged[i] ^= flip
+            assert integrity._sum64(memoryview(damaged), weights) != base, (i, flip)
+    swapped = data[8:16] + data[:8] + data[16:]
+    assert integrity._sum64(memoryview(swapped), weights) != base
+    assert integrity._sum64(memoryview(data[:-1]), weights) != base   # sizes are recorded too

@@ -11,15 +11,16 @@ Each saved step is one directory ``<path>/<step>/`` holding three orbax items: `
 array written shard by shard by the processes that hold it; OCDBT/tensorstore), ``plan`` (the
 plan's JSON) and ``meta`` (the step counter, the mesh and process count it was saved from, the
 argument of the plan the state is, and every leaf's path, shape and dtype), plus the integrity
-record: every file's size and CRC-32 (``autopar.checkpoint.integrity``). A step directory appears
-only once every process has finished writing it and the record is written, so a job killed
-mid-save leaves the previous step as the latest.
+record: every file's size and block checksums (``autopar.checkpoint.integrity``). A step
+directory appears only once every process has finished writing it and the record is written, so
+a job killed mid-save leaves the previous step as the latest.
 
-``restore`` checks every file of the step against the record, then the step counter against the
-directory and the saved plan against the state it describes, then reads each array straight into
-the layout it will be used in: the layouts of a given plan, of the saved plan where it fits the
-mesh, or of a new plan that the training step makes for the mesh it now runs on (fewer devices
-after a failure, another cluster). No process ever holds a whole array it does not need. Any
+``restore`` checks the step's files against the record (index and metadata first, the array
+chunks while orbax reads them), the step counter against the directory and the saved plan
+against the state it describes, and reads each array straight into the layout it will be used
+in: the layouts of a given plan, of the saved plan where it fits the mesh, or of a new plan that
+the training step makes for the mesh it now runs on (fewer devices after a failure, another
+cluster). No process ever holds a whole array it does not need. Any
 damage is a ``CheckpointError`` naming the directory, the step, the file and the arrays in it;
 ``fallback=True`` takes the newest intact step instead. A missing or damaged saved plan never
 blocks an intact state: the step plans again (or, with ``replan=False``, refuses clearly).
@@ -70,7 +71,7 @@ class Restored:
       meta: the checkpoint's metadata (saved mesh, process and device counts, leaf shapes).
       notes: what ``restore`` did that the caller did not ask for: a damaged step skipped for an
         older one (``fallback=True``), the saved plan set aside and why, an unverified step.
-      verified: every file of the step matched its recorded size and CRC-32 (False only for
+      verified: every file of the step matched its recorded size and checksums (False only for
         steps saved by autopar before checkpoints carried checksums).
     """
 

@@ -15,7 +15,8 @@ from autopar.checkpoint import layouts
 from autopar.errors import AutoparError
 from autopar.plan import Plan
 
-# 2: an integrity record (every file's size and CRC-32) and the state's argument of the plan.
+# 2: an integrity record (every file's size and block checksums) and the state's argument of the
+#    plan.
 FORMAT_VERSION = 2
 
 
