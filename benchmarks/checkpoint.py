@@ -50,7 +50,8 @@ ROWS = 8                 # global batch rows
 HEADER = ("config", "processes", "params_M", "state_MB", "disk_MB", "save_return_s",
           "save_total_s", "write_MB_s", "restore_saved_plan_s", "restore_read_s",
           "replan_4dev_s", "restore_4dev_s", "read_MB_s", "record_s", "orbax_save_s",
-          "save_extra_pct", "verify_s", "orbax_read_s", "read_extra_pct")
+          "record_pct", "save_extra_pct", "verify_s", "orbax_read_s", "verify_pct",
+          "read_extra_pct")
 REPLAN_HEADER = ("model", "from", "to", "plan_from_s", "status_from", "replan_s", "status", "gap",
                  "predicted step ms (from)", "predicted step ms (to)")
 
@@ -263,6 +264,10 @@ def finish_row(m: dict) -> tuple:
     # What autopar's save and read take beyond orbax's own (the record, the checks).
     m["save_extra_pct"] = 100 * (m["save_total_s"] / m["orbax_save_s"] - 1)
     m["read_extra_pct"] = 100 * (m["restore_read_s"] / m["orbax_read_s"] - 1)
+    # The integrity work itself against orbax's save and read (an upper bound for the read,
+    # whose chunk check overlaps orbax's).
+    m["record_pct"] = 100 * m["record_s"] / m["orbax_save_s"]
+    m["verify_pct"] = 100 * m["verify_s"] / m["orbax_read_s"]
     read = m["restore_4dev_s"] if m["restore_4dev_s"] == m["restore_4dev_s"] else m[
         "restore_read_s"]
     m["read_MB_s"] = m["state_MB"] / read
@@ -402,7 +407,10 @@ def _write(out: pathlib.Path, rows, replans, repeats: int, elapsed: float) -> No
         "every file (this process's share); `orbax_save_s` / `orbax_read_s`: the same save and",
         "the same read of the state into the same layouts through orbax alone, no record and no",
         "checks; `save_extra_pct` / `read_extra_pct`: `save_total_s` / `restore_read_s` over",
-        "them, minus 1. Medians of " + str(repeats) + " runs, each doing autopar's and",
+        "them, minus 1 (end to end, so within the shared machine's noise, which can make them",
+        "negative); `record_pct` / `verify_pct`: `record_s` / `verify_s` over them, the",
+        "integrity work itself (for the read an upper bound: the chunk check overlaps orbax's",
+        "read). Medians of " + str(repeats) + " runs, each doing autopar's and",
         "orbax's save, then their reads, back to back (autopar's first in even runs, orbax's in",
         "odd ones), after one untimed round, all in one run of the script. The disk is the",
         "machine's local disk.",
