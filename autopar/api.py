@@ -267,6 +267,7 @@ class AutoParallel:
                   user_layout=None) -> Plan:
         given = given if given is not None else self._given_plan
         if given is not None:
+            validate.check_plan_mesh(given, self.mesh)
             validate.plan_applies(given, graph)
             return given.with_trees(graph.in_tree, graph.out_tree)
         return plan_graph(graph, self.mesh, trace_s=trace_s, user_layout=user_layout,
@@ -428,9 +429,7 @@ def _given_plan(plan, options: dict, mesh) -> Plan | None:
         raise AutoparError(f"plan= applies a saved plan without solving, so "
                            f"{', '.join(k + '=' for k in ignored)} would be ignored; drop "
                            f"{'them' if len(ignored) > 1 else 'it'} or drop plan=")
-    if dict(plan.mesh) != axis_sizes(mesh):
-        raise PlanError(f"the loaded plan is for mesh {dict(plan.mesh)}, this step runs on "
-                        f"{axis_sizes(mesh)}; plan again for this mesh")
+    validate.check_plan_mesh(plan, mesh, "the loaded plan")
     return plan
 
 

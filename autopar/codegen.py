@@ -159,6 +159,11 @@ def _eval_eqn(eqn, invals, table: PinTable, here: tuple[int, ...]) -> list:
         for r, key in enumerate(_RETRACE[prim]):
             params[key] = _retrace_param(eqn.params[key], table, here, prim, r)
         outs = _bind(eqn, invals, params)
+    elif here in table.inner and prim == "custom_linear_solve":   # the tracer inlined `solve`
+        jaxprs = eqn.params["jaxprs"]
+        params = dict(eqn.params, jaxprs=jaxprs._replace(
+            solve=_retrace(jaxprs.solve, table, here)))
+        outs = _bind(eqn, invals, params)
     else:
         outs = _bind(eqn, invals)
     return list(outs) if eqn.primitive.multiple_results else [outs]
@@ -202,6 +207,7 @@ def _retrace(sub, table: PinTable, path: tuple[int, ...]):
 
 def build(graph, plan, mesh, donate_argnums=()):
     """The jitted, sharded executable of ``graph``'s function under ``plan`` on ``mesh``."""
+    warn_host_callbacks(graph, mesh)
     table = PinTable(plan.pins, mesh)
     kernels = KernelTable(graph, plan, mesh) if plan.kernels else None
     if kernels is not None:
@@ -226,3 +232,26 @@ def build(graph, plan, mesh, donate_argnums=()):
     # in_tree is the tree of the argument tuple: jit wants one entry per positional argument.
     return jax.jit(step, in_shardings=tuple(in_shardings), out_shardings=out_shardings,
                    donate_argnums=donate_argnums), in_shardings
+
+
+# Host callbacks that run Python while the step's other devices wait (jax.debug.print's
+# debug_callback is left out: it prints and returns at once).
+_CALLBACKS = ("pure_callback", "io_callback")
+
+
+def warn_host_callbacks(graph, mesh) -> None:
+    """A host callback in a step sharded over several CPU devices runs on one device's thread
+    while the others wait for it in their next collective; XLA:CPU aborts a collective whose
+    participants do not all arrive within its rendezvous timeout (40 s), as it does under plain
+    ``jax.jit``. Say so before the step runs, naming the callbacks."""
+    devices = getattr(mesh, "devices", None)
+    if devices is None or devices.size < 2 or devices.flat[0].platform != "cpu":
+        return
+    found = [f"{op.prim} at {op.source or '?'}" for op in graph.all_ops() if op.prim in _CALLBACKS]
+    if found:
+        warnings.warn(
+            f"autopar: the step calls host callbacks ({', '.join(found[:3])}) and runs sharded "
+            f"over {devices.size} CPU devices: while a callback runs, the other devices wait "
+            f"in their next collective, and XLA:CPU aborts the process if they wait 40 s (as "
+            f"under jax.jit). Keep callbacks fast and free of jax calls, or move them out of "
+            f"the step", RuntimeWarning, stacklevel=5)

@@ -184,6 +184,7 @@ def compare(fn: Callable, *args, mesh, hardware=None,
     validate.memory_budget(memory_budget)
     validate.time_limit(time_limit_s)
     axis_sizes(mesh)
+    strategies = validate.strategy_list(strategies, "autopar.compare")
     graph, trace_s = trace_abstract(fn, args)   # as autoparallel traces it, so its plans apply
     run_mesh = _runnable_mesh(mesh, args) if measure else None
     hw = hardware_for(hardware, mesh)

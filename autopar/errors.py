@@ -3,12 +3,14 @@
 One hierarchy: ``AutoparError`` (a ``ValueError``, defined in ``ir.errors`` so the lower layers
 share it) is the root; ``ir.IRError``, ``cost_models.CostModelError``, ``PlanError`` and
 ``ShardingError`` derive from it, so ``except autopar.AutoparError`` catches every user error.
+``CheckpointError`` is the one error about files rather than arguments: a checkpoint step that is
+damaged, incomplete or unreadable.
 """
 from __future__ import annotations
 
 from ir.errors import AutoparError
 
-__all__ = ["AutoparError", "PlanError", "ShardingError"]
+__all__ = ["AutoparError", "CheckpointError", "PlanError", "ShardingError"]
 
 
 class PlanError(AutoparError):
@@ -18,3 +20,10 @@ class PlanError(AutoparError):
 
 class ShardingError(AutoparError):
     """A mesh, a sharding, an argument or a shape does not fit what was asked."""
+
+
+class CheckpointError(AutoparError):
+    """A saved checkpoint step cannot be restored as it is: a file is damaged, missing or
+    unreadable, or its metadata contradicts itself. The message names the checkpoint directory,
+    the step, the file and (where known) the arrays it holds; ``restore(..., fallback=True)``
+    takes the newest intact step instead."""

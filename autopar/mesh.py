@@ -16,7 +16,8 @@ _EXAMPLE = "e.g. mesh={'data': 2, 'model': 4} or jax.make_mesh((2, 4), ('data', 
 
 def axis_sizes(mesh) -> dict[str, int]:
     """Ordered axis name -> size of any accepted mesh form, checked: names are distinct non-empty
-    strings, sizes integers >= 1 (a repeated name would silently merge two axes)."""
+    strings, sizes integers >= 1 (a repeated name would silently merge two axes), and a device
+    mesh's devices distinct."""
     if isinstance(mesh, Mapping):
         pairs = list(mesh.items())
     elif hasattr(mesh, "axis_names") and hasattr(mesh, "axis_sizes"):
@@ -37,7 +38,10 @@ def axis_sizes(mesh) -> dict[str, int]:
         if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)) or n < 1:
             raise ShardingError(f"mesh axis {name!r} has size {n!r}; sizes are integers >= 1, "
                                 f"{_EXAMPLE}")
-    return {k: int(v) for k, v in pairs}
+    sizes = {k: int(v) for k, v in pairs}
+    if isinstance(mesh, Mesh):
+        _check_distinct_devices(mesh.devices, sizes)
+    return sizes
 
 
 def concrete_mesh(mesh) -> Mesh:
@@ -59,6 +63,20 @@ def concrete_mesh(mesh) -> Mesh:
     # The plan, not sharding-in-types, decides every layout: run on Auto axes, where sharding
     # constraints steer XLA's partitioner (Explicit axes would ask for out_sharding on every dot).
     return Mesh(devices, names, axis_types=(AxisType.Auto,) * len(names))
+
+
+def _check_distinct_devices(devices: np.ndarray, sizes: dict[str, int]) -> None:
+    """A device listed twice would hold two shards at once (jax fails deep inside with a
+    ``safe_zip`` length error): name it and where it repeats."""
+    seen: dict[int, tuple[int, ...]] = {}
+    for index, d in np.ndenumerate(devices):
+        if d.id in seen:
+            raise ShardingError(
+                f"mesh {sizes} lists device {d.id} ({d.platform}) twice, at positions "
+                f"{seen[d.id]} and {index}: each position of a mesh is its own device; build it "
+                f"from distinct devices, e.g. Mesh(np.array(jax.devices()[:n]).reshape(shape), "
+                f"names)")
+        seen[d.id] = index
 
 
 def on_mesh(mesh: Mesh):

@@ -140,6 +140,18 @@ def strategy(value: Any):
     return getattr(value, "name", type(value).__name__), value
 
 
+def strategy_list(value: Any, where: str) -> tuple:
+    """A non-empty sequence of strategies (names or objects; each is planned, or reported as an
+    error row, by ``compare`` itself)."""
+    if isinstance(value, str) or not isinstance(value, Sequence):
+        raise AutoparError(f"{where}(strategies={short(value)}): give a list of strategies, e.g. "
+                           f"strategies=('dp', 'zero3', 'auto')")
+    if not value:
+        raise AutoparError(f"{where}(strategies=()): there is nothing to compare; give at least "
+                           f"one strategy, e.g. strategies=('dp', 'auto'), or leave the default")
+    return tuple(value)
+
+
 def fixed_layouts(fixed: Any, graph, mesh: Mapping[str, int], name: str) -> dict[int, tuple]:
     """A strategy's ``fix_inputs`` answer: input index -> a layout that fits that input."""
     if not isinstance(fixed, Mapping):
@@ -242,6 +254,30 @@ def _typeof(x: Any, where: str):
             f"eqx.is_array)) and close over it with functools.partial") from None
 
 
+def given_shardings(args: tuple, planned) -> None:
+    """``step.lower`` compiles for the plan's layouts: a ``ShapeDtypeStruct`` (or committed
+    array) that carries another sharding would reach jax's own mismatch error; name it."""
+    flat = jax.tree_util.tree_flatten_with_path(args)[0]
+    for (path, x), want in zip(flat, jax.tree_util.tree_leaves(planned)):
+        have = getattr(x, "sharding", None)
+        committed = isinstance(x, jax.ShapeDtypeStruct) or getattr(x, "committed", False)
+        if have is None or not committed or not isinstance(want, jax.sharding.Sharding):
+            continue
+        if not have.is_equivalent_to(want, len(x.shape)):
+            raise ShardingError(
+                f"argument {jax.tree_util.keystr(path)} ({x.dtype}{list(x.shape)}) carries "
+                f"sharding {_spec_text(have)}, but the plan lays it out as {_spec_text(want)}: "
+                f"the step places every argument in the plan's layout. Drop sharding= from the "
+                f"ShapeDtypeStruct, or give it step.input_shardings(...)'s sharding")
+
+
+def _spec_text(s) -> str:
+    spec = getattr(s, "spec", None)
+    mesh = getattr(s, "mesh", None)
+    on = f" on mesh {dict(mesh.shape)}" if mesh is not None and hasattr(mesh, "shape") else ""
+    return f"{spec}{on}" if spec is not None else str(s)
+
+
 def abstract(args: tuple, types: list) -> tuple:
     """``args`` as unsharded ``ShapeDtypeStruct``s: tracing needs no data and no mesh."""
     tree = jax.tree_util.tree_structure(args)
@@ -307,10 +343,12 @@ def short(x: Any) -> str:
 def plan_applies(plan, graph) -> None:
     """A loaded plan fits the traced ``graph``: same program (fingerprint), and each pinned
     layout names an op of this program and divides its output shape."""
-    if plan.graph_fingerprint != graph.fingerprint():
+    inputs = _input_difference(plan, graph)    # before the fingerprint, which may be edited
+    if inputs is not None or plan.graph_fingerprint != graph.fingerprint():
         raise PlanError(f"the loaded plan was made for another program: {_difference(plan, graph)}"
                         f"; plan again for this step, or call it with the arguments the plan was "
                         f"made for")
+    _check_choices(plan, graph)
     mesh = dict(plan.mesh)
     by_origin = {tuple(op.origin): op for op in graph.all_ops()}
     for pin in plan.pins:
@@ -342,6 +380,13 @@ def _pinned_value(pin, by_origin):
 
 def _difference(plan, graph) -> str:
     """Where a plan and a graph first differ, for the mismatch message."""
+    return _input_difference(plan, graph) or (
+        "the input paths and shapes match but the traced program differs (dtypes, ops, or "
+        "op parameters such as a reduction axis or a constant)")
+
+
+def _input_difference(plan, graph) -> str | None:
+    """The first input whose path or shape differs between a plan and a graph, or None."""
     shapes = tuple(graph.values[v].shape for v in graph.inputs)
     if len(plan.input_paths) != len(graph.inputs):
         return (f"it has {len(plan.input_paths)} inputs, this call has {len(graph.inputs)} "
@@ -349,5 +394,69 @@ def _difference(plan, graph) -> str:
     for p, q, a, b in zip(plan.input_paths, graph.input_paths, plan.input_shapes, shapes):
         if p != q or tuple(a) != tuple(b):
             return f"its input {p} has shape {tuple(a)}, this call's {q} has shape {tuple(b)}"
-    return ("the input paths and shapes match but the traced program differs (dtypes, ops, or "
-            "op parameters such as a reduction axis or a constant)")
+    return None
+
+
+def _check_choices(plan, graph) -> None:
+    """Each op a plan decides for is an op of ``graph`` with the same primitive: a plan whose
+    fingerprint was copied from another program's still names that program's ops."""
+    prims = {op.id: op.prim for op in graph.all_ops()}
+    for op_id, prim, source, _ in plan.choices:
+        if prims.get(op_id) != prim:
+            have = f"op {op_id} is {prims[op_id]}" if op_id in prims else f"there is no op {op_id}"
+            raise PlanError(f"the loaded plan decides op {op_id} {prim} @ {source or '?'}, but in "
+                            f"this step {have}: the plan was made for another program (its "
+                            f"fingerprint was edited); plan again for this step")
+
+
+# ---- where a plan is applied: its mesh and its inputs --------------------------------------------
+def mesh_difference(plan_mesh, mesh) -> str | None:
+    """How the mesh a plan was made for differs from ``mesh`` (names, sizes or order of the
+    axes), or None when they are the same. A plan's layouts name axes, and its predictions price
+    each axis by its place in the device order, so the order counts too."""
+    from autopar.mesh import axis_sizes
+
+    want, have = list(dict(plan_mesh).items()), list(axis_sizes(mesh).items())
+    if want == have:
+        return None
+    if dict(want) == dict(have):
+        return (f"the axis order differs: the plan's mesh is {_axes(want)}, this one "
+                f"{_axes(have)}")
+    if sorted(n for n, _ in want) != sorted(n for n, _ in have):
+        return f"the axis names differ: the plan's mesh is {_axes(want)}, this one {_axes(have)}"
+    sizes = [f"{n!r} {a} -> {dict(have)[n]}" for n, a in want if dict(have)[n] != a]
+    return (f"the axis sizes differ ({', '.join(sizes)}): the plan's mesh is {_axes(want)}, "
+            f"this one {_axes(have)}")
+
+
+def _axes(pairs) -> str:
+    return "(" + ", ".join(f"{n}={s}" for n, s in pairs) + ")"
+
+
+def check_plan_mesh(plan, mesh, where: str = "the given plan") -> None:
+    """Refuse a plan made for another mesh, saying what differs."""
+    diff = mesh_difference(plan.mesh, mesh)
+    if diff is not None:
+        raise PlanError(f"{where} was made for another mesh: {diff}; plan again for this mesh "
+                        f"(drop plan=), or run on the mesh the plan was made for")
+
+
+def state_difference(plan, leaves: Sequence[tuple[str, tuple]], argnum: int) -> str | None:
+    """How argument ``argnum`` of ``plan`` differs from ``leaves`` ((keystr path, shape) of a
+    state, in flattened order), or None when the plan's inputs there are those leaves."""
+    prefix = f"[{argnum}]"
+    mine = [(p[len(prefix):], tuple(s)) for p, s in zip(plan.input_paths, plan.input_shapes)
+            if p.startswith(prefix)]
+    if not mine:
+        return f"it has no argument {argnum} (its inputs: {list(plan.input_paths[:3])}, ...)"
+    paths = dict(mine)
+    for path, shape in leaves:
+        if path not in paths:
+            return (f"its argument {argnum} has no leaf {path} ({len(mine)} leaves, "
+                    f"{len(leaves)} in the state)")
+        if tuple(paths[path]) != tuple(shape):
+            return f"its input {prefix}{path} has shape {paths[path]}, the state's {tuple(shape)}"
+    if len(mine) != len(leaves):
+        extra = sorted(set(paths) - {p for p, _ in leaves})
+        return f"its argument {argnum} has leaves the state lacks: {extra[:3]}"
+    return None

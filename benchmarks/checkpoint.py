@@ -27,6 +27,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 import shutil
 import statistics
 import sys
@@ -37,16 +38,20 @@ import _common
 import jax
 import jax.numpy as jnp
 import numpy as np
+from etils import epath
 from jax.sharding import Mesh
 
 import autopar
 from autopar import checkpoint, distributed
+from autopar.checkpoint import integrity
 from autopar.models import gpt
 
 ROWS = 8                 # global batch rows
 HEADER = ("config", "processes", "params_M", "state_MB", "disk_MB", "save_return_s",
           "save_total_s", "write_MB_s", "restore_saved_plan_s", "restore_read_s",
-          "replan_4dev_s", "restore_4dev_s", "read_MB_s")
+          "replan_4dev_s", "restore_4dev_s", "read_MB_s", "record_s", "orbax_save_s",
+          "record_pct", "save_extra_pct", "verify_s", "orbax_read_s", "verify_pct",
+          "read_extra_pct")
 REPLAN_HEADER = ("model", "from", "to", "plan_from_s", "status_from", "replan_s", "status", "gap",
                  "predicted step ms (from)", "predicted step ms (to)")
 
@@ -113,19 +118,78 @@ def save_once(s: Setup, directory: str) -> dict:
     ckpt.wait()
     total = time.perf_counter() - t0
     ckpt.close()
-    return {"save_return_s": returned, "save_total_s": total,
+    step_dir = epath.Path(directory) / "1"
+    t_record, _ = timed(lambda: integrity.record_of(step_dir))   # what the save's callback did
+    return {"save_return_s": returned, "save_total_s": total, "record_s": t_record,
             "disk_MB": _disk_bytes(os.path.join(directory, "1")) / 1e6}
 
 
 def restore_same(s: Setup, directory: str) -> dict:
-    """Onto the same devices: through a fresh step (saved plan, checked by a trace) and bare."""
+    """Onto the same devices through a fresh step (saved plan, checked by a trace), and the
+    time of checking every file against the integrity record on its own."""
     fresh = autopar.autoparallel(s.train_step, mesh=s.step8.mesh, hardware="cpu",
                                  strategy="zero3", time_limit_s=2)
     with checkpoint.Checkpointer(directory) as ckpt:
         t_plan, r = timed(lambda: ckpt.restore(s.like, train_step=fresh, args=(s.batch,)))
         assert not r.replanned
-        t_read, _ = timed(lambda: ckpt.restore(s.like, plan=r.plan, mesh=s.step8.mesh))
-    return {"restore_saved_plan_s": t_plan, "restore_read_s": t_read}
+    del r
+    step_dir = epath.Path(directory) / "1"
+    record = integrity.read_record(step_dir)
+    t_verify, _ = timed(lambda: integrity.damaged_files(
+        step_dir, record, integrity.share(record["files"], integrity.part())))
+    return {"restore_saved_plan_s": t_plan, "verify_s": t_verify}
+
+
+# ---- the same save and read through orbax alone (the baseline of the integrity's cost) ----------
+def _orbax_handlers():
+    import orbax.checkpoint as ocp
+
+    return {"state": ocp.StandardCheckpointHandler(), "plan": ocp.JsonCheckpointHandler(),
+            "meta": ocp.JsonCheckpointHandler()}
+
+
+def orbax_save(s: Setup, plain: str) -> dict:
+    """The same items (state, plan JSON, a small metadata item) saved by orbax alone, with no
+    integrity record; until the files are committed."""
+    import orbax.checkpoint as ocp
+
+    shutil.rmtree(plain, ignore_errors=True)
+    mgr = ocp.CheckpointManager(plain, options=ocp.CheckpointManagerOptions(create=True),
+                                item_handlers=_orbax_handlers())
+    t0 = time.perf_counter()
+    mgr.save(1, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(s.state), meta=ocp.args.JsonSave({"step": 1}),
+        plan=ocp.args.JsonSave({"plan": json.loads(s.step8.plan.to_json())})))
+    mgr.wait_until_finished()
+    t_save = time.perf_counter() - t0
+    mgr.close()
+    shutil.rmtree(plain, ignore_errors=True)
+    return {"orbax_save_s": t_save}
+
+
+def bare_reads(s: Setup, directory: str, autopar_first: bool) -> dict:
+    """The state read into the saved plan's layouts by autopar (its checks included) and by
+    orbax alone, back to back from the same files, each through a fresh checkpointer."""
+    import orbax.checkpoint as ocp
+
+    layouts = s.step8.input_shardings(s.like, s.batch)[0]
+    abstract = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                            s.like, layouts)
+
+    def by_autopar():
+        with checkpoint.Checkpointer(directory) as ckpt:
+            return ckpt.restore(s.like, plan=s.step8.plan, mesh=s.step8.mesh).state
+
+    def by_orbax():
+        mgr = ocp.CheckpointManager(directory, item_handlers={"state": _orbax_handlers()["state"]})
+        try:
+            return mgr.restore(1, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract)))["state"]
+        finally:
+            mgr.close()
+
+    order = [("restore_read_s", by_autopar), ("orbax_read_s", by_orbax)]
+    return {name: timed(fn)[0] for name, fn in (order if autopar_first else order[::-1])}
 
 
 def restore_4(s: Setup, directory: str, devices) -> dict:
@@ -169,11 +233,21 @@ def median_of(runs: list[dict]) -> dict:
 def measure(label: str, cfg: gpt.GPTConfig, repeats: int, work: str, four: bool = True) -> dict:
     devices = jax.devices()
     s = setup(cfg, devices)
+    # One untimed round first: the first save and read of a new tree compile and allocate
+    # (2 s on GPT-59M), which would land on whichever of autopar and orbax came first.
+    warm = os.path.join(work, f"{label}.{jax.process_count()}.warm")
+    save_once(s, warm)
+    orbax_save(s, warm + ".orbax")
+    bare_reads(s, warm, True)
+    shutil.rmtree(warm, ignore_errors=True)
     runs = []
     for k in range(repeats):
         d = os.path.join(work, f"{label}.{jax.process_count()}.{k}")
-        run = save_once(s, d)
+        first = k % 2 == 0     # autopar's save and read first in even runs, orbax's in odd
+        run = save_once(s, d) if first else orbax_save(s, d + ".orbax")
+        run.update(orbax_save(s, d + ".orbax") if first else save_once(s, d))
         run.update(restore_same(s, d))
+        run.update(bare_reads(s, d, first))
         if four and jax.process_count() == 1:
             run.update(restore_4(s, d, devices))
         runs.append(run)
@@ -187,6 +261,13 @@ def finish_row(m: dict) -> tuple:
     m.setdefault("replan_4dev_s", float("nan"))
     m.setdefault("restore_4dev_s", float("nan"))
     m["write_MB_s"] = m["state_MB"] / m["save_total_s"]
+    # What autopar's save and read take beyond orbax's own (the record, the checks).
+    m["save_extra_pct"] = 100 * (m["save_total_s"] / m["orbax_save_s"] - 1)
+    m["read_extra_pct"] = 100 * (m["restore_read_s"] / m["orbax_read_s"] - 1)
+    # The integrity work itself against orbax's save and read (an upper bound for the read,
+    # whose chunk check overlaps orbax's).
+    m["record_pct"] = 100 * m["record_s"] / m["orbax_save_s"]
+    m["verify_pct"] = 100 * m["verify_s"] / m["orbax_read_s"]
     read = m["restore_4dev_s"] if m["restore_4dev_s"] == m["restore_4dev_s"] else m[
         "restore_read_s"]
     m["read_MB_s"] = m["state_MB"] / read
@@ -243,16 +324,30 @@ def replan_rows(quick: bool) -> list[tuple]:
         before, t_before = _plan(fn, state, batch, {"data": 8, "model": 8})
         after, t_after = _plan(fn, state, batch, {"data": 7, "model": 8})
         rows.append((f"GPT-{name} scan", "64 H100 (data8 x model8)", "56 H100 (data7 x model8)",
-                     t_before, before.solver.status, t_after, after.solver.status, after.solver.gap,
-                     before.cost.step_time_s * 1e3, after.cost.step_time_s * 1e3))
+                     t_before, _status(before), t_after, _status(after),
+                     getattr(after, "solver", None) and after.solver.gap,
+                     _step_ms(before), _step_ms(after)))
         print("  " + "  ".join(_common._cell(x) for x in rows[-1]), flush=True)
     return rows
 
 
 def _plan(fn, state, batch, mesh):
+    """(the plan, or the PlanError's first clause when no plan fits; seconds)."""
     t0 = time.perf_counter()
-    p = autopar.plan(fn, state, batch, mesh=mesh, hardware="h100", time_limit_s=10)
+    try:
+        p = autopar.plan(fn, state, batch, mesh=mesh, hardware="h100", time_limit_s=10)
+    except autopar.PlanError as e:
+        least = re.search(r"smallest peak found for any plan is ([\d.]+ GiB)", str(e))
+        p = "no plan within 80 GiB" + (f", least found {least.group(1)}" if least else "")
     return p, time.perf_counter() - t0
+
+
+def _status(p) -> str:
+    return p.solver.status if isinstance(p, autopar.Plan) else f"none ({p})"
+
+
+def _step_ms(p) -> float:
+    return p.cost.step_time_s * 1e3 if isinstance(p, autopar.Plan) else float("nan")
 
 
 # ---- report -------------------------------------------------------------------------------------
@@ -300,11 +395,25 @@ def _write(out: pathlib.Path, rows, replans, repeats: int, elapsed: float) -> No
         "off the devices; training may go on); `save_total_s`: until the files are committed.",
         "`restore_saved_plan_s`: `restore(train_step=...)` onto the same mesh, taking the saved",
         "plan (it traces the step to check the plan fits it; nothing is solved);",
-        "`restore_read_s`: the bare read given the plan. `replan_4dev_s`: a new auto plan for 4",
+        "`restore_read_s`: the bare read given the plan (`restore(plan=..., mesh=...)` through a",
+        "fresh `Checkpointer`). `replan_4dev_s`: a new auto plan for 4",
         "devices (trace + solve); `restore_4dev_s`: reading the checkpoint into that plan's",
         "layouts (for processes = 2: this one process reading the two-process checkpoint).",
-        "`read_MB_s` is state bytes over the 4-device read (else the same-mesh read). Medians",
-        f"of {repeats} runs. The disk is the machine's local disk.",
+        "`read_MB_s` is state bytes over the 4-device read (else the same-mesh read).",
+        "Integrity: each save records every file's size and block checksums (in orbax's",
+        "background thread, before the step is renamed into place), and each restore checks them",
+        "(index and metadata first, the array chunks while orbax reads them).",
+        "`record_s`: computing the record (timed again on the saved step); `verify_s`: checking",
+        "every file (this process's share); `orbax_save_s` / `orbax_read_s`: the same save and",
+        "the same read of the state into the same layouts through orbax alone, no record and no",
+        "checks; `save_extra_pct` / `read_extra_pct`: `save_total_s` / `restore_read_s` over",
+        "them, minus 1 (end to end, so within the shared machine's noise, which can make them",
+        "negative); `record_pct` / `verify_pct`: `record_s` / `verify_s` over them, the",
+        "integrity work itself (for the read an upper bound: the chunk check overlaps orbax's",
+        "read). Medians of " + str(repeats) + " runs, each doing autopar's and",
+        "orbax's save, then their reads, back to back (autopar's first in even runs, orbax's in",
+        "odd ones), after one untimed round, all in one run of the script. The disk is the",
+        "machine's local disk.",
         "",
         _common.md_table(HEADER, rows),
         "",

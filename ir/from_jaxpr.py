@@ -209,11 +209,13 @@ def lower_eqns(b: _Builder, jaxpr: Any, env: dict[Any, int], ctx: _Ctx) -> list[
         here = _Ctx(ctx.origin + (i,), ctx.scope, ctx.name, ctx.source, ctx.site)
         if prim in INLINE_RULES:
             ops.extend(_inline(b, eqn, env, here))
+        elif prim == "custom_linear_solve":
+            ops.extend(_linear_solve(b, eqn, env, here))
         elif prim in REGION_RULES:
             ops.append(_region_op(b, eqn, env, here))
         else:
             if prim not in FLOP_RULES:  # known prims may carry combiner jaxprs (scatter-add)
-                _check_no_subjaxpr(eqn)
+                _check_no_subjaxpr(eqn, here)
             ops.append(_plain_op(b, eqn, env, here))
     return ops
 
@@ -263,13 +265,32 @@ def _inline(b: _Builder, eqn: Any, env: dict[Any, int], ctx: _Ctx) -> list[Op]:
     key, marker = INLINE_RULES[eqn.primitive.name]
     sub = eqn.params.get(key)
     if sub is None:
-        raise _unsupported(eqn, f"has no '{key}' param to inline")
+        raise _unsupported(eqn, f"has no '{key}' param to inline", ctx)
+    inner = sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub
+    return _inline_jaxpr(b, eqn, sub, eqn.invars[len(eqn.invars) - len(inner.invars):], env,
+                         ctx, marker)
+
+
+def _linear_solve(b: _Builder, eqn: Any, env: dict[Any, int], ctx: _Ctx) -> list[Op]:
+    """``custom_linear_solve`` (``jnp.linalg.solve``/``inv``, ``cho_solve``) computes
+    ``solve(matvec, b)``: inline its ``solve`` jaxpr on the solve's constants and ``b``. Its
+    other jaxprs serve differentiation, which the traced step has already done."""
+    lengths, jaxprs = eqn.params["const_lengths"], eqn.params["jaxprs"]
+    start = lengths.matvec + lengths.vecmat
+    consts = eqn.invars[start:start + lengths.solve]
+    rhs = eqn.invars[sum(lengths):]
+    return _inline_jaxpr(b, eqn, jaxprs.solve, list(consts) + list(rhs), env, ctx, None)
+
+
+def _inline_jaxpr(b: _Builder, eqn: Any, sub: Any, atoms, env: dict[Any, int], ctx: _Ctx,
+                  marker: str | None) -> list[Op]:
+    """Lowers ``sub`` (a jaxpr called by ``eqn``) on ``atoms``; ``eqn``'s outvars alias its
+    outvars."""
     inner = sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub
     inner_env: dict[Any, int] = {}
     if isinstance(sub, jcore.ClosedJaxpr):
         b.bind_consts(inner_env, sub)
-    n_in = len(inner.invars)
-    for var, atom in zip(inner.invars, eqn.invars[len(eqn.invars) - n_in:]):
+    for var, atom in zip(inner.invars, atoms):
         inner_env[var] = b.read(env, atom)
     inner_ctx = _Ctx(ctx.origin, ctx.scope + ((marker,) if marker else ()),
                      _join_name(ctx.name, str(eqn.source_info.name_stack)),
@@ -322,19 +343,22 @@ def _region_op(b: _Builder, eqn: Any, env: dict[Any, int], ctx: _Ctx) -> Op:
                     regions, trip, op_id)
 
 
-def _check_no_subjaxpr(eqn: Any) -> None:
+def _check_no_subjaxpr(eqn: Any, ctx: _Ctx) -> None:
     for key, v in eqn.params.items():
         items = v if isinstance(v, (tuple, list)) else (v,)
         if any(isinstance(x, (jcore.Jaxpr, jcore.ClosedJaxpr)) for x in items):
-            raise _unsupported(eqn, f"carries a sub-jaxpr in param '{key}' of unknown structure")
+            raise _unsupported(eqn, f"carries a sub-jaxpr in param '{key}' of unknown structure",
+                               ctx)
 
 
-def _unsupported(eqn: Any, why: str) -> UnsupportedPrimitiveError:
-    where = source_of(eqn.source_info) or "unknown source"
+def _unsupported(eqn: Any, why: str, ctx: _Ctx | None = None) -> UnsupportedPrimitiveError:
+    where = source_of(eqn.source_info) or (ctx.source if ctx else "") or "unknown source"
+    name = str(eqn.source_info.name_stack) or (ctx.name if ctx else "")
     return UnsupportedPrimitiveError(
-        f"primitive '{eqn.primitive.name}' at {where} {why}. The IR cannot represent it: add it "
-        f"to ir.from_jaxpr.INLINE_RULES (a call to inline) or REGION_RULES (a loop/branch), "
-        f"or keep it out of the traced function.")
+        f"primitive '{eqn.primitive.name}' at {where}{f' ({name})' if name else ''} {why}, so "
+        f"autopar cannot plan through it. Compute it outside the step and pass its result in, "
+        f"or write it with other jax operations; if it is a jax primitive, report it to autopar "
+        f"(ir.from_jaxpr's INLINE_RULES or REGION_RULES would take it).")
 
 
 # ---- entry point ------------------------------------------------------------------------------

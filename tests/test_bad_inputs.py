@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.extend import core as jcore
+from jax.scipy.linalg import cho_solve
 from jax.sharding import AbstractMesh, Mesh
 
 import autopar
@@ -79,6 +80,11 @@ def _profile_file(text: str) -> str:
     return path
 
 
+def _mesh_listing_a_device_twice() -> Mesh:
+    d = jax.devices()
+    return Mesh(np.array([d[0], d[0], d[1], d[2]]).reshape(2, 2), ("a", "b"))
+
+
 # ---- meshes -------------------------------------------------------------------------------------
 MESH_CASES = [
     ("mesh-missing", lambda: _plan(mesh=None), ShardingError, r"needs mesh="),
@@ -101,6 +107,8 @@ MESH_CASES = [
     ("mesh-devices-repeated-name",
      lambda: autopar.autoparallel(_loss, mesh=_mesh(names=("x", "x"))), ShardingError,
      r"repeats the axis name 'x'"),
+    ("mesh-device-twice", lambda: autopar.autoparallel(_loss, mesh=_mesh_listing_a_device_twice()),
+     ShardingError, r"lists device 0 \(cpu\) twice, at positions \(0, 0\) and \(0, 1\)"),
     ("mesh-more-devices-than-present", lambda: autopar.autoparallel(_loss, mesh={"data": 16}),
      ShardingError, r"has 16 devices but 8 are present"),
     ("mesh-fewer-devices-than-present", lambda: autopar.autoparallel(_loss, mesh={"data": 3}),
@@ -196,7 +204,18 @@ OPTION_CASES = [
     ("budget-too-small", lambda: autopar.plan(_loss, *[jax.ShapeDtypeStruct((512, 512), F32)] * 2,
                                               mesh={"data": 2, "model": 4}, memory_budget=1024),
      PlanError,
-     r"smallest peak any plan reaches is .* GiB"),
+     r"smallest peak found for any plan is .* GiB"),
+    ("budget-the-solver-fits-but-the-estimate-does-not",
+     lambda: autopar.plan(_loss, *[jax.ShapeDtypeStruct((512, 512), F32)] * 2,
+                          mesh={"data": 2, "model": 4}, memory_budget=393216, deterministic=True),
+     PlanError, r"no plan fits a memory budget of .* \(393216 bytes\).* memory_budget=\d+ plans"),
+    ("compare-no-strategies", lambda: autopar.compare(_loss, W, X, mesh={"data": 8},
+                                                      strategies=(), measure=False),
+     AutoparError, r"strategies=\(\)\): there is nothing to compare"),
+    ("lower-with-another-sharding", lambda: autopar.autoparallel(
+        lambda a, b: a + b, mesh=_mesh(), time_limit_s=2).lower(*_sharded_structs()),
+     ShardingError, r"argument \[\d\] \(float32\[8, 4\]\) carries sharding .* but the plan "
+                    r"lays it out as"),
     ("time-limit-zero", lambda: _plan(time_limit_s=0), AutoparError, r"time_limit_s=0 must be > 0"),
     ("time-limit-negative", lambda: _plan(time_limit_s=-5), AutoparError, r"must be > 0 seconds"),
     ("time-limit-nan", lambda: _plan(time_limit_s=math.nan), AutoparError, r"time_limit_s=nan"),
@@ -237,6 +256,15 @@ OPTION_CASES = [
     ("donate-out-of-range", lambda: _plan(donate_argnums=(5,)), AutoparError,
      r"names argument 5, but the step was called with 2 positional arguments"),
 ]
+
+
+def _sharded_structs():
+    """Two arguments whose shardings (different splits on two meshes) the plan cannot both
+    keep."""
+    one = jax.sharding.NamedSharding(_mesh(), jax.sharding.PartitionSpec("data"))
+    other = jax.sharding.NamedSharding(_mesh((4,), ("x",)), jax.sharding.PartitionSpec(None, "x"))
+    return (jax.ShapeDtypeStruct((8, 4), F32, sharding=one),
+            jax.ShapeDtypeStruct((8, 4), F32, sharding=other))
 
 
 # ---- strategies ---------------------------------------------------------------------------------
@@ -392,6 +420,18 @@ def _drop(key):
     return lambda d: d.pop(key)
 
 
+def _scaled_pair(w, x):
+    y = x @ (w * 2.0)
+    return jnp.exp(y), y.sum()
+
+
+def _apply_with_forged_fingerprint():
+    """_pair's plan, its fingerprint replaced by that of another program with the same
+    arguments, applied to that program."""
+    forged = ir.trace(_scaled_pair, *PAIR_ARGS).fingerprint()
+    return _apply(_set(["graph_fingerprint"], forged), fn=_scaled_pair)
+
+
 PLAN_CASES = [
     ("plan-not-json", lambda: autopar.Plan.from_json("{plan"), PlanError, r"the text is not JSON"),
     ("plan-not-text", lambda: autopar.Plan.from_json(None), PlanError, r"not JSON"),
@@ -466,7 +506,17 @@ PLAN_CASES = [
     ("plan-for-other-mesh",
      lambda: autopar.autoparallel(_pair, mesh=_mesh((8,), ("data",)),
                                   plan=autopar.Plan.from_json(_saved())), PlanError,
-     r"is for mesh \{'data': 2, 'model': 4\}, this step runs on \{'data': 8\}"),
+     r"made for another mesh: the axis names differ: the plan.s mesh is \(data=2, model=4\), "
+     r"this one \(data=8\)"),
+    ("plan-for-other-axis-order",
+     lambda: autopar.autoparallel(_pair, mesh=_mesh((4, 2), ("model", "data")),
+                                  plan=autopar.Plan.from_json(_saved())), PlanError,
+     r"the axis order differs: the plan.s mesh is \(data=2, model=4\), this one "
+     r"\(model=4, data=2\)"),
+    ("plan-input-shapes-edited", lambda: _apply(_set(["input_shapes", 1], [12, 16])), PlanError,
+     r"its input \[1\] has shape \(12, 16\), this call's \[1\] has shape \(6, 16\)"),
+    ("plan-fingerprint-forged", _apply_with_forged_fingerprint, PlanError,
+     r"decides op \d+ .* but in this step .*its fingerprint was edited"),
     ("plan-as-text", lambda: autopar.autoparallel(_pair, mesh=_mesh(), plan=_saved()), PlanError,
      r"\(str\) is not an autopar\.Plan.*Plan\.from_json"),
     ("plan-with-ignored-options",
@@ -534,6 +584,10 @@ def _key_normal(k):
     return jax.random.normal(k, (8, 4))
 
 
+def _well_conditioned():
+    return jnp.eye(8, dtype=F32) * 4 + jnp.arange(64, dtype=F32).reshape(8, 8) / 64
+
+
 def _int_grad(a, i):
     return jax.grad(lambda a, i: (a * i).sum(), argnums=(0, 1), allow_int=True)(a, i)
 
@@ -574,6 +628,12 @@ VALID_CASES = [
                                            (0, a))[1], lambda: (_x(),)),
     ("scan", lambda a: jax.lax.scan(lambda c, r: (c + r, c * r), jnp.zeros(16), a)[1],
      lambda: (_x(),)),
+    ("linalg-inv", jnp.linalg.inv, lambda: (_well_conditioned(),)),
+    ("linalg-solve", jnp.linalg.solve, lambda: (_well_conditioned(), _x()[:, :8].T)),
+    ("cho-solve", lambda a, b: cho_solve((jnp.linalg.cholesky(a), True), b),
+     lambda: (_well_conditioned() @ _well_conditioned().T, _x()[:, :8].T)),
+    ("grad-of-solve", jax.grad(lambda a, b: (jnp.linalg.solve(a, b) ** 2).sum()),
+     lambda: (_well_conditioned(), _x()[:, :8].T)),
 ]
 
 VALID_MESHES = [
@@ -636,6 +696,39 @@ def test_deleted_array_is_fine_to_plan_from():
     x.delete()
     assert _plan(mesh={"data": 8}).input_shapes == autopar.plan(
         _loss, x, X, mesh={"data": 8}, time_limit_s=1).input_shapes
+
+
+# ---- what a hand-written strategy makes of unusual steps, and steps that call the host ----------
+def _sgd_only_weights(w, x):
+    """A step that returns only the new weights (no loss)."""
+    return w - 0.1 * jax.grad(lambda w: jnp.tanh(x @ w).sum())(w)
+
+
+def test_dp_keeps_whole_the_weights_of_a_step_that_returns_only_them():
+    w, x = jnp.ones((16, 8), F32) / 16, jnp.arange(512, dtype=F32).reshape(32, 16) / 512
+    step = autopar.autoparallel(_sgd_only_weights, mesh=_mesh(), strategy="dp", time_limit_s=2)
+    _same(step(w, x), jax.jit(_sgd_only_weights)(w, x))
+    assert step.plan.input_shardings == (((), ()), (("data",), ()))
+
+
+def test_dp_says_when_the_batch_is_not_divisible_by_the_data_axis():
+    with pytest.warns(UserWarning, match=r"batch input \[1\] \(6, 16\): dim 0 \(batch, size 6\) "
+                                         r"is not divisible by 'data' \(size 4\)"):
+        plan = autopar.plan(_loss, W, jax.ShapeDtypeStruct((6, 16), F32),
+                            mesh={"data": 4, "model": 2}, strategy="dp", time_limit_s=1)
+    assert any("every device computes the whole batch" in n for n in plan.notes)
+
+
+def _callback_step(a):
+    y = jax.pure_callback(lambda v: np.asarray(v) * 2, jax.ShapeDtypeStruct(a.shape, a.dtype), a)
+    return (y @ y.T).sum()
+
+
+def test_a_host_callback_in_a_sharded_cpu_step_warns_before_it_runs():
+    with pytest.warns(RuntimeWarning, match=r"host callbacks \(pure_callback at "
+                                            r"test_bad_inputs\.py:\d+.*aborts the process"):
+        got = _run(_callback_step, _x())
+    _same(got, jax.jit(_callback_step)(_x()))
 
 
 # ---- explicit meshes -----------------------------------------------------------------------------

@@ -148,3 +148,54 @@ def test_mismatched_state_and_missing_layouts_are_clear_errors(saved, tmp_path):
         ckpt.restore(like)
     with pytest.raises(autopar.AutoparError, match="no complete checkpoint"):
         checkpoint.Checkpointer(tmp_path / "empty").restore(like)
+
+
+def test_a_step_saved_before_checkpoints_had_checksums_restores_unverified(tmp_path):
+    """Format 1 (no integrity record, no state_argnum): read, and said to be unverified."""
+    import json
+
+    state = {"w": np.arange(6.0, dtype=np.float32).reshape(2, 3)}
+    with checkpoint.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, state)
+    (tmp_path / "1" / checkpoint.RECORD).unlink()
+    meta = tmp_path / "1" / "meta" / "metadata"
+    old = json.loads(meta.read_text())
+    old.pop("state_argnum")
+    meta.write_text(json.dumps({**old, "format_version": 1}))
+    r = checkpoint.Checkpointer(tmp_path).restore(
+        state, shardings=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    np.testing.assert_array_equal(r.state["w"], state["w"])
+    assert not r.verified and "were not verified" in r.notes[-1]
+
+
+def test_a_failed_write_is_a_checkpoint_error_and_commits_nothing(tmp_path, monkeypatch):
+    from autopar.checkpoint import integrity
+
+    state = {"w": np.ones((4, 4), np.float32)}
+    with checkpoint.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, state, wait=True)
+
+        def full(step_dir):
+            raise OSError(28, "No space left on device")
+        monkeypatch.setattr(integrity, "write_record", full)
+        ckpt.save(2, state)
+        with pytest.raises(autopar.AutoparError, match=r"step 2: saving failed .*No space left.*"
+                                                       r"latest complete step is still 1"):
+            ckpt.wait()
+        assert ckpt.steps() == [1]
+
+
+def test_the_block_checksum_notices_every_flipped_byte_and_swapped_words():
+    from autopar.checkpoint import integrity
+
+    data = bytes(range(256)) * 4 + b"tail"        # 1028 bytes: a partial last word
+    weights = integrity._weights(len(data))
+    base = integrity._sum64(memoryview(data), weights)
+    for i in range(len(data)):
+        for flip in (0x01, 0x80, 0xFF):
+            damaged = bytearray(data)
+            damaged[i] ^= flip
+            assert integrity._sum64(memoryview(damaged), weights) != base, (i, flip)
+    swapped = data[8:16] + data[:8] + data[16:]
+    assert integrity._sum64(memoryview(swapped), weights) != base
+    assert integrity._sum64(memoryview(data[:-1]), weights) != base   # sizes are recorded too

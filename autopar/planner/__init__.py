@@ -17,7 +17,7 @@ from autopar.errors import PlanError, ShardingError
 from autopar.options import PlannerOptions
 from autopar.plan import Collective, CostBreakdown, Plan, SolverStats
 from autopar.planner import combine, ilp, kernel_choice, memory, pins, problem, scatter
-from autopar.planner.budget import LOG, SEARCH_BEFORE, START_BEFORE, Clock, warn_many_axes
+from autopar.planner.budget import SEARCH_BEFORE, START_BEFORE, Clock, warn_many_axes
 from autopar.planner.reshard import reshard_steps, step_bytes, step_hbm_bytes
 from autopar.planner.unfold import unfold
 from autopar.sharding import Sharding, fmt
@@ -171,7 +171,8 @@ def _seeds(prob: problem.Problem, cm, allowed, options: PlannerOptions, hint,
         try:
             sol = ilp.solve(sub, cm, budget, options.time_limit_s, merged, clock=clock,
                             score=_scorer(prob, cm))
-            sol, peak = _within_budget(sub, sol, cm, options, merged, clock, SEED_CUT_ROUNDS, 0)
+            sol, peak, _ = _within_budget(sub, sol, cm, options, merged, clock,
+                                          SEED_CUT_ROUNDS, 0, seek_least=False)
         except PlanError:      # this strategy fits no plan: auto has nothing to beat here
             continue
         out.append(_Seed(name, sol.choice, plan_cost(prob, cm, sol.choice), peak, sol.status))
@@ -338,7 +339,7 @@ def _make_plan(graph: Graph, mesh: Mapping[str, int], cost_model, options: Plann
                     clock=clock, hint_name=hint_name,
                     seeds=[dict(enumerate(s.choice)) for s in seeds],
                     score=_scorer(prob, cost_model))
-    sol, peak = _within_budget(prob, sol, cost_model, options, allowed, clock)
+    sol, peak, least = _within_budget(prob, sol, cost_model, options, allowed, clock)
     sol, peak, exact = _never_worse(prob, cost_model, sol, peak, seeds, options.memory_budget)
     stats = SolverStats(sol.status, sol.gap if exact and not sol.candidates else None, sol.solve_s,
                         build_s, trace_s, prob.num_decisions, sol.num_vars, sol.num_constraints,
@@ -347,7 +348,7 @@ def _make_plan(graph: Graph, mesh: Mapping[str, int], cost_model, options: Plann
                     options.memory_budget, stats, peak)
     plan = kernel_choice.finish(plan, prob, sol.choice, cost_model)
     if folded is None:      # a folded plan over the budget is planned again on the full graph
-        _warn_over_budget(plan, options.memory_budget)
+        _check_budget(plan, options.memory_budget, prob, least)
     return plan
 
 
@@ -368,7 +369,7 @@ def _never_worse(prob, cm, sol, peak, seeds: list[_Seed], budget):
 
 
 def _within_budget(prob, sol, cost_model, options, allowed, clock, rounds=None,
-                   margins=None):
+                   margins=None, seek_least: bool = True):
     """The solver's memory constraints see resharded copies only through cuts added lazily
     (``planner.memory``): while the chosen plan's full estimate exceeds the budget, add a
     ``CopyCut`` at its peak and solve again (from the plan so far), ``COPY_CUT_ROUNDS`` times
@@ -376,11 +377,13 @@ def _within_budget(prob, sol, cost_model, options, allowed, clock, rounds=None,
     solve: ``MARGIN_ROUNDS`` (or ``margins``) more solves, each under the solver's limit less
     what the plan so far holds beyond the budget (the copies no cut caught, a folded graph's
     gap, which the estimate sees and the solver's memory terms do not). Keeps the first
-    solution that fits, else the lowest estimated peak (and ``_warn_over_budget`` says so).
-    Returns (the solution, its estimated peak; None when no budget asked for one)."""
+    solution that fits, else (``least``) the plan of least memory if it fits, else the lowest
+    estimated peak (``_check_budget`` then refuses it; ``seek_least=False``: not sought).
+    Returns (the solution, its estimated peak, ``ilp.min_memory``'s answer if it was sought;
+    Nones when no budget asked for one)."""
     budget = options.memory_budget
     if budget is None:
-        return sol, None
+        return sol, None, None
     est = memory.estimate(prob, sol.choice)
     best, cuts, limit = (est.peak, sol), [], budget
     cut_rounds = COPY_CUT_ROUNDS if rounds is None else rounds
@@ -401,7 +404,15 @@ def _within_budget(prob, sol, cost_model, options, allowed, clock, rounds=None,
             break
         est = memory.estimate(prob, sol.choice)
         best = min(best, (est.peak, sol), key=lambda b: b[0])
-    return (sol, est.peak) if est.peak <= budget else (best[1], best[0])
+    if est.peak <= budget or not seek_least:
+        return (sol, est.peak, None) if est.peak <= budget else (best[1], best[0], None)
+    # The plan of least memory: it is taken if it fits, and its budget is what the PlanError of
+    # _check_budget suggests otherwise.
+    least = ilp.min_memory(prob, cost_model, allowed, options.time_limit_s, clock.solver_wall_s())
+    if least is not None and least[1] <= budget:
+        kept = ilp.kept_choice(prob, least[0], "MIN MEMORY")
+        return kept, memory.estimate(prob, kept.choice).peak, least
+    return best[1], best[0], least
 
 
 def _as_map(choice) -> dict[int, int]:
@@ -424,16 +435,25 @@ MARGIN_ROUNDS = 3
 SEED_CUT_ROUNDS = 2
 
 
-def _warn_over_budget(plan: Plan, budget: float | None) -> None:
-    """The ILP sees resharded copies only through the cuts ``_within_budget`` adds (see
-    ``planner.memory``): say so when the chosen plan's full estimate still exceeds the budget."""
+def _check_budget(plan: Plan, budget: float | None, prob, least) -> None:
+    """A plan whose full estimate exceeds the budget is refused, with the smallest budget a plan
+    was found to fit (``least``: ``ilp.min_memory``'s answer). The ILP sees resharded copies
+    (and bytes below 1 KiB) only through the cuts ``_within_budget`` adds (see
+    ``planner.memory``), so its own solution may not fit."""
     peak = plan.cost.peak_memory_bytes
-    if budget is not None and peak > budget:
-        LOG.warning("autopar: the plan's predicted peak memory %.3g GiB/device exceeds "
-                    "memory_budget %.3g GiB by the resharded copies its transitions make (%d "
-                    "rounds of copy cuts did not find a plan without them); pass a "
-                    "memory_budget about %.3g GiB lower to leave room for them",
-                    peak / 2**30, budget / 2**30, COPY_CUT_ROUNDS, (peak - budget) / 2**30)
+    if budget is None or peak <= budget:
+        return
+    need = None if least is None else least[1]
+    smallest = ("no smaller plan was found in time" if need is None else
+                f"the smallest peak found for any plan is {need / 2**30:.3g} GiB ({int(need)} "
+                f"bytes: memory_budget={int(need)} plans)")
+    raise PlanError(
+        f"no plan fits a memory budget of {budget / 2**30:.3g} GiB ({int(budget)} bytes) per "
+        f"device on mesh {dict(prob.mesh)}: the solver's best plan peaks at {int(peak)} bytes "
+        f"by the full estimate (exact bytes and the copies its resharding makes, which the "
+        f"solver counts only in part: {COPY_CUT_ROUNDS} rounds of copy cuts did not bring it "
+        f"within); {smallest}. Raise memory_budget to at least that, use a larger mesh, or "
+        f"shrink the batch.")
 
 
 def _layout(prob: problem.Problem, choice, v: int) -> Sharding:

@@ -621,10 +621,15 @@ def _as_tuple(p: Problem, choice: Mapping[int, int]) -> tuple[int, ...]:
     return tuple(choice[g.id] for g in p.groups)
 
 
-def min_memory_bytes(p: Problem, cost_model, allowed=None, time_limit_s: float = 10.0,
-                     wall_s: float = math.inf) -> float | None:
-    """The smallest peak per-device memory any plan reaches (the least budget that fits), or
-    None when the solver finds no plan within its time limits."""
+def min_memory(p: Problem, cost_model, allowed=None, time_limit_s: float = 10.0,
+               wall_s: float = math.inf) -> tuple[tuple[int, ...], float] | None:
+    """(choice, budget) of the plan with the smallest peak per-device memory the solver finds,
+    or None when it finds none within its time limits. ``budget`` is a memory budget under
+    which this plan is both feasible for the solver's memory terms (KiB per value) and within
+    the full estimate (``memory.estimate``: exact bytes, resharded copies included), so a plan
+    made with it fits (``make_plan`` falls back to this choice when its own does not)."""
+    from autopar.planner import memory
+
     mdl = _Model(p, cost_model)
     if allowed:
         mdl.restrict(allowed)
@@ -632,13 +637,41 @@ def min_memory_bytes(p: Problem, cost_model, allowed=None, time_limit_s: float =
     for expr in mdl.memory_exprs():
         mdl.m.Add(peak >= expr)
     mdl.m.Minimize(peak)
-    solver = _solver(time_limit_s, wall_s)
-    status = solver.Solve(mdl.m)
-    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return float(solver.ObjectiveValue()) * KIB
-    if status == cp_model.UNKNOWN:
-        return None
-    raise AssertionError(f"min-memory model: {solver.StatusName(status)} {mdl.m.Validate()}")
+    best = None
+    for k in range(MIN_MEMORY_CUTS + 1):   # each round counts the last plan's copies at its peak
+        solver = _solver(time_limit_s, wall_s)
+        status = solver.Solve(mdl.m)
+        if status == cp_model.UNKNOWN:
+            break
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            raise AssertionError(f"min-memory model: {solver.StatusName(status)} "
+                                 f"{mdl.m.Validate()}")
+        picked = {r: next(i for i, x in enumerate(xs) if solver.Value(x))
+                  for r, xs in mdl.x.items()}
+        choice = tuple(picked[p.root(g.id)] for g in p.groups)
+        est = memory.estimate(p, choice)
+        found = (choice, max(float(solver.ObjectiveValue()) * KIB, float(math.ceil(est.peak))))
+        best = found if best is None or found[1] < best[1] else best
+        if est.peak <= solver.ObjectiveValue() * KIB:
+            break
+        mdl.add_cut(k, memory.cut_at(p, est.peak_position), peak)
+    return best
+
+
+# Rounds of copy cuts ``min_memory`` adds when its plan's full estimate exceeds its memory terms.
+MIN_MEMORY_CUTS = 6
+
+
+def min_memory_bytes(p: Problem, cost_model, allowed=None, time_limit_s: float = 10.0,
+                     wall_s: float = math.inf) -> float | None:
+    """The smallest memory budget found that a plan fits (``min_memory``), or None."""
+    found = min_memory(p, cost_model, allowed, time_limit_s, wall_s)
+    return None if found is None else found[1]
+
+
+def kept_choice(p: Problem, choice: tuple[int, ...], status: str) -> Solution:
+    """``choice`` as a solution, costed edge by edge (``_kept``)."""
+    return _kept(p, dict(enumerate(choice)), status, 0.0, 0.0, (0, 0))
 
 
 def _memory_error(p: Problem, cost_model, budget: float, allowed, clock: Clock) -> PlanError:
@@ -650,9 +683,9 @@ def _memory_error(p: Problem, cost_model, budget: float, allowed, clock: Clock) 
                          f"time_limit_s={clock.limit_s:g}. Raise memory_budget, use a larger "
                          f"mesh, or raise time_limit_s to learn the smallest budget.")
     return PlanError(
-        f"{where}: the smallest peak any plan reaches is {need / 2**30:.3f} GiB "
-        f"({int(need)} bytes). Raise memory_budget to at least that, use a larger mesh, or shrink "
-        f"the batch.")
+        f"{where}: the smallest peak found for any plan is {need / 2**30:.3g} GiB "
+        f"({int(need)} bytes: memory_budget={int(need)} plans). Raise memory_budget to at least "
+        f"that, use a larger mesh, or shrink the batch.")
 
 
 def memory_of(p: Problem, choice) -> float:

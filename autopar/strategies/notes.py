@@ -34,7 +34,26 @@ def placement_notes(strategy, graph: Graph, mesh: Mapping[str, int],
             found.setdefault(key, []).append(graph.input_paths[k])
     lines = [f"{strategy.name}: {_count(paths)}{key}" for key, paths in found.items()]
     lines += _missing(strategy, info, axes)
+    lines += _unsplit_batches(strategy, graph, mesh, info, layouts, axes["data"])
     return tuple(lines)
+
+
+def _unsplit_batches(strategy, graph: Graph, mesh, info, layouts, data) -> list[str]:
+    """Batch inputs the data axis does not split (their batch dim is not divisible by it): every
+    device then computes the whole batch, which is not data parallelism."""
+    if data is None or mesh.get(data, 1) == 1:
+        return []
+    out = []
+    for k, a in enumerate(info):
+        dims = [i for i, n in enumerate(a.names) if n == "batch"]
+        if a.kind != "batch" or not dims or any(data in dim for dim in layouts[k]):
+            continue
+        shape, i = graph.values[graph.inputs[k]].shape, dims[0]
+        out.append(f"{strategy.name}: batch input {graph.input_paths[k]} {shape}: dim {i} "
+                   f"(batch, size {shape[i]}) is not divisible by {data!r} (size {mesh[data]}), "
+                   f"so it stays whole and every device computes the whole batch; use a batch "
+                   f"divisible by {mesh[data]}")
+    return out
 
 
 def _param_notes(strategy, axes, mesh, a, shape, layout: Sharding) -> list[str]:

@@ -495,8 +495,28 @@ def _map_dim(graph: Graph, op: Op, d: int) -> int | None:
 
 
 def _state_inputs(graph: Graph) -> dict[int, int]:
-    """Input index -> index of the output that replaces it (same path, shape and dtype)."""
-    return {k: j for j, k in output_pairs(graph).items()}
+    """Input index -> index of the output that replaces it (same path, shape and dtype). A step
+    that returns only the new state of one argument (``return params``, no loss) has output
+    paths without the argument's index: match them under each argument's prefix."""
+    pairs = {k: j for j, k in output_pairs(graph).items()}
+    return pairs or _returned_argument(graph)
+
+
+def _returned_argument(graph: Graph) -> dict[int, int]:
+    """The pairs of the argument whose leaves every output replaces (``[k]`` + output path,
+    same type), or none when no single argument is returned whole."""
+    by_path = {p: k for k, p in enumerate(graph.input_paths)}
+    for arg in sorted({p[:p.index("]") + 1] for p in graph.input_paths if p.startswith("[")}):
+        pairs = {}
+        for j, p in enumerate(graph.output_paths):
+            k = by_path.get(arg + p)
+            if k is None or graph.values[graph.inputs[k]] != graph.values[graph.outputs[j]]:
+                break
+            pairs[k] = j
+        else:
+            if pairs:
+                return pairs
+    return {}
 
 
 def path_keys(path: str) -> tuple[str, ...]:
