@@ -254,30 +254,6 @@ def _typeof(x: Any, where: str):
             f"eqx.is_array)) and close over it with functools.partial") from None
 
 
-def given_shardings(args: tuple, planned) -> None:
-    """``step.lower`` compiles for the plan's layouts: a ``ShapeDtypeStruct`` (or committed
-    array) that carries another sharding would reach jax's own mismatch error; name it."""
-    flat = jax.tree_util.tree_flatten_with_path(args)[0]
-    for (path, x), want in zip(flat, jax.tree_util.tree_leaves(planned)):
-        have = getattr(x, "sharding", None)
-        committed = isinstance(x, jax.ShapeDtypeStruct) or getattr(x, "committed", False)
-        if have is None or not committed or not isinstance(want, jax.sharding.Sharding):
-            continue
-        if not have.is_equivalent_to(want, len(x.shape)):
-            raise ShardingError(
-                f"argument {jax.tree_util.keystr(path)} ({x.dtype}{list(x.shape)}) carries "
-                f"sharding {_spec_text(have)}, but the plan lays it out as {_spec_text(want)}: "
-                f"the step places every argument in the plan's layout. Drop sharding= from the "
-                f"ShapeDtypeStruct, or give it step.input_shardings(...)'s sharding")
-
-
-def _spec_text(s) -> str:
-    spec = getattr(s, "spec", None)
-    mesh = getattr(s, "mesh", None)
-    on = f" on mesh {dict(mesh.shape)}" if mesh is not None and hasattr(mesh, "shape") else ""
-    return f"{spec}{on}" if spec is not None else str(s)
-
-
 def abstract(args: tuple, types: list) -> tuple:
     """``args`` as unsharded ``ShapeDtypeStruct``s: tracing needs no data and no mesh."""
     tree = jax.tree_util.tree_structure(args)
