@@ -459,7 +459,7 @@ def main(argv=None):
         faults = catalogue()[:6] if args.quick else None
         outcomes = run_all(pathlib.Path(work), faults)
     counts = {k: sum(o.outcome == k for o in outcomes) for k in OUTCOMES}
-    rows = [(o.name, o.outcome, f"{o.seconds:.2f}", _short(o.detail)) for o in outcomes]
+    rows = [(o.name, o.outcome, f"{o.seconds:.2f}", _short(o.detail, work)) for o in outcomes]
     text = [
         "# Checkpoint fault injection",
         "",
@@ -483,9 +483,14 @@ def main(argv=None):
     return outcomes
 
 
-def _short(text: str) -> str:
-    text = " ".join(text.split()).replace("|", "\\|")
-    return text if len(text) <= 220 else text[:217] + "..."
+def _short(text: str, work: str) -> str:
+    """One table cell: the scratch directory written WORK, pipes and brackets escaped (an
+    argument path like ``['opt_state'][0]`` would otherwise read as a markdown reference link)."""
+    text = " ".join(text.replace(work, "WORK").split())
+    text = text if len(text) <= 220 else text[:217] + "..."
+    for c in "|[]":
+        text = text.replace(c, "\\" + c)
+    return text
 
 
 if __name__ == "__main__":

@@ -13,7 +13,10 @@ vocabulary 51200, bfloat16 compute) on 64 devices ``{data: 8, model: 8}``:
 * ``+ global-norm clip``: the same with ``optax.clip_by_global_norm`` before adamw, whose norm
   reads every layer's gradients;
 * ``autopar GPT scan``: ``autopar.models.gpt`` with its layers in one ``nn.scan``;
-* ``GPT-175B scan+remat``: the paper configuration (96 layers, 1 sequence per device).
+* ``GPT-175B scan+remat``: the paper configuration (96 layers, 1 sequence per device);
+* ``transformers Llama-7B``: transformers' Flax Llama at 7B shapes (32 unrolled layers, float32,
+  seq 2048) at 1 and 0.5 sequences per device under the H100's 80 GB, where memory is tight
+  (meta-pytorch/autoparallel publishes about 52 s for Llama3-8B on 64 GPUs).
 
 First-call table: ``@autopar.autoparallel`` on transformers' 2-layer, 64-wide Flax T5, BART,
 Whisper and GPT-2 on the 8 CPU devices as a 2x4 mesh, from the call to the result (trace, plan,
@@ -50,13 +53,13 @@ REPEAT = 3          # fresh processes per depth row; the table shows each column
 FIRST_REPEAT = 1    # first-call rows and the tracing floor: one fresh process each (minutes)
 # time_limit_s (the whole call's wall-clock budget, tracing included): the 30 s the issue allows
 # an unrolled model (a loaded machine traces 96 layers in over 10 s of it), 10 s for GPT-175B.
-LIMIT_S = {"hf": 30.0, "clip": 30.0, "scan": 30.0, "175B": 10.0, "tiny": 2.0}
+LIMIT_S = {"hf": 30.0, "clip": 30.0, "scan": 30.0, "175B": 10.0, "tiny": 2.0, "llama7b": 10.0}
 FULL_LIMIT_S = 60.0   # deterministic seconds for the whole-ILP reference solve
 
 
 # What ``--only`` selects: depth families, the whole-ILP reference solve of GPT-175B
 # (``gap_lines``), jax's tracing floor (``floor_lines``) and the first-call table.
-PARTS = ("hf", "clip", "scan", "175B", "reference", "floor", "first")
+PARTS = ("hf", "clip", "scan", "175B", "llama7b", "reference", "floor", "first")
 
 
 def depth_rows(quick: bool, only=PARTS):
@@ -78,6 +81,9 @@ def _all_depth_rows():
         rows.append(("autopar GPT scan, GPT-3 width", "scan", layers, MESH64, DEPTH_BATCH,
                      LIFTED_BUDGET))
     rows.append(("GPT-175B scan+remat", "175B", 96, MESH64, 64, None))
+    for rows_ in (32, 64):          # 0.5 and 1 sequence per device: the latter is memory-tight
+        rows.append((f"transformers Llama-7B, {rows_} sequences", "llama7b", 32, MESH64, rows_,
+                     None))
     return rows
 
 
@@ -88,6 +94,12 @@ def _abstract(family: str, layers: int, batch: int):
 
     from autopar.models import gpt, hf
 
+    if family == "llama7b":
+        cfg = hf._transformers().LlamaConfig(
+            hidden_size=4096, num_hidden_layers=layers, num_attention_heads=32,
+            num_key_value_heads=32, intermediate_size=11008, vocab_size=32000,
+            max_position_embeddings=4096)
+        return hf.abstract("llama", cfg, batch, seq=2048)
     if family in ("hf", "clip"):
         cfg = hf.gpt2_config(layers=layers, width=12288, heads=96)
         return hf.abstract("gpt2", cfg, batch, seq=2048, dtype=jnp.bfloat16,

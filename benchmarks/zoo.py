@@ -103,9 +103,9 @@ def _shapes(args):
     return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
 
 
-def _plans(case: Case, fn, args, mesh) -> dict:
+def _plans(case: Case, fn, args, mesh, hand=HAND) -> dict:
     """name -> plan: the hand-written strategies, the user's layout, auto seeded and unseeded."""
-    strategies = list(HAND)
+    strategies = list(hand)
     user = case.user_layout(mesh) if case.user_layout else None
     if user is not None:
         strategies.append(autopar.strategies.user(user, name="user"))
@@ -146,10 +146,10 @@ def _timed(exes: dict, runs: int) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def run_case(case: Case, sizes: dict, runs: int) -> list[dict]:
+def run_case(case: Case, sizes: dict, runs: int, hand=HAND) -> list[dict]:
     mesh = _mesh(sizes)
     fn, args = case.build()
-    plans = _plans(case, fn, args, mesh)
+    plans = _plans(case, fn, args, mesh, hand)
     user = case.user_layout(mesh) if case.user_layout else None
     measured = _timed(_executables(fn, args, mesh, plans, user), runs)
     rows = []
@@ -253,7 +253,7 @@ def main() -> None:
             continue
         for sizes in meshes:
             t0 = time.perf_counter()
-            rows += run_case(case, sizes, runs)
+            rows += run_case(case, sizes, runs, ("dp", "megatron") if args.quick else HAND)
             print(f"{case.name} {case.step} {_common.mesh_str(sizes)}: "
                   f"{time.perf_counter() - t0:.0f} s", flush=True)
     _common.write_csv(csv_path, HEADER, [[r[h] for h in HEADER] for r in rows])

@@ -25,6 +25,7 @@ CASES = {
     "pipeline_cpu.py": ("pipeline_cpu.md", "pipeline_cpu.csv"),
     "pipeline_fsdp.py": ("pipeline_fsdp.md", "pipeline_fsdp.csv"),
     "hbm_depth.py": ("hbm_depth.md", "hbm_depth.csv"),
+    "zoo.py": ("zoo.md", "zoo.csv"),
     "nnx_call.py": ("nnx_call.md", "nnx_call.csv"),
 }
 
