@@ -8,12 +8,12 @@ See docs/ (a MkDocs site; start at docs/index.md) for the guided tour.
 from autopar import checkpoint, distributed, strategies
 from autopar.api import autoparallel, plan
 from autopar.compare import compare
-from autopar.errors import AutoparError, PlanError, ShardingError
+from autopar.errors import AutoparError, BudgetError, PlanError, ShardingError
 from autopar.plan import Plan
 from autopar.verify import verify
 
-__all__ = ["AutoparError", "Plan", "PlanError", "ShardingError", "autoparallel", "checkpoint",
-           "compare", "distributed", "plan", "strategies", "verify"]
+__all__ = ["AutoparError", "BudgetError", "Plan", "PlanError", "ShardingError", "autoparallel",
+           "checkpoint", "compare", "distributed", "plan", "strategies", "verify"]
 
 
 def __getattr__(name: str):

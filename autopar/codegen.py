@@ -40,6 +40,7 @@ from jax.sharding import NamedSharding
 from autopar.plan import Pin
 from autopar.sharding import to_spec
 from autopar.substitute import DEAD, KernelTable, Pending
+from ir import recompute, replay
 
 _INLINE = ("jit", "pjit", "closed_call", "core_call")
 # primitive -> params holding the sub-jaxprs to retrace (a tuple param holds several regions).
@@ -104,30 +105,7 @@ class PinTable:
             self.moved = outer
 
 
-def _read(env, v):
-    return v.val if isinstance(v, jcore.Literal) else env[v]
-
-
-def _bind(eqn, invals, params=None):
-    got = eqn.primitive.get_bind_params(eqn.params if params is None else params)
-    # jax 0.10 returns the params; older releases returned (subfuns, params).
-    subfuns, params = got if isinstance(got, tuple) else ((), got)
-    ctx = getattr(eqn, "ctx", None)
-    if ctx is not None and hasattr(ctx, "manager"):
-        with ctx.manager:
-            return eqn.primitive.bind(*subfuns, *invals, **params)
-    return eqn.primitive.bind(*subfuns, *invals, **params)
-
-
-def _user_context(eqn):
-    """Keep the user's source line and name stack on the replayed equation (and on its sharding
-    constraints), so the compiled HLO's metadata points at the model, not at codegen."""
-    try:
-        from jax._src import source_info_util as siu
-    except ImportError:   # private module: without it the metadata names codegen
-        return contextlib.nullcontext()
-    name_stack = siu.current_name_stack() + eqn.source_info.name_stack
-    return siu.user_context(eqn.source_info.traceback, name_stack=name_stack)
+_read, _bind, _user_context = replay.read, replay.bind, replay.user_context
 
 
 def eval_pinned(jaxpr, consts: Sequence, args: Sequence, table: PinTable, path=()) -> list:
@@ -206,7 +184,10 @@ def _retrace(sub, table: PinTable, path: tuple[int, ...]):
 
 
 def build(graph, plan, mesh, donate_argnums=()):
-    """The jitted, sharded executable of ``graph``'s function under ``plan`` on ``mesh``."""
+    """The jitted, sharded executable of ``graph``'s function under ``plan`` on ``mesh``
+    (its loops rewritten first where the plan recomputes their saved values)."""
+    if plan.recompute:
+        graph = recompute.rewrite_graph(graph, {r.site: r.policy for r in plan.recompute})
     warn_host_callbacks(graph, mesh)
     table = PinTable(plan.pins, mesh)
     kernels = KernelTable(graph, plan, mesh) if plan.kernels else None

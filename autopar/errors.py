@@ -10,12 +10,21 @@ from __future__ import annotations
 
 from ir.errors import AutoparError
 
-__all__ = ["AutoparError", "CheckpointError", "PlanError", "ShardingError"]
+__all__ = ["AutoparError", "BudgetError", "CheckpointError", "PlanError", "ShardingError"]
 
 
 class PlanError(AutoparError):
     """No plan satisfies the request (e.g. the memory budget is below what any plan needs), or a
     saved plan cannot be loaded or applied."""
+
+
+class BudgetError(PlanError):
+    """No plan found fits the memory budget (the planner tried recomputation where the step has
+    a scanned model's loops; ``least_bytes``: the smallest peak found, None if unknown)."""
+
+    def __init__(self, message: str, least_bytes: float | None = None):
+        super().__init__(message)
+        self.least_bytes = least_bytes
 
 
 class ShardingError(AutoparError):

@@ -95,6 +95,7 @@ def summary(plan, max_rows: int = 40) -> str:
     lines += ["", f"{'collective':<16} {'axes':<14} {'count':>6} {'time':>12}"]
     for kind, axes, n, t in collective_rows(plan):
         lines.append(f"{kind:<16} {axes:<14} {n:>6} {t * 1e3:>9.3f} ms")
+    lines += _recompute_lines(plan)
     lines += _kernel_lines(plan, max_rows)
     lines += _rejected_lines(plan, max_rows)
     lines += _fallback_lines(plan, max_rows)
@@ -160,6 +161,14 @@ def _fallback_lines(plan, max_rows: int) -> list[str]:
     return lines
 
 
+def _recompute_lines(plan) -> list[str]:
+    """The memory decisions (``Plan.recompute``): what the backward pass recomputes."""
+    if not plan.recompute:
+        return []
+    return ["", "recomputed in the backward pass (the plan does not fit its budget without):"] + [
+        f"  {r}" for r in plan.recompute]
+
+
 def html(plan) -> str:
     """The plan as an HTML table; every piece of text is escaped (a plan may come from a file)."""
     esc = _esc
@@ -179,8 +188,10 @@ def html(plan) -> str:
                    for k, why, n, m, src in rejected_rows(plan))
     kern += (f"<table><tr><th>left to XLA</th><th>count</th><th>where (first)</th><th>why</th>"
              f"</tr>{left}</table>" if left else "")
+    again = "".join(f"<li>{esc(r)}</li>" for r in plan.recompute)
+    again = f"recomputed in the backward pass:<ul>{again}</ul>" if again else ""
     return (f"<div><b>autopar plan</b> strategy={esc(plan.strategy)} mesh={esc(dict(plan.mesh))} "
-            f"hardware={esc(plan.hardware)}<br>{esc(plan.cost)}<br>"
+            f"hardware={esc(plan.hardware)}<br>{esc(plan.cost)}<br>{again}"
             f"<table><tr><th>input</th><th>shape</th><th>spec</th></tr>{rows}</table>"
             f"<table><tr><th>collective</th><th>axes</th><th>count</th><th>time</th></tr>{coll}"
             f"</table>{kern}</div>")

@@ -55,6 +55,12 @@ class PlannerOptions:
         removed (``ir.fold``) and map the plan back, when nothing pins inputs, filters ops,
         hints groups or chooses kernels; if that plan breaks ``memory_budget``, the full graph
         is planned. False: always the full graph.
+      recompute: where no plan fits ``memory_budget``, plan the step again with its scanned
+        layers' saved values recomputed in the backward pass (``planner.recompute``); only
+        where no ``op_filter`` is bound to the traced graph's ops (auto, the user's layout).
+      explain_budget: a plan that cannot fit ``memory_budget`` seeks the smallest budget that
+        fits, for its error's advice (``ilp.min_memory``: seconds of solves); False when the
+        error is only a step of a search (``planner.recompute``'s first attempt).
     """
 
     strategy: str = "auto"
@@ -69,6 +75,8 @@ class PlannerOptions:
     kernels: str = "never"
     host_inputs: bool = True
     fold: bool = True
+    recompute: bool = True
+    explain_budget: bool = True
 
     def replace(self, **changes: Any) -> PlannerOptions:
         return dataclasses.replace(self, **changes)

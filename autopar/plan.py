@@ -21,7 +21,8 @@ from autopar.sharding import Sharding, to_spec
 #    has bytes by collective kind and HBM bytes.
 # 4: a plan may carry a pipeline (``autopar.pipeline.record.PipelinePlan``, null when none).
 # 5: kernels: the fused kernels the plan runs in place of XLA's ops.
-FORMAT_VERSION = 5
+# 6: recompute: the loops whose saved values the backward pass recomputes, and how.
+FORMAT_VERSION = 6
 # Prefix of the strategy names of ops run replicated for want of a rule (planner.rules uses it).
 FALLBACK = "replicated: "
 PIN_SLOTS = ("out", "in", "arg", "res")
@@ -91,6 +92,30 @@ class RejectedKernel:
 
 
 @dataclasses.dataclass(frozen=True)
+class Recompute:
+    """A planner decision: at one forward/backward loop pair of the step (``ir.recompute``: a
+    scanned model's layers), the backward loop recomputes what the forward loop saved for it,
+    under ``policy`` (``"save_dots"``: from the layer input and the kept matmul outputs;
+    ``"full"``: from the layer input alone). Codegen rewrites the step accordingly."""
+
+    site: int                 # index among ``ir.recompute.sites_of(graph)``
+    policy: str               # one of ir.recompute.POLICIES other than "none"
+    where: str                # the forward loop's name stack and source line
+    dropped_bytes: float      # all devices: the saved values no longer kept
+    stacked_bytes: float      # all devices: the values kept instead (layer inputs, matmuls)
+    replayed_flops: float     # per step, all devices: matmul FLOPs the backward replays
+    no_recompute_peak_bytes: float | None = None  # per device: the same step's best plan
+    #                                               without it (None: not solved)
+
+    def __str__(self) -> str:
+        before = ("" if self.no_recompute_peak_bytes is None else
+                  f"; without it the peak is {_gib(self.no_recompute_peak_bytes)}/device")
+        return (f"recompute {self.policy} at {self.where}: {_gib(self.dropped_bytes)} of saved "
+                f"values (all devices) recomputed from {_gib(self.stacked_bytes)} kept, "
+                f"{self.replayed_flops / 1e9:.3g} GFLOP of matmuls replayed{before}")
+
+
+@dataclasses.dataclass(frozen=True)
 class CostBreakdown:
     step_time_s: float
     compute_s: float
@@ -157,6 +182,7 @@ class Plan:
     out_tree: Any = dataclasses.field(default=None, compare=False, repr=False)
     notes: tuple[str, ...] = ()   # what a hand-written strategy could not place, and why
     pipeline: Any = None       # autopar.pipeline.record.PipelinePlan of a pipelined plan
+    recompute: tuple[Recompute, ...] = ()   # what the backward pass recomputes (memory)
 
     # ---- views ------------------------------------------------------------------------------
     @property
@@ -269,7 +295,9 @@ def _plan_from_dict(d) -> Plan:
         kernels=tuple(_kernel_use(x, sizes, k)
                       for k, x in enumerate(J.seq(d["kernels"], "kernels"))),
         rejected_kernels=tuple(_rejected(x, k) for k, x in enumerate(
-            J.seq(d.get("rejected_kernels", []), "rejected_kernels"))))
+            J.seq(d.get("rejected_kernels", []), "rejected_kernels"))),
+        recompute=tuple(_recompute(x, k) for k, x in enumerate(
+            J.seq(d["recompute"], "recompute"))))
 
 
 def _pipeline(x, sizes):
@@ -391,6 +419,24 @@ def _rejected(x, k: int) -> RejectedKernel:
                           J.texts(d["sources"], f"{where}.sources"),
                           J.text(d["module"], f"{where}.module"),
                           J.text(d["reason"], f"{where}.reason"))
+
+
+def _recompute(x, k: int) -> Recompute:
+    from ir.recompute import POLICIES
+
+    where = f"recompute[{k}]"
+    d = J.fields(x, where, [f.name for f in dataclasses.fields(Recompute)])
+    policy = J.text(d["policy"], f"{where}.policy")
+    if policy not in POLICIES[1:]:
+        raise PlanError(f"{where}.policy is {policy!r}; a recompute policy is one of "
+                        f"{POLICIES[1:]}")
+    before = d["no_recompute_peak_bytes"]
+    return Recompute(J.integer(d["site"], f"{where}.site"), policy,
+                     J.text(d["where"], f"{where}.where"),
+                     J.number(d["dropped_bytes"], f"{where}.dropped_bytes"),
+                     J.number(d["stacked_bytes"], f"{where}.stacked_bytes"),
+                     J.number(d["replayed_flops"], f"{where}.replayed_flops"),
+                     None if before is None else J.number(before, f"{where}.no_recompute_peak"))
 
 
 def _spec_entry(x, where: str) -> tuple[str, str, tuple[int, ...]]:

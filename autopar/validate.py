@@ -316,6 +316,18 @@ def short(x: Any) -> str:
 
 
 # ---- saved plans ------------------------------------------------------------------------------
+def _recomputed(plan, graph):
+    from ir import recompute
+
+    sites = recompute.sites_of(graph)
+    for r in plan.recompute:
+        if r.site >= len(sites):
+            raise PlanError(f"the loaded plan recomputes at loop {r.site} ({r.where}), but this "
+                            f"step has {len(sites)} loop(s) whose saved values can be "
+                            f"recomputed; plan again for this step")
+    return recompute.rewrite_graph(graph, {r.site: r.policy for r in plan.recompute})
+
+
 def plan_applies(plan, graph) -> None:
     """A loaded plan fits the traced ``graph``: same program (fingerprint), and each pinned
     layout names an op of this program and divides its output shape."""
@@ -324,6 +336,8 @@ def plan_applies(plan, graph) -> None:
         raise PlanError(f"the loaded plan was made for another program: {_difference(plan, graph)}"
                         f"; plan again for this step, or call it with the arguments the plan was "
                         f"made for")
+    if plan.recompute:        # its ops are those of the step its recomputation rewrites
+        graph = _recomputed(plan, graph)
     _check_choices(plan, graph)
     mesh = dict(plan.mesh)
     by_origin = {tuple(op.origin): op for op in graph.all_ops()}

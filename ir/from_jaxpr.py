@@ -388,6 +388,21 @@ def _trace(fn, args, donate_argnums, dce: bool, kwargs) -> Graph:
     donate = {donate_argnums} if isinstance(donate_argnums, int) else set(donate_argnums)
     in_paths, in_tree = jax.tree_util.tree_flatten_with_path(tuple(args))
     out_paths, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
+    return _graph(closed, in_tree, out_tree,
+                  tuple(jax.tree_util.keystr(p) for p, _ in in_paths),
+                  tuple(jax.tree_util.keystr(p) for p, _ in out_paths),
+                  tuple(isinstance(p[0], jax.tree_util.SequenceKey) and p[0].idx in donate
+                        for p, _ in in_paths), dce)
+
+
+def graph_of(closed, like: Graph, dce: bool = True) -> Graph:
+    """The graph of ``closed``, a jaxpr of the same function as ``like``'s (same inputs and
+    outputs, e.g. rewritten by ``ir.recompute``): its trees, paths and donations are ``like``'s."""
+    return _graph(closed, like.in_tree, like.out_tree, like.input_paths, like.output_paths,
+                  like.donated, dce)
+
+
+def _graph(closed, in_tree, out_tree, input_paths, output_paths, donated, dce: bool) -> Graph:
     b = _Builder()
     env: dict[Any, int] = {}
     b.bind_consts(env, closed)
@@ -397,10 +412,7 @@ def _trace(fn, args, donate_argnums, dce: bool, kwargs) -> Graph:
     outputs = tuple(b.read(env, a) for a in closed.jaxpr.outvars)
     graph = Graph(
         ops=tuple(ops), values=tuple(b.values), inputs=inputs, outputs=outputs,
-        input_paths=tuple(jax.tree_util.keystr(p) for p, _ in in_paths),
-        output_paths=tuple(jax.tree_util.keystr(p) for p, _ in out_paths),
-        donated=tuple(isinstance(p[0], jax.tree_util.SequenceKey) and p[0].idx in donate
-                      for p, _ in in_paths),
+        input_paths=input_paths, output_paths=output_paths, donated=donated,
         literals=tuple(b.literals), consts=tuple(b.consts), jaxpr=closed, in_tree=in_tree,
         out_tree=out_tree)
     if dce:

@@ -203,10 +203,26 @@ def linen_lm(cfg: Config = Config(), *, abstract: bool = False, seed: int = 0):
     tx = optax.adamw(cfg.lr)
 
     def loss_fn(params, batch):
-        with nn.logical_axis_rules(RULES):
+        with nn.logical_axis_rules(rules_for(_mesh_axes())):
             return _xent(model.apply({"params": params}, batch["tokens"]), batch["targets"])
 
     return _finish(_optax_step(loss_fn, tx, cfg.accum), params, tx, cfg, abstract)
+
+
+def rules_for(axes) -> tuple:
+    """``RULES`` on a mesh with ``axes``: a logical axis whose mesh axis the mesh lacks stays
+    whole (a MaxText user on a data-only mesh writes their rules so). No axes: ``RULES``."""
+    if not axes:
+        return RULES
+    return tuple((name, axis if axis in axes else None) for name, axis in RULES)
+
+
+def _mesh_axes() -> tuple:
+    """The axis names of the mesh the step is traced under (``jax.set_mesh``), or ()."""
+    try:
+        return tuple(jax.sharding.get_abstract_mesh().axis_names)
+    except Exception:  # noqa: BLE001 - no mesh API: the rules as written
+        return ()
 
 
 def linen_user_layout(cfg: Config, mesh) -> tuple:
@@ -220,7 +236,7 @@ def linen_user_layout(cfg: Config, mesh) -> tuple:
     tokens = jnp.zeros((cfg.batch, cfg.seq), jnp.int32)
     boxed = jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens)
     specs = nn.get_partition_spec(boxed)["params"]
-    params = nn.logical_to_mesh_sharding(specs, mesh, RULES)
+    params = nn.logical_to_mesh_sharding(specs, mesh, rules_for(mesh.axis_names))
     _, _, opt_abstract, _ = linen_lm(cfg, abstract=True)
     opt = optax.tree_map_params(optax.adamw(cfg.lr), lambda _, s: s, opt_abstract, params,
                                 transform_non_params=lambda _: NamedSharding(mesh,

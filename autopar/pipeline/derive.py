@@ -50,11 +50,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from autopar.codegen import _read
 from autopar.errors import AutoparError
 from autopar.pipeline.model import StagedModel, declare, key_names
 from autopar.pipeline.unrolled import Stacking, find
 from autopar.validate import signature
+from ir.replay import read as _read
 
 
 @dataclasses.dataclass(frozen=True)
@@ -403,7 +403,7 @@ class _Trace:
                 ins = [u.val if isinstance(u, jcore.Literal) else
                        self._value(u) if used else jnp.zeros(u.aval.shape, u.aval.dtype)
                        for u, used in zip(eqn.invars, _used(eqn))]
-                from autopar.codegen import _bind
+                from ir.replay import bind as _bind
 
                 out = _bind(eqn, ins)
             outs = out if eqn.primitive.multiple_results else [out]
@@ -604,7 +604,8 @@ def _run(cut: Cut, eqns, env: dict) -> None:
 
 def _replay(eqns, env: dict) -> None:
     """Bind ``eqns`` in order on the values in ``env``, adding their results to it."""
-    from autopar.codegen import _bind, _user_context
+    from ir.replay import bind as _bind
+    from ir.replay import user_context as _user_context
 
     for eqn in eqns:
         ins = [_read(env, v) if used or not isinstance(v, jcore.Var) or v in env

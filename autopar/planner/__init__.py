@@ -13,10 +13,10 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from autopar.errors import PlanError, ShardingError
+from autopar.errors import BudgetError, PlanError, ShardingError
 from autopar.options import PlannerOptions
 from autopar.plan import Collective, CostBreakdown, Plan, SolverStats
-from autopar.planner import combine, ilp, kernel_choice, memory, pins, problem, scatter
+from autopar.planner import combine, ilp, kernel_choice, memory, pins, problem, recompute, scatter
 from autopar.planner.budget import SEARCH_BEFORE, START_BEFORE, Clock, warn_many_axes
 from autopar.planner.reshard import reshard_steps, step_bytes, step_hbm_bytes
 from autopar.planner.unfold import unfold
@@ -170,7 +170,7 @@ def _seeds(prob: problem.Problem, cm, allowed, options: PlannerOptions, hint,
             continue           # its pinned state alone breaks the budget: it fits no plan
         try:
             sol = ilp.solve(sub, cm, budget, options.time_limit_s, merged, clock=clock,
-                            score=_scorer(prob, cm))
+                            score=_scorer(prob, cm), explain=False)
             sol, peak, _ = _within_budget(sub, sol, cm, options, merged, clock,
                                           SEED_CUT_ROUNDS, 0, seek_least=False)
         except PlanError:      # this strategy fits no plan: auto has nothing to beat here
@@ -276,6 +276,23 @@ def make_plan(graph: Graph, mesh: Mapping[str, int], cost_model,
     the solver's and the seeds' (``_never_worse``): auto is never predicted slower than a start.
     """
     options = options or PlannerOptions()
+    t0 = time.perf_counter()
+    may = (options.recompute and options.op_filter is None
+           and options.memory_budget is not None and recompute.has_sites(graph))
+    try:    # where recomputation may follow, a failure need not seek the smallest budget
+        return _plan_layouts(graph, mesh, cost_model,
+                             options.replace(explain_budget=False) if may else options,
+                             trace_s=trace_s)
+    except BudgetError as e:
+        if not may:
+            raise
+        return recompute.plan_recomputed(graph, mesh, cost_model, options,
+                                         trace_s + time.perf_counter() - t0, e, _plan_layouts)
+
+
+def _plan_layouts(graph: Graph, mesh: Mapping[str, int], cost_model, options: PlannerOptions,
+                  *, trace_s: float = 0.0) -> Plan:
+    """``make_plan`` without the memory decisions: the layouts (and kernels) of ``graph``."""
     with collector.paused():   # see ir.collector: a sixth of a deep plan went to collections
         t0 = time.perf_counter()
         folded = _foldable(graph, options)
@@ -338,8 +355,9 @@ def _make_plan(graph: Graph, mesh: Mapping[str, int], cost_model, options: Plann
     sol = ilp.solve(prob, cost_model, options.memory_budget, options.time_limit_s, allowed, hint,
                     clock=clock, hint_name=hint_name,
                     seeds=[dict(enumerate(s.choice)) for s in seeds],
-                    score=_scorer(prob, cost_model))
-    sol, peak, least = _within_budget(prob, sol, cost_model, options, allowed, clock)
+                    score=_scorer(prob, cost_model), explain=options.explain_budget)
+    sol, peak, least = _within_budget(prob, sol, cost_model, options, allowed, clock,
+                                      seek_least=options.explain_budget)
     sol, peak, exact = _never_worse(prob, cost_model, sol, peak, seeds, options.memory_budget)
     stats = SolverStats(sol.status, sol.gap if exact and not sol.candidates else None, sol.solve_s,
                         build_s, trace_s, prob.num_decisions, sol.num_vars, sol.num_constraints,
@@ -399,7 +417,7 @@ def _within_budget(prob, sol, cost_model, options, allowed, clock, rounds=None,
         try:
             sol = ilp.solve(prob, cost_model, limit, options.time_limit_s, allowed,
                             _as_map(sol.choice), clock=clock, hint_name="FIRST SOLUTION",
-                            cuts=cuts)
+                            cuts=cuts, explain=False)
         except PlanError:
             break
         est = memory.estimate(prob, sol.choice)
@@ -447,13 +465,13 @@ def _check_budget(plan: Plan, budget: float | None, prob, least) -> None:
     smallest = ("no smaller plan was found in time" if need is None else
                 f"the smallest peak found for any plan is {need / 2**30:.3g} GiB ({int(need)} "
                 f"bytes: memory_budget={int(need)} plans)")
-    raise PlanError(
+    raise BudgetError(
         f"no plan fits a memory budget of {budget / 2**30:.3g} GiB ({int(budget)} bytes) per "
         f"device on mesh {dict(prob.mesh)}: the solver's best plan peaks at {int(peak)} bytes "
         f"by the full estimate (exact bytes and the copies its resharding makes, which the "
         f"solver counts only in part: {COPY_CUT_ROUNDS} rounds of copy cuts did not bring it "
         f"within); {smallest}. Raise memory_budget to at least that, use a larger mesh, or "
-        f"shrink the batch.")
+        f"shrink the batch.", need)
 
 
 def _layout(prob: problem.Problem, choice, v: int) -> Sharding:

@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 from ortools.sat.python import cp_model
 
-from autopar.errors import PlanError
+from autopar.errors import BudgetError, PlanError
 from autopar.planner import combine, kernel_choice
 from autopar.planner.budget import BUDGET_FACTOR, SEARCH_BEFORE, Clock
 from autopar.planner.problem import Problem, flow_pairs, restrict, value_bytes
@@ -372,7 +372,8 @@ CANDIDATES = 6
 def solve(p: Problem, cost_model, memory_budget: float | None = None, time_limit_s: float = 30.0,
           allowed: Mapping[int, set[int]] | None = None,
           hint: Mapping[int, int] | None = None, clock: Clock | None = None,
-          hint_name: str = "HINT", seeds=(), cuts=(), score=None) -> Solution:
+          hint_name: str = "HINT", seeds=(), cuts=(), score=None, explain: bool = True
+          ) -> Solution:
     """The best plan CP-SAT finds from the descent start (see the module docstring); ``clock``
     (``planner.budget``) cuts the model build and the search at the call's wall-clock budget,
     and a plan kept without the ILP is labelled by where it came from (``hint_name`` for
@@ -391,7 +392,7 @@ def solve(p: Problem, cost_model, memory_budget: float | None = None, time_limit
         clock.note(f"time limit: returning the {name.lower()} plan without the ILP")
         return _kept(p, start, f"{name} (time limit)", 0.0, 0.0, (0, 0))
     run = _Run(cost_model, memory_budget, time_limit_s, clock, name, fits, tuple(cuts),
-               _launches(p, start, cost_model), score)
+               _launches(p, start, cost_model), score, explain)
     if flow_pairs(p) <= FULL_MODEL_PAIRS:
         return _solve_model(p, allowed, start, run)
     return _solve_candidates(p, allowed, start, seeds, run)
@@ -410,6 +411,7 @@ class _Run:
     cuts: tuple = ()  # memory.CopyCut, in the full problem's strategy indices
     launches: Mapping = dataclasses.field(default_factory=dict)  # combine.launch_terms
     score: Callable | None = None   # choice -> the plan's predicted step (else the objective)
+    explain: bool = True  # an infeasible budget's error seeks the smallest budget that fits
 
 
 def _score(run: _Run, sol: Solution) -> float:
@@ -539,7 +541,7 @@ def _solve_model(p: Problem, allowed, start, run: _Run) -> Solution:
         return _kept(p, start, f"{name} (time limit)", solver.BestObjectiveBound() / PS, dt, size)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise _no_plan(p, run.cost_model, run.memory_budget, allowed, solver, status, dt, clock,
-                       mdl)
+                       mdl, run.explain)
     picked = {r: next(i for i, x in enumerate(xs) if solver.Value(x)) for r, xs in mdl.x.items()}
     choice = tuple(picked[p.root(g.id)] for g in p.groups)
     return Solution(choice, solver.ObjectiveValue() / PS, solver.BestObjectiveBound() / PS,
@@ -601,12 +603,16 @@ def _kept(p: Problem, start, status: str, bound_s: float, dt: float, size) -> So
 
 
 def _no_plan(p: Problem, cost_model, memory_budget, allowed, solver, status, dt, clock,
-             mdl) -> Exception:
+             mdl, explain: bool = True) -> Exception:
     name = solver.StatusName(status)
+    if status == cp_model.INFEASIBLE and memory_budget is not None and not explain:
+        return BudgetError(f"no plan fits a memory budget of {memory_budget / 2**30:.3f} GiB "
+                           f"per device on mesh {dict(p.mesh)} (the smallest that fits was not "
+                           f"sought)")
     if status == cp_model.INFEASIBLE and memory_budget is not None:
         return _memory_error(p, cost_model, memory_budget, allowed, clock)
     if status == cp_model.UNKNOWN:
-        return PlanError(
+        return BudgetError(
             f"no plan within the memory budget of {memory_budget / 2**30:.3f} GiB per device on "
             f"mesh {dict(p.mesh)} was found in {clock.elapsed_s():.1f} s (time_limit_s="
             f"{clock.limit_s:g}); the descent start does not fit. Raise time_limit_s or "
@@ -623,7 +629,8 @@ def _as_tuple(p: Problem, choice: Mapping[int, int]) -> tuple[int, ...]:
 
 def min_memory(p: Problem, cost_model, allowed=None, time_limit_s: float = 10.0,
                wall_s: float = math.inf) -> tuple[tuple[int, ...], float] | None:
-    """(choice, budget) of the plan with the smallest peak per-device memory the solver finds,
+    """(choice, budget) of the plan with the smallest peak per-device memory the solver finds
+    (``wall_s``: the wall-clock seconds of all its solves together),
     or None when it finds none within its time limits. ``budget`` is a memory budget under
     which this plan is both feasible for the solver's memory terms (KiB per value) and within
     the full estimate (``memory.estimate``: exact bytes, resharded copies included), so a plan
@@ -638,8 +645,12 @@ def min_memory(p: Problem, cost_model, allowed=None, time_limit_s: float = 10.0,
         mdl.m.Add(peak >= expr)
     mdl.m.Minimize(peak)
     best = None
+    end = time.perf_counter() + wall_s     # wall_s bounds all rounds together
     for k in range(MIN_MEMORY_CUTS + 1):   # each round counts the last plan's copies at its peak
-        solver = _solver(time_limit_s, wall_s)
+        left = end - time.perf_counter()
+        if k and left <= 0:
+            break
+        solver = _solver(time_limit_s, max(left, 0.1))
         status = solver.Solve(mdl.m)
         if status == cp_model.UNKNOWN:
             break
@@ -675,17 +686,21 @@ def kept_choice(p: Problem, choice: tuple[int, ...], status: str) -> Solution:
 
 
 def _memory_error(p: Problem, cost_model, budget: float, allowed, clock: Clock) -> PlanError:
-    need = min_memory_bytes(p, cost_model, allowed, wall_s=clock.solver_wall_s())
+    # the search for the smallest budget (an error's advice) gets what is left of the call's
+    # time, at least a tenth of it: not MIN_MEMORY_CUTS full solves after the time ran out
+    left = max(clock.limit_s - clock.elapsed_s(), 0.1 * clock.limit_s)
+    need = min_memory_bytes(p, cost_model, allowed, time_limit_s=min(10.0, left),
+                            wall_s=min(clock.solver_wall_s(), left))
     where = (f"no plan fits a memory budget of {budget / 2**30:.3f} GiB per device on mesh "
              f"{dict(p.mesh)}")
     if need is None:
-        return PlanError(f"{where}, and the smallest budget that fits was not found within "
+        return BudgetError(f"{where}, and the smallest budget that fits was not found within "
                          f"time_limit_s={clock.limit_s:g}. Raise memory_budget, use a larger "
                          f"mesh, or raise time_limit_s to learn the smallest budget.")
-    return PlanError(
+    return BudgetError(
         f"{where}: the smallest peak found for any plan is {need / 2**30:.3g} GiB "
         f"({int(need)} bytes: memory_budget={int(need)} plans). Raise memory_budget to at least "
-        f"that, use a larger mesh, or shrink the batch.")
+        f"that, use a larger mesh, or shrink the batch.", need)
 
 
 def memory_of(p: Problem, choice) -> float:

@@ -1,0 +1,80 @@
+"""Recomputation as a planner decision: what the backward pass recomputes instead of keeping.
+
+When no layout of the step fits the memory budget, the planner plans the step again with its
+scanned layers' saved values recomputed (``ir.recompute``): under ``"save_dots"`` (matmul
+outputs kept, the rest recomputed) and ``"full"`` (only each layer's input kept). Each
+rewritten step is planned whole (layouts, collectives, the replayed FLOPs and the memory the
+loops no longer hold, all priced by the same cost model), and the fastest plan that fits is
+returned, with the decision in ``Plan.recompute`` for codegen to apply. A step that fits
+without recomputation is planned as before: recomputation only ever trades time for memory
+the budget lacks.
+
+Partial, on purpose for now: the policy is one per step (every loop pair the same), chosen
+among two, by planning each rewritten step rather than by variables of one ILP; steps that fit
+are not offered recomputation even where it would let a cheaper layout fit (Mist's trade);
+unrolled layers are not rewritten (see ``ir.recompute``); hand-written strategies (whose
+filters are bound to the traced graph's ops) are not rewritten.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from autopar.errors import BudgetError, PlanError
+from autopar.plan import Plan, Recompute
+from ir import recompute as rewrite
+
+# Tried in this order; every one that fits is planned and the fastest kept.
+TRIED = ("save_dots", "full")
+
+
+def has_sites(graph) -> bool:
+    """Whether ``graph``'s step has loops whose saved values could be recomputed."""
+    return bool(rewrite.sites_of(graph))
+
+
+def plan_recomputed(graph, mesh, cost_model, options, trace_s: float, error: BudgetError,
+                    plan_layouts) -> Plan:
+    """The fastest plan of ``graph`` with its loops' saved values recomputed that fits the
+    budget ``error`` says the plain step breaks; ``plan_layouts(graph, mesh, cost_model,
+    options, trace_s=...)`` plans one graph. Raises ``error``, extended, if none fits."""
+    t0 = time.perf_counter()
+    flat = rewrite.flat(graph.jaxpr)
+    sites = rewrite.find_sites(flat)
+    if not sites:
+        raise error
+    found, last = [], error
+    for policy in TRIED:
+        # each rewritten step plans in at least half the time limit, whatever the plain step's
+        # failure spent: the call may run past time_limit_s by that much
+        spent = min(trace_s + time.perf_counter() - t0, 0.5 * options.time_limit_s)
+        last_try = policy == TRIED[-1]
+        try:
+            g = rewrite.rewrite_graph(graph, dict.fromkeys(range(len(sites)), policy))
+            plan = plan_layouts(g, mesh, cost_model, options.replace(
+                seed_plans=(), explain_budget=last_try and not found and options.explain_budget),
+                                trace_s=spent)
+        except BudgetError as e:
+            last = e
+            continue
+        except PlanError as e:        # e.g. the time limit ran out: keep what fits already
+            if not found:
+                last = e
+            continue
+        found.append((plan.cost.step_time_s, TRIED.index(policy), policy, plan))
+        t0, trace_s = time.perf_counter(), 0.0
+    if not found:
+        where = "; ".join(s.where for s in sites)
+        raise BudgetError(f"{error} Recomputing the saved values of the step's "
+                          f"{len(sites)} scanned loop(s) ({where}) did not bring it within "
+                          f"either: {last}", getattr(last, "least_bytes", None)) from None
+    _, _, policy, plan = min(found)
+    eqns = flat.jaxpr.eqns
+    records = []
+    for k, s in enumerate(sites):
+        c = rewrite.choose(eqns[s.fwd], eqns[s.bwd], s, policy)
+        records.append(Recompute(k, policy, s.where, float(c.dropped_bytes),
+                                 float(c.stacked_bytes), c.replayed_flops, error.least_bytes))
+    return dataclasses.replace(plan, recompute=tuple(records),
+                               graph_fingerprint=graph.fingerprint())
+
