@@ -26,6 +26,7 @@ CASES = {
     "pipeline_fsdp.py": ("pipeline_fsdp.md", "pipeline_fsdp.csv"),
     "hbm_depth.py": ("hbm_depth.md", "hbm_depth.csv"),
     "zoo.py": ("zoo.md", "zoo.csv"),
+    "recompute.py": ("recompute.md",),
     "nnx_call.py": ("nnx_call.md", "nnx_call.csv"),
 }
 

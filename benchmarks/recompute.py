@@ -1,0 +1,132 @@
+"""Recomputation as a planner decision: predicted at scale, predicted and measured on the CPU.
+
+Part 1 (abstract, H100 profile): ``autopar.models.gpt`` at the paper's 6.7B configuration
+(scanned, bfloat16, 64 sequences of 2048), without the user's remat, planned by auto on
+``{data: 8}``: the planner decides what the backward pass recomputes (``Plan.recompute``). Beside
+it, the same model with the user's own full remat (``nn.remat``, as MaxText users set it), and
+megatron on that, and the model on one H100 (host offload, which would fit it, is not built:
+the row records the error).
+
+Part 2 (measured, 8 CPU devices as 2x4): a small scanned GPT whose activations outweigh its
+parameters, planned plain, then under 0.6x the plain plan's peak; each plan compiled and run,
+XLA's peak (``memory_analysis``) beside the prediction, and the step timed in interleaved
+rounds (medians), the plain and the recomputing plan side by side.
+
+    python benchmarks/recompute.py            # both parts (about 2 minutes on 2 cores)
+    python benchmarks/recompute.py --quick    # part 2 only
+
+Writes ``benchmarks/results/recompute.md``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import _common  # noqa: F401  (sets XLA_FLAGS before jax is imported)
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import autopar  # noqa: E402
+from autopar.models import gpt  # noqa: E402
+
+BIG = dataclasses.replace(gpt.GPT_CONFIGS["6.7B"], scan=True, seq=2048)
+SMALL = gpt.GPTConfig(scan=True, layers=4, d_model=32, seq=128, d_ff=128, heads=4, vocab=64)
+SMALL_ROWS = 32
+RUNS = 15
+QUICK_RUNS = 3
+
+
+def _gib(b) -> str:
+    return "-" if b is None else f"{b / 2**30:.2f}"
+
+
+def _what(plan) -> str:
+    return ", ".join(f"{r.policy}: {r.replayed_flops / 1e12:.3g} TFLOP replayed"
+                     for r in plan.recompute) or "none"
+
+
+def big_rows() -> list[tuple]:
+    rows = []
+    cases = [("no user remat", BIG, "auto", {"data": 8}),
+             ("user full remat (nn.remat)", dataclasses.replace(BIG, remat=True), "auto",
+              {"data": 8}),
+             ("user full remat (nn.remat)", dataclasses.replace(BIG, remat=True), "megatron",
+              {"data": 8}),
+             ("no user remat, one H100", BIG, "auto", {"data": 1})]
+    for label, cfg, strategy, mesh in cases:
+        step, state, batch = gpt.abstract(cfg, 64)
+        t0 = time.perf_counter()
+        try:
+            plan = autopar.plan(step, state, batch, mesh=mesh, hardware="h100", time_limit_s=30,
+                                strategy=strategy)
+            rows.append((label, strategy, _common.mesh_str(mesh),
+                         f"{plan.cost.step_time_s * 1e3:.0f}",
+                         _gib(plan.cost.peak_memory_bytes), _what(plan),
+                         f"{time.perf_counter() - t0:.1f}", plan.solver.status))
+        except autopar.AutoparError as e:
+            rows.append((label, strategy, _common.mesh_str(mesh), "-", "-", "-",
+                         f"{time.perf_counter() - t0:.1f}",
+                         f"{type(e).__name__}: {str(e)[:160]}".replace("|", "/")))
+    return rows
+
+
+def small_rows(runs: int = RUNS) -> tuple[list[tuple], float]:
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    step, state, batch = gpt.concrete(SMALL, SMALL_ROWS)
+    plain = autopar.plan(step, state, batch, mesh=mesh, hardware="cpu", time_limit_s=10)
+    budget = 0.6 * plain.cost.peak_memory_bytes
+    steps = {"plain": autopar.autoparallel(step, mesh=mesh, hardware="cpu", time_limit_s=10),
+             "under 0.6x the plain peak": autopar.autoparallel(
+                 step, mesh=mesh, hardware="cpu", time_limit_s=10, memory_budget=budget)}
+    for s in steps.values():
+        jax.block_until_ready(s(state, batch))            # plan, compile, warm
+    times = {k: [] for k in steps}
+    for _ in range(runs):                                 # interleaved rounds
+        for k, s in steps.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(s(state, batch))
+            times[k].append(time.perf_counter() - t0)
+    rows = []
+    for k, s in steps.items():
+        report = s.verify(state, batch)
+        (mem,) = [c for c in report.checks if c.metric == "peak memory"]
+        plan = s.plan
+        meas = statistics.median(times[k])
+        rows.append((k, _what(plan), f"{plan.cost.step_time_s * 1e3:.2f}", f"{meas * 1e3:.2f}",
+                     f"{plan.cost.step_time_s / meas:.2f}",
+                     f"{mem.predicted / 2**20:.2f}", f"{mem.measured / 2**20:.2f}",
+                     f"{mem.predicted / mem.measured:.3f}"))
+    return rows, budget
+
+
+def main() -> None:
+    args = _common.parser(__doc__).parse_args()
+    out = _common.out_dir(args)
+    t0 = time.perf_counter()
+    text = ["# Recomputation as a planner decision", "",
+            "`benchmarks/recompute.py`: where no layout fits the memory budget, the planner",
+            "rewrites a scanned model's step so its backward loop recomputes what the forward",
+            "loop saved (`ir.recompute`; policies `save_dots`: matmul outputs kept, `full`: only",
+            "each layer's input kept), plans each rewritten step and keeps the fastest that fits.",
+            ""]
+    if not args.quick:
+        text += ["## GPT-6.7B (scanned, bf16, 64 x 2048), H100 profile, predicted", "",
+                 _common.md_table(("model", "strategy", "mesh", "pred step ms",
+                                   "pred peak GiB", "recomputed", "plan s", "status"),
+                                  big_rows()), ""]
+    rows, budget = small_rows(QUICK_RUNS if args.quick else RUNS)
+    text += [f"## Small scanned GPT on 2x4 CPU devices, measured (budget "
+             f"{budget / 2**20:.2f} MiB = 0.6 x the plain plan's peak)", "",
+             _common.md_table(("plan", "recomputed", "pred step ms", "meas step ms",
+                               "pred/meas", "pred peak MiB", "XLA peak MiB", "pred/XLA"), rows),
+             "",
+             f"Wall time {time.perf_counter() - t0:.0f} s. Environment: "
+             f"{_common.environment()}.", "",
+             "Reproduce: `python benchmarks/recompute.py`.", ""]
+    (out / "recompute.md").write_text("\n".join(text))
+    print("\n".join(text))
+
+
+if __name__ == "__main__":
+    main()
