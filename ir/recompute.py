@@ -19,6 +19,9 @@ output stops the recomputation of what follows it), as a ``jax.checkpoint`` poli
 Policies, in increasing recomputation (``POLICIES``):
 
 * ``"none"``: the step as traced;
+* ``"selective"``: only the attention core is recomputed (the saved values quadratic in a
+  dimension of the layer's input: scores, probabilities, their masks), from the saved
+  queries and keys; everything else stays saved (Megatron-LM's selective recomputation);
 * ``"save_dots"``: matmul outputs (``dot_general``) stay saved; everything else (norm
   statistics and outputs, softmax, activations, elementwise results) is recomputed, like
   ``jax.checkpoint_policies.dots_saveable`` and close to Megatron-LM's selective recomputation
@@ -45,12 +48,11 @@ from jax.extend import core as jcore
 
 from ir import replay
 
-POLICIES = ("none", "save_dots", "full")
-# Which classes of residual each policy recomputes (``layer_input`` is never recomputed: it is
-# what recomputation starts from).
-RECOMPUTED = {"none": frozenset(), "save_dots": frozenset({"input", "other"}),
-              "full": frozenset({"input", "other", "matmul"})}
-CLASSES = ("layer_input", "input", "matmul", "other")
+POLICIES = ("none", "selective", "save_dots", "full")
+# What a saved value is: the layer's input (never recomputed: recomputation starts from it), a
+# loop input passed through (free to read again), the attention core (quadratic in a dimension
+# of the layer's input, e.g. (batch, heads, seq, seq) scores), a matmul output, the rest.
+CLASSES = ("layer_input", "input", "attention", "matmul", "other")
 _CALLS = ("jit", "pjit", "closed_call", "core_call")
 
 
@@ -74,13 +76,12 @@ class Site:
     residuals: tuple[Residual, ...]
 
     def recomputed(self, policy: str) -> tuple[Residual, ...]:
-        classes = RECOMPUTED[policy]
-        return tuple(r for r in self.residuals if r.cls in classes)
-
-    def saved_bytes(self, policy: str) -> int:
-        """Global bytes the policy takes off the forward loop's stacked outputs (before the
-        layer inputs it may add, ``added_bytes``)."""
-        return sum(r.nbytes for r in self.recomputed(policy))
+        """The saved values ``policy`` drops (recomputes) at this site."""
+        if policy == "none":
+            return ()
+        if policy == "selective":
+            return tuple(r for r in self.residuals if r.cls in ("attention", "input"))
+        return self.residuals
 
 
 def _is_drop(v) -> bool:
@@ -169,6 +170,7 @@ def find_sites(closed: jcore.ClosedJaxpr) -> tuple[Site, ...]:
         p = eqn.params
         body = p["jaxpr"].jaxpr
         nk = p["num_carry"]
+        core = _attention_core(body, p["num_consts"], nk)
         by_bwd: dict[int, list[Residual]] = {}
         for j, v in enumerate(eqn.outvars[nk:]):
             if _is_drop(v) or v in outs or v not in uses:
@@ -185,6 +187,8 @@ def find_sites(closed: jcore.ClosedJaxpr) -> tuple[Site, ...]:
             if any(k < first_x for _, k in uses[v]):
                 continue
             cls, prim = _class_of(body, nk + j, p["num_consts"], nk)
+            if cls in ("matmul", "other") and body.outvars[nk + j] in core:
+                cls = "attention"
             if cls is None:
                 continue
             by_bwd.setdefault(b, []).append(
@@ -199,6 +203,29 @@ def find_sites(closed: jcore.ClosedJaxpr) -> tuple[Site, ...]:
         taken.add(b)
         sites.append(Site(i, b, p["length"], _where(eqn), tuple(by_bwd[b])))
     return tuple(sites)
+
+
+def _attention_core(body, nc: int, nk: int) -> set:
+    """The body's attention-core values: the output of a matmul of two activations (both
+    computed from the layer's input, not a weight) whose last two dimensions are equal, e.g.
+    (batch, heads, seq, seq) scores, and what elementwise ops (same shape) make of it: the
+    softmax's exponentials and probabilities, a mask or dropout applied to them."""
+    act = set(body.invars[nc:nc + nk])
+    core: set = set()
+    for eqn in body.eqns:
+        ins = [v for v in eqn.invars if isinstance(v, jcore.Var)]
+        outs = [v for v in eqn.outvars if not _is_drop(v)]
+        if any(v in act for v in ins):
+            act.update(outs)
+        if not outs:
+            continue
+        shape = tuple(outs[0].aval.shape)
+        if (eqn.primitive.name == "dot_general" and len(ins) == 2
+                and all(v in act for v in ins) and len(shape) >= 2 and shape[-1] == shape[-2]):
+            core.update(outs)
+        elif any(v in core and tuple(v.aval.shape) == shape for v in ins):
+            core.update(outs)
+    return core
 
 
 def _class_of(body, out: int, nc: int, nk: int) -> tuple[str | None, str]:
@@ -295,7 +322,7 @@ def choose(fwd, bwd, site: Site, policy: str) -> Choice:
     bj = p["jaxpr"].jaxpr
     nc, nk = p["num_consts"], p["num_carry"]
     n_ys = len(bj.outvars) - nk
-    again = frozenset(r.index for r in site.residuals)   # every residual only ``bwd`` reads
+    again = frozenset(r.index for r in site.recomputed(policy))
     kept = tuple(j for j in range(n_ys) if j not in again)
     targets = {bj.outvars[nk + j] for j in again}
     # recomputation stops at the policy's saved values and at residuals ``bwd`` still reads
@@ -309,7 +336,7 @@ def choose(fwd, bwd, site: Site, policy: str) -> Choice:
                       key=lambda v: _order(bj, v))                         # saved values
     length = p["length"]
     return Choice(again, kept, given, tuple(cone), frozenset(reached), tuple(stacked),
-                  sum(r.nbytes for r in site.residuals),
+                  sum(r.nbytes for r in site.recomputed(policy)),
                   sum(_nbytes(v.aval) * length for v in stacked),
                   float(sum(_dot_flops(e) for e in cone) * length))
 
@@ -448,7 +475,8 @@ def describe(closed: jcore.ClosedJaxpr, site: Site, policy: str) -> str:
     it moves."""
     eqns = closed.jaxpr.eqns
     c = choose(eqns[site.fwd], eqns[site.bwd], site, policy)
-    what = {"save_dots": "from the layer input and the matmul outputs, kept",
+    what = {"selective": "from the saved queries and keys, all else kept",
+            "save_dots": "from the layer input and the matmul outputs, kept",
             "full": "from the layer input alone"}.get(policy, "")
     return (f"{policy} at the {site.length}-iteration loop {site.where}: {len(c.again)} saved "
             f"values ({c.dropped_bytes / 2**20:.1f} MiB over all devices) recomputed {what} "

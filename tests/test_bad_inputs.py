@@ -31,7 +31,7 @@ import autopar
 import cost_models
 import ir
 from autopar import strategies
-from autopar.errors import AutoparError, PlanError, ShardingError
+from autopar.errors import AutoparError, BudgetError, PlanError, ShardingError
 from autopar.plan import FORMAT_VERSION
 from cost_models import CostModelError, Hardware, Link
 
@@ -203,12 +203,12 @@ OPTION_CASES = [
      r"exceeds any device.*None for no limit"),
     ("budget-too-small", lambda: autopar.plan(_loss, *[jax.ShapeDtypeStruct((512, 512), F32)] * 2,
                                               mesh={"data": 2, "model": 4}, memory_budget=1024),
-     PlanError,
+     BudgetError,
      r"smallest peak found for any plan is .* GiB"),
     ("budget-the-solver-fits-but-the-estimate-does-not",
      lambda: autopar.plan(_loss, *[jax.ShapeDtypeStruct((512, 512), F32)] * 2,
                           mesh={"data": 2, "model": 4}, memory_budget=393216, deterministic=True),
-     PlanError, r"no plan fits a memory budget of .* \(393216 bytes\).* memory_budget=\d+ plans"),
+     BudgetError, r"no plan fits a memory budget of .* \(393216 bytes\).* memory_budget=\d+ plans"),
     ("compare-no-strategies", lambda: autopar.compare(_loss, W, X, mesh={"data": 8},
                                                       strategies=(), measure=False),
      AutoparError, r"strategies=\(\)\): there is nothing to compare"),
@@ -549,7 +549,7 @@ def test_bad_input_raises_a_clear_autopar_error(thunk, cls, match):
 
 def test_errors_are_one_hierarchy():
     for cls in (ir.IRError, ir.UnsupportedPrimitiveError, CostModelError, PlanError,
-                ShardingError):
+                BudgetError, ShardingError):
         assert issubclass(cls, autopar.AutoparError) and issubclass(cls, ValueError), cls
     # every public name is importable and documented in the docs' API reference
     api = (pathlib.Path(__file__).parents[1] / "docs" / "api" / "autopar.md").read_text()

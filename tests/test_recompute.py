@@ -65,7 +65,7 @@ def _runs_the_same(graph, closed, new, args) -> None:
     _same_step(graph, got, want)
 
 
-@pytest.mark.parametrize("policy", ["save_dots", "full"])
+@pytest.mark.parametrize("policy", ["selective", "save_dots", "full"])
 def test_rewritten_step_is_the_same_function_and_saves_less(gpt_step, policy):
     step, state, batch = gpt_step
     graph = ir.trace(step, state, batch)
@@ -78,10 +78,16 @@ def test_rewritten_step_is_the_same_function_and_saves_less(gpt_step, policy):
     # the forward loop now stacks what the choice says, instead of the residuals it dropped
     before, after = _stacked_bytes(closed), _stacked_bytes(new)
     assert after == before - choice.dropped_bytes + choice.stacked_bytes
-    assert after < 0.5 * before
+    # the attention core alone (two (rows, heads, seq, seq) values a layer) is near half
+    assert after < (0.6 if policy == "selective" else 0.5) * before
     if policy == "full":       # only the layer inputs: (layers, rows, seq, width) float32
         assert choice.stacked_bytes == CFG.layers * ROWS * CFG.seq * CFG.d_model * 4
         assert choice.replayed_flops > 0
+    elif policy == "selective":   # the scores' matmul again, from the saved queries and keys
+        assert choice.stacked_bytes == 0
+        assert {r.cls for r in site.recomputed(policy)} <= {"attention", "input"}
+        assert choice.replayed_flops == 2 * ROWS * CFG.heads * CFG.seq ** 2 * (
+            CFG.d_model // CFG.heads) * CFG.layers
     else:                      # matmul outputs are kept: no matmul is replayed
         assert choice.replayed_flops == 0
     _runs_the_same(graph, closed, new, (state, batch))
@@ -117,8 +123,8 @@ def test_plan_under_six_tenths_of_the_peak_recomputes_and_runs_exactly(gpt_step)
 
 def test_each_policy_is_priced_by_the_same_planner(gpt_step):
     """Less memory costs time: the plans of the rewritten steps (dp, so one layout for all)
-    are predicted slower and smaller in the order of their recomputation, and XLA agrees on
-    the memory within 10% for the plain and the matmul-keeping step."""
+    hold less in the order of the policies, none is fastest and full slowest, and XLA agrees
+    on the memory within 10% but under full recomputation."""
     step, state, batch = gpt_step
     mesh = _mesh()
     graph = ir.trace(step, state, batch)
@@ -130,12 +136,13 @@ def test_each_policy_is_priced_by_the_same_planner(gpt_step):
         report = autopar.verify(plan, exe.lower(state, batch).compile())
         (mem,) = [c for c in report.checks if c.metric == "peak memory"]
         rows.append((policy, plan.cost.step_time_s, mem.predicted, mem.measured))
-    times = [r[1] for r in rows]
+    times = {r[0]: r[1] for r in rows}
     peaks = [r[2] for r in rows]
-    assert times == sorted(times) and peaks == sorted(peaks, reverse=True), rows
-    for _, _, predicted, measured in rows[:2]:
+    assert peaks == sorted(peaks, reverse=True), rows          # each policy holds less
+    assert min(times, key=times.get) == "none" and max(times, key=times.get) == "full", rows
+    for _, _, predicted, measured in rows[:3]:
         assert abs(predicted - measured) <= 0.10 * measured, rows
-    # full recomputation: XLA holds more than predicted (known gap, see ir.recompute); the
+    # full recomputation: XLA holds more than predicted (known gap, see known limits); the
     # measured figure still falls with the policy
     assert [r[3] for r in rows] == sorted((r[3] for r in rows), reverse=True), rows
 

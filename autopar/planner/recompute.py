@@ -1,7 +1,8 @@
 """Recomputation as a planner decision: what the backward pass recomputes instead of keeping.
 
 When no layout of the step fits the memory budget, the planner plans the step again with its
-scanned layers' saved values recomputed (``ir.recompute``): under ``"save_dots"`` (matmul
+scanned layers' saved values recomputed (``ir.recompute``): under ``"selective"`` (only the
+attention core recomputed, Megatron-LM's selective recomputation), ``"save_dots"`` (matmul
 outputs kept, the rest recomputed) and ``"full"`` (only each layer's input kept). Each
 rewritten step is planned whole (layouts, collectives, the replayed FLOPs and the memory the
 loops no longer hold, all priced by the same cost model), and the fastest plan that fits is
@@ -10,7 +11,7 @@ without recomputation is planned as before: recomputation only ever trades time 
 the budget lacks.
 
 Partial, on purpose for now: the policy is one per step (every loop pair the same), chosen
-among two, by planning each rewritten step rather than by variables of one ILP; steps that fit
+among three, by planning each rewritten step rather than by variables of one ILP; steps that fit
 are not offered recomputation even where it would let a cheaper layout fit (Mist's trade);
 unrolled layers are not rewritten (see ``ir.recompute``); hand-written strategies (whose
 filters are bound to the traced graph's ops) are not rewritten.
@@ -25,7 +26,7 @@ from autopar.plan import Plan, Recompute
 from ir import recompute as rewrite
 
 # Tried in this order; every one that fits is planned and the fastest kept.
-TRIED = ("save_dots", "full")
+TRIED = ("selective", "save_dots", "full")
 
 
 def has_sites(graph) -> bool:
@@ -45,6 +46,8 @@ def plan_recomputed(graph, mesh, cost_model, options, trace_s: float, error: Bud
         raise error
     found, last = [], error
     for policy in TRIED:
+        if not any(s.recomputed(policy) for s in sites):
+            continue              # e.g. no attention core to recompute selectively
         # each rewritten step plans in at least half the time limit, whatever the plain step's
         # failure spent: the call may run past time_limit_s by that much
         spent = min(trace_s + time.perf_counter() - t0, 0.5 * options.time_limit_s)
