@@ -274,9 +274,12 @@ def make_plan(graph: Graph, mesh: Mapping[str, int], cost_model,
     problem (``_seeds``); the cheapest that fits the budget is the solver's starting point, every
     seed's strategies are among the solver's candidates, and the plan returned is the cheapest of
     the solver's and the seeds' (``_never_worse``): auto is never predicted slower than a start.
+
+    Where no plan fits ``options.memory_budget`` and the step has scanned layers, the step is
+    planned again with their saved values recomputed (``planner.recompute``), each policy in
+    the whole time limit.
     """
     options = options or PlannerOptions()
-    t0 = time.perf_counter()
     may = (options.recompute and options.op_filter is None
            and options.memory_budget is not None and recompute.has_sites(graph))
     try:    # where recomputation may follow, a failure need not seek the smallest budget
@@ -286,8 +289,7 @@ def make_plan(graph: Graph, mesh: Mapping[str, int], cost_model,
     except BudgetError as e:
         if not may:
             raise
-        return recompute.plan_recomputed(graph, mesh, cost_model, options,
-                                         trace_s + time.perf_counter() - t0, e, _plan_layouts)
+        return recompute.plan_recomputed(graph, mesh, cost_model, options, e, _plan_layouts)
 
 
 def _plan_layouts(graph: Graph, mesh: Mapping[str, int], cost_model, options: PlannerOptions,
