@@ -14,7 +14,7 @@ parameters, planned plain, then under 0.6x the plain plan's peak; each plan comp
 XLA's peak (``memory_analysis``) beside the prediction, and the step timed in interleaved
 rounds (medians), the plain and the recomputing plan side by side.
 
-    python benchmarks/recompute.py            # both parts (about 2 minutes on 2 cores)
+    python benchmarks/recompute.py            # both parts (about 5 minutes on 2 cores)
     python benchmarks/recompute.py --quick    # part 2 only
 
 Writes ``benchmarks/results/recompute.md``.
@@ -51,6 +51,9 @@ def _what(plan) -> str:
 def big_rows() -> list[tuple]:
     rows = []
     cases = [("no user remat", BIG, "auto", {"data": 8}),
+             ("no user remat", BIG, "auto", {"data": 2, "model": 4}),
+             ("user full remat (nn.remat)", dataclasses.replace(BIG, remat=True), "auto",
+              {"data": 2, "model": 4}),
              ("user full remat (nn.remat)", dataclasses.replace(BIG, remat=True), "auto",
               {"data": 8}),
              ("user full remat (nn.remat)", dataclasses.replace(BIG, remat=True), "megatron",
