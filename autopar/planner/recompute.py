@@ -47,8 +47,7 @@ def plan_recomputed(graph, mesh, cost_model, options, error: BudgetError, plan_l
             continue              # e.g. no attention core to recompute selectively
         # each rewritten step plans in the whole time limit, whatever the plain step's failure
         # spent: a step that breaks its budget may take up to 1 + len(TRIED) time limits (a
-        # shared budget left the later policies a greedy plan: GPT-6.7B on 2x4 H100s under a
-        # test run's load took full recomputation, 2357 ms, where save_dots fits at 2119 ms)
+        # shared limit left the later policies a greedy plan)
         last_try = policy == TRIED[-1]
         try:
             g = rewrite.rewrite_graph(graph, dict.fromkeys(range(len(sites)), policy))
