@@ -38,6 +38,14 @@ def text(x, where: str) -> str:
     return x
 
 
+def choice(x, where: str, options, what: str) -> str:
+    """A string among ``options``; ``what`` names it in the error ("a kernel")."""
+    x = text(x, where)
+    if x not in options:
+        raise PlanError(f"{where} is {x!r}; {what} is one of {tuple(options)}")
+    return x
+
+
 def texts(x, where: str) -> tuple[str, ...]:
     return tuple(text(v, f"{where}[{k}]") for k, v in enumerate(seq(x, where)))
 

@@ -351,9 +351,7 @@ def _pin(x, sizes, k: int) -> Pin:
     where = f"pins[{k}]"
     d = J.fields(x, where, [f.name for f in dataclasses.fields(Pin)])
     path = tuple(J.integer(i, f"{where}.path") for i in J.seq(d["path"], f"{where}.path"))
-    slot = J.text(d["slot"], f"{where}.slot")
-    if slot not in PIN_SLOTS:
-        raise PlanError(f"{where}.slot is {slot!r}; a pin's slot is one of {PIN_SLOTS}")
+    slot = J.choice(d["slot"], f"{where}.slot", PIN_SLOTS, "a pin's slot")
     chain = tuple(_layout(s, sizes, f"{where}.chain[{j}]")
                   for j, s in enumerate(J.seq(d["chain"], f"{where}.chain")))
     if not chain:
@@ -386,9 +384,7 @@ def _collective(x, sizes, k: int) -> Collective:
 def _kernel_use(x, sizes, k: int) -> KernelUse:
     where = f"kernels[{k}]"
     d = J.fields(x, where, [f.name for f in dataclasses.fields(KernelUse)])
-    kernel = J.text(d["kernel"], f"{where}.kernel")
-    if kernel not in KERNELS:
-        raise PlanError(f"{where}.kernel is {kernel!r}; a kernel is one of {KERNELS}")
+    kernel = J.choice(d["kernel"], f"{where}.kernel", KERNELS, "a kernel")
     split = tuple((J.text(n, f"{where}.split"), J.texts(axes, f"{where}.split"))
                   for n, axes in J.pairs(d["split"], f"{where}.split"))
     for _, axes in split:
@@ -411,9 +407,7 @@ def _kernel_use(x, sizes, k: int) -> KernelUse:
 def _rejected(x, k: int) -> RejectedKernel:
     where = f"rejected_kernels[{k}]"
     d = J.fields(x, where, [f.name for f in dataclasses.fields(RejectedKernel)])
-    kernel = J.text(d["kernel"], f"{where}.kernel")
-    if kernel not in KERNELS:
-        raise PlanError(f"{where}.kernel is {kernel!r}; a kernel is one of {KERNELS}")
+    kernel = J.choice(d["kernel"], f"{where}.kernel", KERNELS, "a kernel")
     return RejectedKernel(kernel, tuple(J.integer(i, f"{where}.op_ids")
                                         for i in J.seq(d["op_ids"], f"{where}.op_ids")),
                           J.texts(d["sources"], f"{where}.sources"),
@@ -426,10 +420,7 @@ def _recompute(x, k: int) -> Recompute:
 
     where = f"recompute[{k}]"
     d = J.fields(x, where, [f.name for f in dataclasses.fields(Recompute)])
-    policy = J.text(d["policy"], f"{where}.policy")
-    if policy not in POLICIES[1:]:
-        raise PlanError(f"{where}.policy is {policy!r}; a recompute policy is one of "
-                        f"{POLICIES[1:]}")
+    policy = J.choice(d["policy"], f"{where}.policy", POLICIES[1:], "a recompute policy")
     before = d["no_recompute_peak_bytes"]
     return Recompute(J.integer(d["site"], f"{where}.site"), policy,
                      J.text(d["where"], f"{where}.where"),

@@ -47,6 +47,8 @@ import numpy as np
 from jax.extend import core as jcore
 
 from ir import replay
+from ir.flops import op_cost
+from ir.from_jaxpr import graph_of, tensor_type
 
 POLICIES = ("none", "selective", "save_dots", "full")
 # What a saved value is: the layer's input (never recomputed: recomputation starts from it), a
@@ -105,24 +107,28 @@ def _where(eqn) -> str:
     return f"{stack} ({frame.file_name.rsplit('/', 1)[-1]}:{frame.start_line})"
 
 
-def _has_scan(jaxpr) -> bool:
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "scan":
-            return True
-        if eqn.primitive.name in _CALLS:
-            sub = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
-            if sub is not None and _has_scan(getattr(sub, "jaxpr", sub)):
-                return True
-    return False
+def _call_body(eqn):
+    """The (closed or open) jaxpr a jit-like call equation runs, or None."""
+    if eqn.primitive.name not in _CALLS:
+        return None
+    return eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
+
+
+def _open(sub):
+    return getattr(sub, "jaxpr", sub)
+
+
+def _holds_scan(eqn) -> bool:
+    """Whether ``eqn`` is a call whose body (at any depth of calls) runs a loop."""
+    sub = _call_body(eqn)
+    return sub is not None and any(e.primitive.name == "scan" or _holds_scan(e)
+                                   for e in _open(sub).eqns)
 
 
 def flat(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
     """``closed`` with the jit calls that hold loops inlined (a ``jax.jit``-decorated step keeps
     its loops one call down), so a site's two loops are top-level equations."""
-    if not any(e.primitive.name in _CALLS and _has_scan(
-            getattr(e.params.get("jaxpr") or e.params.get("call_jaxpr"), "jaxpr",
-                    e.params.get("jaxpr") or e.params.get("call_jaxpr"))) for e in
-               closed.jaxpr.eqns):
+    if not any(_holds_scan(e) for e in closed.jaxpr.eqns):
         return closed
 
     def run(*args):
@@ -136,10 +142,9 @@ def _eval_inlined(jaxpr, consts, args):
     env.update(zip(jaxpr.invars, args))
     for eqn in jaxpr.eqns:
         invals = [replay.read(env, v) for v in eqn.invars]
-        sub = eqn.params.get("jaxpr") if eqn.primitive.name in _CALLS else None
-        if sub is not None and _has_scan(getattr(sub, "jaxpr", sub)):
-            inner = getattr(sub, "jaxpr", sub)
-            outs = _eval_inlined(inner, getattr(sub, "consts", ()), invals)
+        if _holds_scan(eqn):
+            sub = _call_body(eqn)
+            outs = _eval_inlined(_open(sub), getattr(sub, "consts", ()), invals)
         else:
             outs = replay.replay(eqn, invals)
         for v, x in zip(eqn.outvars, outs):
@@ -156,7 +161,20 @@ def _specs(closed):
 def find_sites(closed: jcore.ClosedJaxpr) -> tuple[Site, ...]:
     """The forward/backward loop pairs of ``closed`` (top level; see ``flat``) with at least one
     residual only the backward loop reads."""
-    jaxpr = closed.jaxpr
+    return _sites(closed.jaxpr)
+
+
+def has_sites(closed: jcore.ClosedJaxpr) -> bool:
+    """Whether ``closed`` has a loop pair to rewrite, at its top level or inside one jit call
+    (a ``jax.jit``-decorated step), without ``flat``'s retrace: cheap enough for every plan.
+    A pair whose two loops sit in different calls is not seen here."""
+    def any_in(jaxpr) -> bool:
+        return bool(_sites(jaxpr)) or any(any_in(_open(_call_body(e))) for e in jaxpr.eqns
+                                          if _holds_scan(e))
+    return any_in(closed.jaxpr)
+
+
+def _sites(jaxpr) -> tuple[Site, ...]:
     uses: dict = {}
     for i, eqn in enumerate(jaxpr.eqns):
         for k, v in enumerate(eqn.invars):
@@ -286,8 +304,7 @@ def apply(closed: jcore.ClosedJaxpr, decisions: Mapping[int, str]) -> jcore.Clos
 class _Handoff:
     """What the rewritten forward loop hands its backward loop."""
     fwd: object                       # the forward scan equation
-    again: set                        # forward-body vars of the residuals recomputed
-    cone: list                        # forward-body equations to replay, in order
+    cone: tuple                       # forward-body equations to replay, in order
     consts: list                      # the forward loop's constants (outer values)
     seeds: list                       # (forward-body var, stacked outer value) the replay reads
 
@@ -332,8 +349,9 @@ def choose(fwd, bwd, site: Site, policy: str) -> Choice:
     stop = (saved_vars(bj, policy) | set(given)) - set(bj.invars)
     cone, reached = _cone(bj, targets, stop)
     stacked = [v for v in bj.invars[nc:nc + nk] if v in reached]          # layer inputs
+    made_at = {v: k for k, e in enumerate(bj.eqns) for v in e.outvars}
     stacked += sorted((v for v in reached if v in stop and v not in given),
-                      key=lambda v: _order(bj, v))                         # saved values
+                      key=made_at.__getitem__)                             # saved values
     length = p["length"]
     return Choice(again, kept, given, tuple(cone), frozenset(reached), tuple(stacked),
                   sum(r.nbytes for r in site.recomputed(policy)),
@@ -342,12 +360,11 @@ def choose(fwd, bwd, site: Site, policy: str) -> Choice:
 
 
 def _dot_flops(eqn) -> float:
+    """A matmul's FLOPs by ``ir.flops``' rule (XLA's count); 0 for any other equation."""
     if eqn.primitive.name != "dot_general":
         return 0.0
-    (lc, _), _ = eqn.params["dimension_numbers"]
-    a = eqn.invars[0].aval
-    k = math.prod(a.shape[d] for d in lc)
-    return 2.0 * math.prod(eqn.outvars[0].aval.shape) * k
+    types = [[tensor_type(v.aval) for v in vs] for vs in (eqn.invars, eqn.outvars)]
+    return op_cost("dot_general", *types, eqn.params).flops
 
 
 def _forward(eqn, invals, site: Site, policy: str, bwd):
@@ -359,8 +376,6 @@ def _forward(eqn, invals, site: Site, policy: str, bwd):
     n_ys = len(bj.outvars) - nk
     c = choose(eqn, bwd, site, policy)
     kept, given, reached, stacked = c.kept, c.given, c.reached, c.stacked
-    targets = {bj.outvars[nk + j] for j in c.again}
-    cone = list(c.cone)
 
     def step(carry, x):
         env = _eval(bj, body.consts, [*consts, *carry, *x], keep=True)
@@ -379,14 +394,7 @@ def _forward(eqn, invals, site: Site, policy: str, bwd):
         if v in reached:
             seeds.append((v, outs[nk + j]))
     fconsts = [(v, x) for v, x in zip(bj.invars[:nc], consts) if v in reached]
-    return outs, _Handoff(eqn, targets, cone, fconsts, seeds)
-
-
-def _order(body, v) -> int:
-    for k, e in enumerate(body.eqns):
-        if v in e.outvars:
-            return k
-    return -1
+    return outs, _Handoff(eqn, c.cone, fconsts, seeds)
 
 
 def _cone(body, targets: set, stop: set) -> tuple[list, set]:
@@ -459,8 +467,6 @@ def _backward(eqn, invals, h: _Handoff):
 
 def rewrite_graph(graph, decisions: Mapping[int, str]):
     """``graph`` traced again from its jaxpr rewritten under ``decisions`` (``apply``)."""
-    from ir.from_jaxpr import graph_of
-
     closed = apply(flat(graph.jaxpr), decisions)
     return graph_of(closed, graph)
 

@@ -155,6 +155,9 @@ def test_a_step_that_fits_is_not_rewritten_nor_a_users_remat(gpt_step):
     remat = dataclasses.replace(CFG, remat=True)
     step_r, state_r, batch_r = gpt.abstract(remat, ROWS)
     assert recompute.sites_of(ir.trace(step_r, state_r, batch_r)) == ()
+    # the planner's cheap check (no retrace) sees through a jax.jit-decorated step, not remat
+    assert recompute.has_sites(ir.trace(jax.jit(step), state, batch).jaxpr)
+    assert not recompute.has_sites(ir.trace(jax.jit(step_r), state_r, batch_r).jaxpr)
 
 
 def test_nnx_scan_model_recomputes_and_matches():

@@ -605,12 +605,8 @@ def _kept(p: Problem, start, status: str, bound_s: float, dt: float, size) -> So
 def _no_plan(p: Problem, cost_model, memory_budget, allowed, solver, status, dt, clock,
              mdl, explain: bool = True) -> Exception:
     name = solver.StatusName(status)
-    if status == cp_model.INFEASIBLE and memory_budget is not None and not explain:
-        return BudgetError(f"no plan fits a memory budget of {memory_budget / 2**30:.3f} GiB "
-                           f"per device on mesh {dict(p.mesh)} (the smallest that fits was not "
-                           f"sought)")
     if status == cp_model.INFEASIBLE and memory_budget is not None:
-        return _memory_error(p, cost_model, memory_budget, allowed, clock)
+        return _memory_error(p, cost_model, memory_budget, allowed, clock, explain)
     if status == cp_model.UNKNOWN:
         return BudgetError(
             f"no plan within the memory budget of {memory_budget / 2**30:.3f} GiB per device on "
@@ -685,14 +681,19 @@ def kept_choice(p: Problem, choice: tuple[int, ...], status: str) -> Solution:
     return _kept(p, dict(enumerate(choice)), status, 0.0, 0.0, (0, 0))
 
 
-def _memory_error(p: Problem, cost_model, budget: float, allowed, clock: Clock) -> PlanError:
+def _memory_error(p: Problem, cost_model, budget: float, allowed, clock: Clock,
+                  explain: bool = True) -> PlanError:
+    """The error of a budget no plan fits; ``explain``: with the smallest budget that fits
+    (``min_memory``'s search: seconds), else saying it was not sought."""
+    where = (f"no plan fits a memory budget of {budget / 2**30:.3f} GiB per device on mesh "
+             f"{dict(p.mesh)}")
+    if not explain:
+        return BudgetError(f"{where} (the smallest that fits was not sought)")
     # the search for the smallest budget (an error's advice) gets what is left of the call's
     # time, at least a tenth of it: not MIN_MEMORY_CUTS full solves after the time ran out
     left = max(clock.limit_s - clock.elapsed_s(), 0.1 * clock.limit_s)
     need = min_memory_bytes(p, cost_model, allowed, time_limit_s=min(10.0, left),
                             wall_s=min(clock.solver_wall_s(), left))
-    where = (f"no plan fits a memory budget of {budget / 2**30:.3f} GiB per device on mesh "
-             f"{dict(p.mesh)}")
     if need is None:
         return BudgetError(f"{where}, and the smallest budget that fits was not found within "
                          f"time_limit_s={clock.limit_s:g}. Raise memory_budget, use a larger "

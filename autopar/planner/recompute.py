@@ -23,6 +23,7 @@ import dataclasses
 from autopar.errors import BudgetError, PlanError
 from autopar.plan import Plan, Recompute
 from ir import recompute as rewrite
+from ir.from_jaxpr import graph_of
 
 # Tried in this order; every one that fits is planned and the fastest kept.
 TRIED = ("selective", "save_dots", "full")
@@ -30,7 +31,7 @@ TRIED = ("selective", "save_dots", "full")
 
 def has_sites(graph) -> bool:
     """Whether ``graph``'s step has loops whose saved values could be recomputed."""
-    return bool(rewrite.sites_of(graph))
+    return rewrite.has_sites(graph.jaxpr)
 
 
 def plan_recomputed(graph, mesh, cost_model, options, error: BudgetError, plan_layouts) -> Plan:
@@ -50,7 +51,9 @@ def plan_recomputed(graph, mesh, cost_model, options, error: BudgetError, plan_l
         # shared limit left the later policies a greedy plan)
         last_try = policy == TRIED[-1]
         try:
-            g = rewrite.rewrite_graph(graph, dict.fromkeys(range(len(sites)), policy))
+            # the step inlined once (``flat`` retraces a jitted step), rewritten per policy
+            g = graph_of(rewrite.apply(flat, dict.fromkeys(range(len(sites)), policy)),
+                                 graph)
             plan = plan_layouts(g, mesh, cost_model, options.replace(
                 seed_plans=(), explain_budget=last_try and not found and options.explain_budget),
                                 trace_s=0.0)
