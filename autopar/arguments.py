@@ -16,7 +16,7 @@ The step is traced as a function of the traced part alone (``Call.function``). I
 step's own results with their non-array leaves taken out (kept at trace time, as
 ``eqx.filter_jit`` does) and, when NNX objects came in, before them the state leaves the step
 changed (all of a donated argument's), each at its argument's own path, so that the planner
-pairs a new value with the old one (``planner.problem._output_pairs``). ``Call.finish`` puts the
+pairs a new value with the old one (``planner.problem.output_pairs``). ``Call.finish`` puts the
 static results back and writes the changes into the caller's objects (parameters, optimizer
 state and step, RNG counts, batch statistics): the step behaves as it does under ``nnx.jit``.
 Before/after, for ``train_step(model, optimizer, batch)`` returning ``loss``::

@@ -40,6 +40,7 @@ from jax.sharding import NamedSharding
 from autopar.plan import Pin
 from autopar.sharding import to_spec
 from autopar.substitute import DEAD, KernelTable, Pending
+from ir import offload as ir_offload
 from ir import recompute, replay
 
 _INLINE = ("jit", "pjit", "closed_call", "core_call")
@@ -71,6 +72,8 @@ class PinTable:
         self.moved: dict[tuple, tuple] = {}    # (id(value), chain) -> (value, moved value)
         self.chains: dict[tuple, tuple[NamedSharding, ...]] = {}
         self.inner: set[tuple[int, ...]] = set()
+        # top-level equation path -> the variables its operand waits for (``ir.offload.holds``)
+        self.holds: dict[tuple[int, ...], tuple] = {}
         for p in pins:
             self.chains[(p.path, p.slot, p.index)] = tuple(
                 NamedSharding(mesh, to_spec(s)) for s in p.chain)
@@ -119,6 +122,9 @@ def eval_pinned(jaxpr, consts: Sequence, args: Sequence, table: PinTable, path=(
                 continue   # replaced by a kernel, or dead
             invals = [table.constrain(_read(env, v), here, "in", k)
                       for k, v in enumerate(eqn.invars)]
+            if here in table.holds:    # an offloaded group's move waits for the one before it
+                deps = [_read(env, v) for v in table.holds[here]]
+                invals[0] = jax.lax.optimization_barrier((invals[0], deps))[0]
             outs = _eval_eqn(eqn, invals, table, here)
             for k, (v, x) in enumerate(zip(eqn.outvars, outs)):
                 env[v] = table.constrain(x, here, "out", k)
@@ -188,16 +194,25 @@ def build(graph, plan, mesh, donate_argnums=()):
     (its loops rewritten first where the plan recomputes their saved values)."""
     if plan.recompute:
         graph = recompute.rewrite_graph(graph, {r.site: r.policy for r in plan.recompute})
+    on_host_in, on_host_out = set(), set()
+    if plan.offload:     # the state it holds in host memory, streamed through the device
+        from autopar.planner import offload
+
+        on_host_in = {k for o in plan.offload for k in o.inputs}
+        on_host_out = {j for o in plan.offload for j in o.outputs}
+        graph = offload.rewrite_graph(graph, sorted(on_host_in))
     warn_host_callbacks(graph, mesh)
     table = PinTable(plan.pins, mesh)
+    if plan.offload:
+        table.holds = {(i,): deps for i, deps in ir_offload.holds(graph.jaxpr).items()}
     kernels = KernelTable(graph, plan, mesh) if plan.kernels else None
     if kernels is not None:
         table.inner |= kernels.prefixes   # enter the jit calls that hold replaced equations
     closed = graph.jaxpr
-    in_shardings = jax.tree_util.tree_unflatten(
-        graph.in_tree, [NamedSharding(mesh, to_spec(s)) for s in plan.input_shardings])
-    out_shardings = jax.tree_util.tree_unflatten(
-        graph.out_tree, [NamedSharding(mesh, to_spec(s)) for s in plan.output_shardings])
+    in_shardings = jax.tree_util.tree_unflatten(graph.in_tree, [
+        _named(mesh, s, k in on_host_in) for k, s in enumerate(plan.input_shardings)])
+    out_shardings = jax.tree_util.tree_unflatten(graph.out_tree, [
+        _named(mesh, s, j in on_host_out) for j, s in enumerate(plan.output_shardings)])
 
     def step(*args):
         flat = jax.tree_util.tree_leaves(args)
@@ -213,6 +228,11 @@ def build(graph, plan, mesh, donate_argnums=()):
     # in_tree is the tree of the argument tuple: jit wants one entry per positional argument.
     return jax.jit(step, in_shardings=tuple(in_shardings), out_shardings=out_shardings,
                    donate_argnums=donate_argnums), in_shardings
+
+
+def _named(mesh, s, on_host: bool) -> NamedSharding:
+    named = NamedSharding(mesh, to_spec(s))
+    return named.with_memory_kind(ir_offload.HOST_MEMORY) if on_host else named
 
 
 # Host callbacks that run Python while the step's other devices wait (jax.debug.print's

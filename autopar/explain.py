@@ -96,6 +96,7 @@ def summary(plan, max_rows: int = 40) -> str:
     for kind, axes, n, t in collective_rows(plan):
         lines.append(f"{kind:<16} {axes:<14} {n:>6} {t * 1e3:>9.3f} ms")
     lines += _recompute_lines(plan)
+    lines += _offload_lines(plan)
     lines += _kernel_lines(plan, max_rows)
     lines += _rejected_lines(plan, max_rows)
     lines += _fallback_lines(plan, max_rows)
@@ -169,6 +170,27 @@ def _recompute_lines(plan) -> list[str]:
         f"  {r}" for r in plan.recompute]
 
 
+def offload_text(plan, max_rows: int = 8) -> list[str]:
+    """The host offload decision (``Plan.offload``), one line per group and a total."""
+    if not plan.offload:
+        return []
+    rows = [str(o) for o in plan.offload]
+    host = sum(o.host_bytes for o in plan.offload)
+    moved = sum(o.transfer_s for o in plan.offload)
+    before = plan.offload[0].no_offload_peak_bytes
+    head = (f"held in host memory between steps (the plan does not fit its budget without"
+            f"{'' if before is None else f'; its best peak without is {before / 2**30:.3g} GiB'}"
+            f"): {sum(len(o.inputs) for o in plan.offload)} arguments in {len(rows)} groups, "
+            f"{host / 2**30:.3g} GiB/device, moved in and out in {moved * 1e3:.3f} ms per step")
+    more = [f"  ... {len(rows) - max_rows} more groups"] if len(rows) > max_rows else []
+    return [head] + [f"  {r}" for r in rows[:max_rows]] + more
+
+
+def _offload_lines(plan) -> list[str]:
+    lines = offload_text(plan)
+    return [""] + lines if lines else []
+
+
 def html(plan) -> str:
     """The plan as an HTML table; every piece of text is escaped (a plan may come from a file)."""
     esc = _esc
@@ -190,6 +212,10 @@ def html(plan) -> str:
              f"</tr>{left}</table>" if left else "")
     again = "".join(f"<li>{esc(r)}</li>" for r in plan.recompute)
     again = f"recomputed in the backward pass:<ul>{again}</ul>" if again else ""
+    host = offload_text(plan)
+    if host:
+        again += (f"{esc(host[0])}<ul>" + "".join(f"<li>{esc(r.strip())}</li>" for r in host[1:])
+                  + "</ul>")
     return (f"<div><b>autopar plan</b> strategy={esc(plan.strategy)} mesh={esc(dict(plan.mesh))} "
             f"hardware={esc(plan.hardware)}<br>{esc(plan.cost)}<br>{again}"
             f"<table><tr><th>input</th><th>shape</th><th>spec</th></tr>{rows}</table>"

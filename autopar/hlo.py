@@ -308,14 +308,64 @@ def bytes_by_kind(colls) -> dict[str, float]:
 def memory(compiled) -> dict[str, float]:
     """XLA's memory_analysis() figures plus ``peak``: what the executable holds at once per
     device (arguments + outputs + temporaries - donated aliases; XLA:CPU's own
-    ``peak_memory_in_bytes`` leaves the temporaries out)."""
+    ``peak_memory_in_bytes`` leaves the temporaries out), and ``host``: what its arguments and
+    results hold in host memory (``memory_kind="pinned_host"``). Where XLA reports no host
+    figures (XLA:CPU counts host buffers among the device's), they are read off the entry
+    computation's layout (memory space ``S(5)``) and taken out of the device's."""
     m = compiled.memory_analysis()
     if m is None:
         return {}
     d = {k: float(getattr(m, f"{k}_size_in_bytes", 0)) for k in
          ("argument", "output", "temp", "alias", "generated_code")}
+    host = {k: float(getattr(m, f"host_{k}_size_in_bytes", 0) or 0)
+            for k in ("argument", "output", "alias")}
+    if not any(host.values()):
+        host = _entry_host_bytes(compiled)
+        for k in host:
+            d[k] -= host[k]
+    d["host"] = host["argument"] + host["output"] - host["alias"]
     d["peak"] = d["argument"] + d["output"] + d["temp"] - d["alias"]
     return d
+
+
+_ALIAS = re.compile(r"\{(\d+)\}: \((\d+), \{\}")
+
+
+def _entry_host_bytes(compiled) -> dict[str, float]:
+    """Bytes of the entry computation's parameters and results in host memory (layout memory
+    space 5), and of the donated pairs among them."""
+    zero = {"argument": 0.0, "output": 0.0, "alias": 0.0}
+    try:
+        head = compiled.as_text().split("\n", 1)[0]
+    except Exception:   # an executable without text: no host buffers to find
+        return zero
+    if "S(5)" not in head or "entry_computation_layout={" not in head:
+        return zero
+    layout = head.split("entry_computation_layout={", 1)[1]
+    params, _, results = layout.partition(")->")
+    results = (_split_type(results)[0][1:-1] if results.startswith("(")
+               else results.split("}", 1)[0] + "}")
+
+    def host(part: str) -> list[float]:
+        return [type_bytes(t) if "S(5)" in t else 0.0 for t in _top_level(part)]
+    ins, outs = host(params[1:]), host(results)
+    aliased = sum(outs[int(j)] for j, k in _ALIAS.findall(head.split("entry_computation", 1)[0])
+                  if int(j) < len(outs) and int(k) < len(ins) and outs[int(j)] and ins[int(k)])
+    return {"argument": sum(ins), "output": sum(outs), "alias": aliased}
+
+
+def _top_level(text: str) -> list[str]:
+    """``text``'s comma-separated entries outside brackets and braces."""
+    out, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if ch == "," and depth == 0:
+            out.append(text[start:i].strip())
+            start = i + 1
+    if text[start:].strip():
+        out.append(text[start:].strip())
+    return out
 
 
 def cost(compiled) -> dict[str, float]:

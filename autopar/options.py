@@ -58,6 +58,10 @@ class PlannerOptions:
       recompute: where no plan fits ``memory_budget``, plan the step again with its scanned
         layers' saved values recomputed in the backward pass (``planner.recompute``); only
         where no ``op_filter`` is bound to the traced graph's ops (auto, the user's layout).
+      offload: where no plan fits ``memory_budget`` and the hardware profile has a host link,
+        plan the step again with groups of its update-only state (an optimizer's moments) held
+        in host memory between steps (``planner.offload``), alone and on top of each
+        recomputation policy; the same restriction on ``op_filter``.
       explain_budget: a plan that cannot fit ``memory_budget`` seeks the smallest budget that
         fits, for its error's advice (``ilp.min_memory``: seconds of solves); False when the
         error is only a step of a search (``planner.recompute``'s first attempt).
@@ -76,6 +80,7 @@ class PlannerOptions:
     host_inputs: bool = True
     fold: bool = True
     recompute: bool = True
+    offload: bool = True
     explain_budget: bool = True
 
     def replace(self, **changes: Any) -> PlannerOptions:

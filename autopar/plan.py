@@ -22,7 +22,8 @@ from autopar.sharding import Sharding, to_spec
 # 4: a plan may carry a pipeline (``autopar.pipeline.record.PipelinePlan``, null when none).
 # 5: kernels: the fused kernels the plan runs in place of XLA's ops.
 # 6: recompute: the loops whose saved values the backward pass recomputes, and how.
-FORMAT_VERSION = 6
+# 7: offload: the arguments held in host memory between steps.
+FORMAT_VERSION = 7
 # Prefix of the strategy names of ops run replicated for want of a rule (planner.rules uses it).
 FALLBACK = "replicated: "
 PIN_SLOTS = ("out", "in", "arg", "res")
@@ -116,6 +117,28 @@ class Recompute:
 
 
 @dataclasses.dataclass(frozen=True)
+class Offload:
+    """A planner decision: arguments the step keeps in host memory (``memory_kind=
+    "pinned_host"``) between steps and updates on the device in turn (``ir.offload``: one
+    group, e.g. one parameter's Adam moments), returning their new values to the host."""
+
+    inputs: tuple[int, ...]   # flat argument positions
+    outputs: tuple[int, ...]  # flat result positions of their updated values
+    paths: tuple[str, ...]    # the arguments' pytree paths
+    host_bytes: float         # per device: what the group holds in host memory
+    transfer_s: float         # per step: its moves to the device and back, over the host link
+    no_offload_peak_bytes: float | None = None  # per device: the best plan without offload
+
+    def __str__(self) -> str:
+        names = ", ".join(self.paths[:3]) + (f" and {len(self.paths) - 3} more"
+                                             if len(self.paths) > 3 else "")
+        size = (_gib(self.host_bytes) if self.host_bytes >= 2**30
+                else f"{self.host_bytes / 2**20:.3g} MiB")
+        return (f"offload {names}: {size}/device in host memory, moved in and out in "
+                f"{_ms(self.transfer_s)} per step")
+
+
+@dataclasses.dataclass(frozen=True)
 class CostBreakdown:
     step_time_s: float
     compute_s: float
@@ -183,6 +206,7 @@ class Plan:
     notes: tuple[str, ...] = ()   # what a hand-written strategy could not place, and why
     pipeline: Any = None       # autopar.pipeline.record.PipelinePlan of a pipelined plan
     recompute: tuple[Recompute, ...] = ()   # what the backward pass recomputes (memory)
+    offload: tuple[Offload, ...] = ()       # what lives in host memory between steps (memory)
 
     # ---- views ------------------------------------------------------------------------------
     @property
@@ -297,7 +321,8 @@ def _plan_from_dict(d) -> Plan:
         rejected_kernels=tuple(_rejected(x, k) for k, x in enumerate(
             J.seq(d.get("rejected_kernels", []), "rejected_kernels"))),
         recompute=tuple(_recompute(x, k) for k, x in enumerate(
-            J.seq(d["recompute"], "recompute"))))
+            J.seq(d["recompute"], "recompute"))),
+        offload=_offloads(d["offload"], len(ins), len(outs)))
 
 
 def _pipeline(x, sizes):
@@ -428,6 +453,31 @@ def _recompute(x, k: int) -> Recompute:
                      J.number(d["stacked_bytes"], f"{where}.stacked_bytes"),
                      J.number(d["replayed_flops"], f"{where}.replayed_flops"),
                      None if before is None else J.number(before, f"{where}.no_recompute_peak"))
+
+
+def _offloads(x, n_in: int, n_out: int) -> tuple[Offload, ...]:
+    out, seen = [], set()
+    for k, item in enumerate(J.seq(x, "offload")):
+        where = f"offload[{k}]"
+        d = J.fields(item, where, [f.name for f in dataclasses.fields(Offload)])
+        ins = tuple(J.integer(i, f"{where}.inputs") for i in J.seq(d["inputs"], f"{where}.inputs"))
+        outs = tuple(J.integer(i, f"{where}.outputs")
+                     for i in J.seq(d["outputs"], f"{where}.outputs", len(ins)))
+        for i, n, what in [(i, n_in, "argument") for i in ins] + [(j, n_out, "result")
+                                                                   for j in outs]:
+            if not 0 <= i < n:
+                raise AutoparError(f"{where}: {what} {i} is out of range (the step has {n})")
+        if seen & set(ins):
+            raise AutoparError(f"{where}: argument(s) {sorted(seen & set(ins))} are offloaded "
+                               f"twice")
+        seen |= set(ins)
+        before = d["no_offload_peak_bytes"]
+        out.append(Offload(ins, outs, J.texts(d["paths"], f"{where}.paths"),
+                           J.number(d["host_bytes"], f"{where}.host_bytes"),
+                           J.number(d["transfer_s"], f"{where}.transfer_s"),
+                           None if before is None else J.number(before,
+                                                                f"{where}.no_offload_peak_bytes")))
+    return tuple(out)
 
 
 def _spec_entry(x, where: str) -> tuple[str, str, tuple[int, ...]]:

@@ -338,6 +338,10 @@ def plan_applies(plan, graph) -> None:
                         f"made for")
     if plan.recompute:        # its ops are those of the step its recomputation rewrites
         graph = _recomputed(plan, graph)
+    if plan.offload:          # ... and its offload (``ir.offload``) streams
+        from autopar.planner import offload
+
+        graph = offload.rewrite_graph(graph, [k for o in plan.offload for k in o.inputs])
     _check_choices(plan, graph)
     mesh = dict(plan.mesh)
     by_origin = {tuple(op.origin): op for op in graph.all_ops()}

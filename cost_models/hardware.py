@@ -38,6 +38,11 @@ A ``Hardware`` describes one kind of device and how devices are wired:
     (``autopar.pipeline``: dispatching its per-stage switches, launching its two
     collective-permutes, its buffer bookkeeping), apart from the actions' work, the bytes sent
     and the state each tick copies (priced from the bandwidths).
+  * ``host_bytes_per_s``: what one device moves to or from its host's memory per second, per
+    direction (the PCIe link on a GPU; a copy within memory on CPU devices): the price of
+    ``autopar``'s host offload (``ir.offload``); 0, the default, offers no offload.
+    ``host_memory_bytes``: host memory one device may fill with offloaded state (0: not
+    bounded).
   * ``citations``: for each figure, the document (or measurement) it comes from.
 
 Shipped profiles live in ``cost_models/profiles/<name>.json``; ``hardware(name)`` loads one.
@@ -130,6 +135,8 @@ class Hardware:
     collective_launch_s: float = 0.0
     dispatch_s: float = 0.0          # launching one compiled program (once per step, not per op)
     pipeline_tick_s: float = 0.0     # one tick of a pipelined schedule's loop (autopar.pipeline)
+    host_bytes_per_s: float = 0.0    # device <-> host memory, per direction (0: no host offload)
+    host_memory_bytes: float = 0.0   # host memory per device for offloaded state (0: unbounded)
     platform: str = ""               # XLA backend compiling for it: "cpu", "gpu", "tpu" or ""
     source: str = ""
     citations: tuple[tuple[str, str], ...] = ()
@@ -153,6 +160,13 @@ class Hardware:
         ``kernel_launch_s``, plus ``kernel_floor_s`` from ``kernel_floor_bytes`` up."""
         floor = self.kernel_floor_s if bytes_accessed >= self.kernel_floor_bytes else 0.0
         return self.kernel_launch_s + floor
+
+    def host_transfer_s(self, nbytes: float) -> float:
+        """Moving ``nbytes`` one way between one device and its host's memory (inf where the
+        profile has no host link)."""
+        if self.host_bytes_per_s <= 0:
+            return math.inf
+        return nbytes / self.host_bytes_per_s + self.kernel_launch_s
 
     def select_scatter_time_s(self, elements: float) -> float:
         """The measured floor of one max-pool gradient over ``elements`` operand elements per
@@ -260,7 +274,7 @@ _FRACTIONS = ("matmul_efficiency", "memory_efficiency", "collective_efficiency")
 _FLOORS = ("kernel_launch_s", "kernel_floor_s", "collective_launch_s", "dispatch_s",
            "transcendental_s", "pipeline_tick_s", "select_scatter_s", "select_scatter_fixed_s")
 _COUNTS = ("memory_bytes", "devices_per_node")
-_SIZES = ("kernel_floor_bytes",)
+_SIZES = ("kernel_floor_bytes", "host_memory_bytes")
 # Plausibility bounds: figures outside them are unit mistakes, and would push predicted times past
 # what a float (or the ILP's integer nanoseconds) can hold.
 MIN_RATE = 1.0
@@ -297,6 +311,8 @@ def _validate(hw: Hardware) -> None:
         _check_floor(where, field, getattr(hw, field))
     for field in _COUNTS:
         object.__setattr__(hw, field, _check_count(where, field, getattr(hw, field)))
+    if _number(where, "host_bytes_per_s", hw.host_bytes_per_s, ">= 0") != 0:
+        _check_rate(where, "host_bytes_per_s", hw.host_bytes_per_s)   # 0: no host link
     for field in _SIZES:
         if _number(where, field, getattr(hw, field), ">= 0") < 0:
             raise CostModelError(f"{where}: {field}={getattr(hw, field)!r} must be >= 0 bytes.")

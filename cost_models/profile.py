@@ -353,6 +353,9 @@ def hardware_from_fits(
         kernel_launch_s=compute.kernel_launch_s,
         collective_launch_s=coll_launch,
         platform=devices[0].platform if devices[0].platform in PLATFORMS else "",
+        # host offload's link: the reference sheet's, else (CPU devices) a copy within memory
+        host_bytes_per_s=ref.host_bytes_per_s if ref else hbm / 2,
+        host_memory_bytes=ref.host_memory_bytes if ref else _device_memory_bytes(devices),
         source=source,
         citations=(
             ("peak_flops_by_dtype", ref.name if ref else fitted),
@@ -361,6 +364,7 @@ def hardware_from_fits(
             ("intra_node", fitted),
             ("inter_node", ref.name if ref else "not measurable in one process: intra copy"),
             ("efficiencies", fitted),
+            ("host_bytes_per_s", ref.name if ref else "a copy within memory: hbm_bytes_per_s / 2"),
         ),
     )
 

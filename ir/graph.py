@@ -159,6 +159,8 @@ class Graph:
     literals: tuple[tuple[int, Any], ...] = ()   # (value id, python scalar) for literal constants
     consts: tuple[int, ...] = ()         # value ids of closed-over constants (not user inputs)
     layers: tuple[Layer, ...] = ()
+    # value ids held in host memory (``ir.offload``): offloaded arguments, what moves to the host
+    host: frozenset[int] = frozenset()
     # Not part of identity: the traced jaxpr and pytree structure, for codegen. Never serialised.
     jaxpr: Any = dataclasses.field(default=None, compare=False, repr=False, hash=False)
     in_tree: Any = dataclasses.field(default=None, compare=False, repr=False, hash=False)

@@ -125,26 +125,33 @@ def _holds_scan(eqn) -> bool:
                                    for e in _open(sub).eqns)
 
 
-def flat(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
+def flat(closed: jcore.ClosedJaxpr, inline=None) -> jcore.ClosedJaxpr:
     """``closed`` with the jit calls that hold loops inlined (a ``jax.jit``-decorated step keeps
-    its loops one call down), so a site's two loops are top-level equations."""
-    if not any(_holds_scan(e) for e in closed.jaxpr.eqns):
+    its loops one call down), so a site's two loops are top-level equations; ``inline``: which
+    call equations to inline instead (``ir.offload`` inlines every call)."""
+    inline = inline or _holds_scan
+    if not any(inline(e) for e in closed.jaxpr.eqns):
         return closed
 
     def run(*args):
-        return _eval_inlined(closed.jaxpr, closed.consts, args)
+        return _eval_inlined(closed.jaxpr, closed.consts, args, inline)
 
     return jax.make_jaxpr(run)(*_specs(closed))
 
 
-def _eval_inlined(jaxpr, consts, args):
+def is_call(eqn) -> bool:
+    """Whether ``eqn`` is a jit-like call (``flat(closed, inline=is_call)`` inlines them all)."""
+    return _call_body(eqn) is not None
+
+
+def _eval_inlined(jaxpr, consts, args, inline):
     env = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
     for eqn in jaxpr.eqns:
         invals = [replay.read(env, v) for v in eqn.invars]
-        if _holds_scan(eqn):
+        if inline(eqn):
             sub = _call_body(eqn)
-            outs = _eval_inlined(_open(sub), getattr(sub, "consts", ()), invals)
+            outs = _eval_inlined(_open(sub), getattr(sub, "consts", ()), invals, inline)
         else:
             outs = replay.replay(eqn, invals)
         for v, x in zip(eqn.outvars, outs):

@@ -84,11 +84,12 @@ def _hbm_per_read(graph, fusion, mesh, op, st, io=None):
 
 
 def _pooled_one_by_one(spans, slots):
-    """``memory._pooled`` as it was: first fit testing each result buffer in turn."""
-    taken = [[] for _ in slots]
+    """``memory._pooled`` as it was: first fit testing each result buffer in turn (a slot
+    ``busy`` up to a position holds a donated argument until then)."""
+    taken = [[(0, busy)] if busy >= 0 else [] for _, _, busy in slots]
     pooled = []
     for a, b, size in sorted(spans, key=lambda s: (-s[2], s[0])):
-        k = next((k for k, (cap, written) in enumerate(slots)
+        k = next((k for k, (cap, written, _) in enumerate(slots)
                   if cap >= size and b < written and _free(taken[k], a, b)), None)
         if k is None:
             pooled.append((a, b, size))
@@ -227,7 +228,8 @@ def test_first_fit_matches_one_by_one():
         for _ in range(int(rng.integers(0, 120))):
             a = int(rng.integers(0, 200))
             spans.append((a, a + int(rng.integers(0, 60)), float(rng.choice([1, 2, 4, 8]))))
-        slots = sorted(((float(rng.choice([1, 2, 4, 8])), int(rng.integers(0, 300)))
+        slots = sorted(((float(rng.choice([1, 2, 4, 8])), int(rng.integers(0, 300)),
+                         int(rng.choice([-1, int(rng.integers(0, 150))])))
                         for _ in range(int(rng.integers(0, 30)))), key=lambda s: -s[0])
         assert memory._pooled(spans, slots) == _pooled_one_by_one(spans, slots)
 

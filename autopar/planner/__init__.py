@@ -16,7 +16,17 @@ import numpy as np
 from autopar.errors import BudgetError, PlanError, ShardingError
 from autopar.options import PlannerOptions
 from autopar.plan import Collective, CostBreakdown, Plan, SolverStats
-from autopar.planner import combine, ilp, kernel_choice, memory, pins, problem, recompute, scatter
+from autopar.planner import (
+    combine,
+    ilp,
+    kernel_choice,
+    memory,
+    offload,
+    pins,
+    problem,
+    recompute,
+    scatter,
+)
 from autopar.planner.budget import SEARCH_BEFORE, START_BEFORE, Clock, warn_many_axes
 from autopar.planner.reshard import reshard_steps, step_bytes, step_hbm_bytes
 from autopar.planner.unfold import unfold
@@ -280,16 +290,55 @@ def make_plan(graph: Graph, mesh: Mapping[str, int], cost_model,
     the whole time limit.
     """
     options = options or PlannerOptions()
-    may = (options.recompute and options.op_filter is None
-           and options.memory_budget is not None and recompute.has_sites(graph))
-    try:    # where recomputation may follow, a failure need not seek the smallest budget
+    open_ = options.op_filter is None and options.memory_budget is not None
+    may_r = open_ and options.recompute and recompute.has_sites(graph)
+    # whether the step has state to offload is read (a retrace) only once the budget breaks
+    may_o = open_ and options.offload and cost_model.hw.host_bytes_per_s > 0
+    try:    # where a memory decision may follow, a failure need not seek the smallest budget
         return _plan_layouts(graph, mesh, cost_model,
-                             options.replace(explain_budget=False) if may else options,
-                             trace_s=trace_s)
+                             options.replace(explain_budget=False) if may_r or may_o
+                             else options, trace_s=trace_s)
     except BudgetError as e:
-        if not may:
+        may_o = may_o and offload.offerable(graph, cost_model)
+        if not (may_r or may_o):
+            if e.least_bytes is None and options.explain_budget:   # the advice, after all
+                return _plan_layouts(graph, mesh, cost_model, options, trace_s=trace_s)
             raise
-        return recompute.plan_recomputed(graph, mesh, cost_model, options, e, _plan_layouts)
+        return _memory_decisions(graph, mesh, cost_model, options, e, may_r, may_o)
+
+
+def _memory_decisions(graph, mesh, cost_model, options, error: BudgetError, may_r: bool,
+                      may_o: bool) -> Plan:
+    """The fastest plan that fits where the plain step does not: its loops' saved values
+    recomputed (each policy, with its state offloaded where the policy alone does not fit), or
+    its state offloaded alone."""
+    def layouts_or_offload(g, mesh, cost_model, opts, *, trace_s=0.0):
+        try:
+            return _plan_layouts(g, mesh, cost_model, opts.replace(explain_budget=False)
+                                 if may_o else opts, trace_s=trace_s)
+        except BudgetError as e:
+            if not may_o or not offload.offerable(g, cost_model):
+                raise
+            return offload.plan_offloaded(g, mesh, cost_model, opts, e, _plan_layouts)
+
+    found, failed = [], []
+    tries = [(recompute.plan_recomputed, layouts_or_offload)] if may_r else []
+    tries += [(offload.plan_offloaded, _plan_layouts)] if may_o else []
+    for decide, plan_one in tries:
+        try:
+            found.append(decide(graph, mesh, cost_model, options, error, plan_one))
+        except BudgetError as e:
+            failed.append(e)
+    if not found:
+        least = [e.least_bytes for e in failed if e.least_bytes is not None]
+        if not least and options.explain_budget:   # the smallest budget the plain step fits
+            try:
+                _plan_layouts(graph, mesh, cost_model, options)
+            except BudgetError as e:
+                failed.insert(0, e)
+                least = [e.least_bytes] if e.least_bytes is not None else []
+        raise BudgetError(" ".join(str(e) for e in failed), min(least) if least else None)
+    return min(found, key=lambda p: p.cost.step_time_s)
 
 
 def _plan_layouts(graph: Graph, mesh: Mapping[str, int], cost_model, options: PlannerOptions,

@@ -163,6 +163,8 @@ def estimate(prob: Problem, choice) -> MemoryEstimate:
     whole = _result_sizer(prob, nbytes)
     resident = sum(whole(v) for v in prob.const_values)
     temps, inner = _schedule(prob)
+    if g.host and prob.reshard.cm.hw.platform == "cpu":
+        temps = [t for t in temps if t[0] not in _moved_in_place(g)]
     fused = _fused_broadcasts(prob, nbytes) | _unshared_broadcasts(prob, choice)
     last = _last_untransposed_reads(prob)
     sliced, held = _recomputed_in_slices(prob, choice)
@@ -374,20 +376,54 @@ def _held_for_slices(sliced: set[int], cands, writes) -> dict[int, int]:
     return held
 
 
-def _output_slots(prob: Problem, nbytes) -> list[tuple[float, int]]:
-    """(per-device bytes, schedule position that writes it) of each result with a buffer of
-    its own (not an argument, constant or a donated argument's buffer), largest first."""
+def _moved_in_place(g) -> set[int]:
+    """XLA:CPU's host memory is its device memory: a move between the two (``ir.offload``) is
+    no copy. A value moved to the device is read where it lies in the host buffer, and a value
+    moved to the host is written into the host buffer by its producer: neither is a
+    temporary."""
+    out = set()
+    for op in g.ops:
+        if op.prim == "device_put" and op.ins[0] in g.host:
+            out.update(op.outs)
+        elif op.prim == "device_put" and op.outs[0] in g.host:
+            out.add(op.ins[0])
+    return out
+
+
+def _output_slots(prob: Problem, nbytes) -> list[tuple[float, int, int]]:
+    """(per-device bytes, schedule position that writes it, last position it is busy before)
+    of each result with a buffer of its own (not an argument, constant or a donated argument's
+    buffer), largest first."""
     def written_at():
         g = prob.graph
         resident = set(prob.const_values).intersection(g.outputs) - set(g.inputs) - set(g.consts)
+        host, busy = set(), {}
+        if g.host and prob.reshard.cm.hw.platform == "cpu":
+            # XLA:CPU's host memory is its device memory: a result moved to the host is a buffer
+            # its pool fills like any other; one that takes a donated argument's buffer, from
+            # where the argument was last read (moved to the device) on
+            donated = {g.outputs[j]: g.inputs[k] for j, k in prob.output_pairs.items()
+                       if g.donated[k]}
+            host = (g.host & set(g.outputs)) - set(g.inputs)
+            resident |= host
+            last = {}
+            for t, op in enumerate(g.ops):
+                for v in op.ins:
+                    last[v] = t
+            busy = {v: last.get(donated[v], 0) for v in host if v in donated}
         # a folded graph's results stand for their removed twins too (``problem.Problem.gap``:
         # ``const_values`` repeats them): one buffer each, written where the kept one is
         copies = Counter(prob.const_values)
-        return [(v, t) for t, op in enumerate(g.ops) for v in op.outs if v in resident
-                for _ in range(copies[v])]
+        copies.update(host)
+        at = {v: t for t, op in enumerate(g.ops) for v in op.outs}
+        for op in g.ops:   # XLA:CPU writes a value it moves to the host into the host buffer
+            if op.prim == "device_put" and op.outs[0] in host and op.ins[0] in at:
+                at[op.outs[0]] = at[op.ins[0]]
+        return [(v, at[v], busy.get(v, -1)) for op in g.ops for v in op.outs
+                if v in resident for _ in range(copies[v])]
 
     memo = _memo(prob, "_written_at", written_at)
-    return sorted(((nbytes(v), t) for v, t in memo), key=lambda s: -s[0])
+    return sorted(((nbytes(v), t, b) for v, t, b in memo), key=lambda s: -s[0])
 
 
 _REDUCING = ("all-reduce", "reduce-scatter")
@@ -490,8 +526,11 @@ def _pooled(spans, slots) -> list[tuple[int, int, float]]:
     of the schedule's length, not the number of buffers): an unrolled model's thousands of result
     buffers, tested one by one for each temporary, made this walk grow with the square of the
     depth."""
-    smaller = [-cap for cap, _ in slots]    # ascending: the slots that fit a size are a prefix
-    index = Slots([w for _, w in slots], max([b for _, b, _ in spans], default=0) + 1)
+    smaller = [-cap for cap, _, _ in slots]  # ascending: the slots that fit a size are a prefix
+    index = Slots([w for _, w, _ in slots], max([b for _, b, _ in spans], default=0) + 1)
+    for k, (_, _, busy) in enumerate(slots):   # a donated argument's buffer, until its last read
+        if busy >= 0:
+            index.place(k, 0, min(busy, index.size - 1))
     pooled = []
     # a run of equal temporaries (a folded graph's removed copies' value, once per copy) takes
     # the lowest free slots at once: what placing them one by one, first fit, would give

@@ -421,6 +421,11 @@ class _Builder:
                 grp.hbm_bytes[i] += mult * nbytes
             for c in st.comms:
                 grp.comm_s[i] += mult * self.cm.collective_time_s(c.kind, c.nbytes, c.axes)
+            if op.prim == "device_put" and op.param("devices") in _HOST_MOVES:
+                # a move over the host link (ir.offload), not overlapped with compute
+                moved = _elements(self.g, self.mesh, op.outs[0], st.outs[0]) * \
+                    self.g.values[op.outs[0]].itemsize
+                grp.compute_s[i] += mult * self.cm.hw.host_transfer_s(moved)
 
     def fused_bytes(self, op: Op, st: Strategy, io: tuple | None = None) -> float:
         if op.prim == "alias":       # a loop's carry or slice seen from its body: no kernel
@@ -659,6 +664,9 @@ def _counted(ins: tuple, vs) -> tuple:
     return tuple(times.items())
 
 
+_HOST_MOVES = (("Host",), ("Device",))
+
+
 def op_hbm_bytes(graph: Graph, fusion, mesh: Mapping[str, int], op: Op, st: Strategy,
                  io: tuple | None = None) -> float:
     """Per-device bytes ``op`` reads and writes for its kernel under ``st``: operands from memory
@@ -759,7 +767,7 @@ def _alias_add0(s: Sharding) -> Strategy:
     return Strategy("stack0", (s,), (((),) + s,))
 
 
-def _output_pairs(graph: Graph) -> dict[int, int]:
+def output_pairs(graph: Graph) -> dict[int, int]:
     """Outputs that replace an input (same pytree path, shape and dtype): new params for old.
 
     Paths are matched whole (``(state, batch) -> (state, loss)``: ``[0]['w']`` for ``[0]['w']``),
@@ -804,7 +812,10 @@ def _feed_costs(graph: Graph, b: _Builder, input_group: list[int], pairs: Mappin
     """Inputs that are not carried state (the batch) arrive from the host every step: each
     device pays for the bytes it receives, so a replicated batch is not free."""
     state = set(pairs.values())
-    bw = HOST_LINK_BYTES_PER_S   # hardware profiles do not carry a host link yet
+    # one figure for every profile, kept apart from ``Hardware.host_bytes_per_s`` (host offload's
+    # link): on CPU devices that is a copy within memory, 65x slower, and pricing the fed batch
+    # at it would change every CPU plan the verify matrix measured (not re-measured yet)
+    bw = HOST_LINK_BYTES_PER_S
     for k, v in enumerate(graph.inputs):
         if k in state:
             continue
@@ -913,7 +924,7 @@ def _on_graph(graph: Graph, key: str, fusion: Fusion, make):
 def temporaries(graph: Graph, fusion: Fusion) -> list[tuple[int, int, int]]:
     """(value, first, last top-level position) of each temporary a kernel writes: not an
     argument or result, not a folded constant."""
-    resident = set(graph.inputs) | set(graph.outputs)
+    resident = set(graph.inputs) | set(graph.outputs) | graph.host
     return _intervals(graph.ops, lambda v: v in fusion.materialized and v not in resident
                       and v not in fusion.constants, fusion)
 
@@ -931,7 +942,7 @@ def _resident(graph: Graph, pairs: Mapping[int, int], folded: Folded | None = No
     aliased = {graph.outputs[j] for j, k in pairs.items() if graph.donated[k]}
     out = dict.fromkeys(list(graph.inputs) + list(graph.consts))
     out.update(dict.fromkeys(v for v in graph.outputs if v not in aliased))
-    values = list(out)
+    values = [v for v in out if v not in graph.host]   # host memory is not the device's
     if folded is not None:
         values += [v for v, w in zip(graph.inputs, folded.input_weight) for _ in range(w)]
         values += [v for v, w in zip(graph.outputs, folded.output_weight)
@@ -975,7 +986,7 @@ def build(graph: Graph, mesh: Mapping[str, int], cost_model, max_strategies: int
     if b.late_ops:
         clock.note(f"time limit while building the problem: the last {b.late_ops} inputs and "
                    f"ops stay replicated (no sharding strategies enumerated)")
-    pairs = _output_pairs(graph)
+    pairs = output_pairs(graph)
     for j, k in pairs.items():  # donated state: the new value lands in the old one's layout
         v_out, v_in = graph.outputs[j], graph.inputs[k]
         if v_out == v_in or v_out not in b.gv:

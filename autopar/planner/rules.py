@@ -154,6 +154,7 @@ ELEMENTWISE = (
     "reduce_precision", "shift_left", "shift_right_logical", "shift_right_arithmetic",
     "population_count", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh",
     "lgamma", "digamma", "igamma", "bessel_i0e", "bessel_i1e", "conj", "optimization_barrier",
+    "device_put",   # a move between memory spaces (ir.offload): the value keeps its layout
 )
 _WEAK_PRODUCERS = {"broadcast_in_dim", "iota", None}
 

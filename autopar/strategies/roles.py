@@ -29,7 +29,7 @@ import dataclasses
 import re
 from collections.abc import Iterable, Sequence
 
-from autopar.planner.problem import _output_pairs as output_pairs
+from autopar.planner.problem import output_pairs
 from autopar.planner.rules import ELEMENTWISE, reshape_groups
 from ir import Graph, Op
 

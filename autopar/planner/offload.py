@@ -1,0 +1,124 @@
+"""Host offload as a planner decision: which of the step's carried state lives in host memory.
+
+When no layout of the step fits the memory budget (and the hardware profile has a host link,
+``Hardware.host_bytes_per_s``), the planner plans the step again with groups of its update-only
+state (``ir.offload``: Adam's moments, one parameter's at a time) held in host memory and
+streamed through the device for the update. Each offloaded step is planned whole: its layouts,
+the moves over the host link (priced as ``device_put`` ops, not overlapped with compute) and the
+device memory the groups no longer hold, all by the same cost model. Two sets are tried: the
+fewest groups, largest first, whose bytes spread over the mesh cover what the step lacks, and
+every group; the faster that fits wins. ``Plan.offload`` records the decision for codegen.
+
+Partial, on purpose for now: the set is chosen among two by planning each, not by variables of
+one ILP; parameters and saved activations stay on the device; a step that fits is not offered
+offload even where it would let a faster layout fit.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from autopar.errors import BudgetError, PlanError
+from autopar.plan import Offload, Plan
+from autopar.sharding import shard_factor
+from ir import offload as rewrite
+from ir.from_jaxpr import graph_of
+from ir.recompute import flat, is_call
+
+
+def offerable(graph, cost_model) -> bool:
+    """Whether ``graph``'s step has state that may live in host memory on this hardware."""
+    return cost_model.hw.host_bytes_per_s > 0 and bool(groups_of(graph))
+
+
+def groups_of(graph) -> tuple[rewrite.Group, ...]:
+    """``ir.offload.find_groups`` of ``graph``'s step, every jit call inlined (cached)."""
+    hit = graph.__dict__.get("_offload_groups")
+    if hit is None:
+        from autopar.planner.problem import output_pairs
+
+        inlined = flat(graph.jaxpr, inline=is_call)
+        hit = (inlined, rewrite.find_groups(inlined, output_pairs(graph)))
+        graph.__dict__["_offload_groups"] = hit
+    return hit[1]
+
+
+def rewrite_graph(graph, inputs):
+    """``graph`` traced again with the groups holding argument positions ``inputs`` offloaded
+    (``ir.offload.apply``), its host values marked."""
+    groups_of(graph)
+    inlined, groups = graph.__dict__["_offload_groups"]
+    chosen = [g for g in groups if set(g.inputs) & set(inputs)]
+    missing = set(inputs) - {k for g in chosen for k in g.inputs}
+    if missing:
+        raise PlanError(f"the plan offloads argument(s) {sorted(missing)} "
+                        f"({', '.join(graph.input_paths[k] for k in sorted(missing))}), which "
+                        f"this step does not update apart from its computation; plan again for "
+                        f"this step")
+    g = graph_of(rewrite.apply(inlined, chosen), graph)
+    return dataclasses.replace(g, host=rewrite.host_values(g, sorted(inputs)))
+
+
+def plan_offloaded(graph, mesh, cost_model, options, error: BudgetError, plan_layouts) -> Plan:
+    """The fastest plan of ``graph`` with some of its state in host memory that fits the budget
+    ``error`` says the step breaks; ``plan_layouts(graph, mesh, cost_model, options,
+    trace_s=...)`` plans one graph. Raises ``error``, extended, if none fits."""
+    groups = groups_of(graph)
+    if not groups:
+        raise error
+    n_dev = 1
+    for size in dict(mesh).values():
+        n_dev *= size
+    excess = (error.least_bytes - options.memory_budget) if error.least_bytes else None
+    by_size = sorted(groups, key=lambda g: -g.nbytes)
+    sets = []
+    if excess is not None and excess > 0:
+        some, covered = [], 0.0
+        for g in by_size:
+            some.append(g)
+            covered += g.nbytes / n_dev
+            if covered >= excess:
+                break
+        if len(some) < len(groups):
+            sets.append(some)
+    sets.append(list(groups))
+    found, last = [], error
+    for chosen in sets:
+        inputs = sorted(k for g in chosen for k in g.inputs)
+        try:
+            g = rewrite_graph(graph, inputs)
+            plan = plan_layouts(g, mesh, cost_model, options.replace(
+                seed_plans=(), explain_budget=False), trace_s=0.0)
+        except BudgetError as e:
+            last = e
+            continue
+        except PlanError as e:
+            if not found:
+                last = e
+            continue
+        host = _host_bytes(graph, plan, chosen, mesh)
+        limit = cost_model.hw.host_memory_bytes
+        if limit and sum(host) > limit:
+            last = BudgetError(f"offloading {len(inputs)} arguments needs "
+                               f"{sum(host) / 2**30:.2f} GiB of host memory per device; the "
+                               f"hardware profile allows {limit / 2**30:.2f} GiB", None)
+            continue
+        found.append((plan.cost.step_time_s, len(inputs), chosen, host, plan))
+    if not found:
+        raise BudgetError(f"{error} Holding the step's update-only state ({len(groups)} "
+                          f"group(s), {sum(g.nbytes for g in groups) / 2**30:.2f} GiB in all) "
+                          f"in host memory did not bring it within either: {last}",
+                          getattr(last, "least_bytes", None)) from None
+    _, _, chosen, host, plan = min(found, key=lambda f: f[:2])
+    records = tuple(
+        Offload(g.inputs, g.outputs, tuple(graph.input_paths[k] for k in g.inputs), h,
+                2 * cost_model.hw.host_transfer_s(h), error.least_bytes)
+        for g, h in zip(chosen, host))
+    return dataclasses.replace(plan, offload=records, graph_fingerprint=graph.fingerprint())
+
+
+def _host_bytes(graph, plan: Plan, chosen, mesh) -> list[float]:
+    """Per group: the bytes one device holds in host memory under ``plan``'s input layouts."""
+    sizes = dict(mesh)
+    return [sum(graph.values[graph.inputs[k]].nbytes
+                / shard_factor(plan.input_shardings[k], sizes) for k in g.inputs)
+            for g in chosen]
