@@ -1,13 +1,13 @@
 """Recomputation as a planner decision: predicted at scale, predicted and measured on the CPU.
 
 Part 1 (abstract, H100 profile): ``autopar.models.gpt`` at the paper's 6.7B configuration
-(scanned, bfloat16, 64 sequences of 2048), without the user's remat, planned by auto on
-``{data: 8}``: the planner decides what the backward pass recomputes (``Plan.recompute``). Beside
-it, the same model with the user's own full remat (``nn.remat``, as MaxText users set it), and
-megatron on that, and the model on one H100 (host offload, which would fit it, is not built:
-the row records the error); and ``benchmarks/checkpoint.py``'s re-plan of the model (sequence
-1024, 224 rows) from 64 H100s onto the 56 left after losing a node, which no layout fits
-without recomputation.
+(scanned, bfloat16, 64 sequences of 2048), without the user's remat, planned by auto on ``{data:
+8}``: the planner decides what the backward pass recomputes (``Plan.recompute``). Beside it, the
+same model with the user's own full remat (``nn.remat``, as MaxText users set it), and megatron
+on that, and the model on one H100 (which fits only with host offload and its state donated:
+``benchmarks/offload.py`` plans it); and ``benchmarks/checkpoint.py``'s re-plan of the model
+(sequence 1024, 224 rows) from 64 H100s onto the 56 left after losing a node, which no layout
+fits without recomputation.
 
 Part 2 (measured, 8 CPU devices as 2x4): a small scanned GPT whose activations outweigh its
 parameters, planned plain, then under 0.6x the plain plan's peak; each plan compiled and run,
