@@ -24,7 +24,7 @@ from autopar.plan import Plan
 from autopar.planner import make_plan
 
 PLAN_OPTIONS = ("mesh", "hardware", "memory_budget", "strategy", "donate_argnums",
-                "time_limit_s", "deterministic", "pipeline", "kernels")
+                "time_limit_s", "deterministic", "pipeline", "kernels", "memory_decisions")
 
 
 def _trace(fn: Callable, args, types, donate_argnums) -> tuple[ir.Graph, float]:
@@ -40,7 +40,7 @@ def plan_graph(graph: ir.Graph, mesh, *, hardware=None, memory_budget=None, stra
                time_limit_s: float = 30.0, trace_s: float = 0.0,
                deterministic: bool | None = None, kernels: str = "never",
                host_inputs: bool = True, seed_plans: tuple[Plan, ...] = (),
-               user_layout=None) -> Plan:
+               user_layout=None, memory_decisions=validate.MEMORY_DECISIONS) -> Plan:
     """Plan an already traced graph (see ``plan``); ``host_inputs=False``: no input is fed
     from the host (``PlannerOptions.host_inputs``); ``seed_plans``: plans of this graph auto
     is held against (``PlannerOptions.seed_plans``); ``user_layout``: the layout the arguments
@@ -69,6 +69,8 @@ def plan_graph(graph: ir.Graph, mesh, *, hardware=None, memory_budget=None, stra
                           fixed_inputs=fixed, op_filter=op_filter, starts=tuple(starts),
                           deterministic=_deterministic(deterministic),
                           kernels=validate.kernels(kernels, hw, mesh), host_inputs=host_inputs,
+                          recompute="recompute" in validate.memory_decisions(memory_decisions),
+                          offload="offload" in validate.memory_decisions(memory_decisions),
                           seed_plans=tuple(seed_plans) if strat is None else ())
     notes = tuple(getattr(strat, "notes", ()))
     if notes:
@@ -94,7 +96,7 @@ def _handwritten_starts() -> list:
 def plan(fn: Callable, *args, mesh=None, hardware=None, memory_budget: float | None = None,
          strategy="auto", donate_argnums=(), time_limit_s: float = 30.0,
          deterministic: bool | None = None, pipeline=None, kernels: str = "never",
-         **options) -> Plan:
+         memory_decisions=validate.MEMORY_DECISIONS, **options) -> Plan:
     """Plan ``fn(*args)`` for ``mesh`` without running it.
 
     Args:
@@ -128,6 +130,10 @@ def plan(fn: Callable, *args, mesh=None, hardware=None, memory_budget: float | N
         GPU profiles only, see ``validate.kernels``) or "always" (wherever the plan's layouts
         allow one; on CPU devices they run in Pallas' interpreter, slowly). ``Plan.kernels``
         lists what was chosen.
+      memory_decisions: the trades the planner may make where no layout fits
+        ``memory_budget``: ``"recompute"`` (a scanned model's backward pass recomputes what its
+        forward pass saved, ``Plan.recompute``) and ``"offload"`` (the optimizer's state waits
+        in host memory between steps, ``Plan.offload``); both by default, ``()`` for neither.
 
     Returns:
       An ``autopar.Plan``.
@@ -141,7 +147,7 @@ def plan(fn: Callable, *args, mesh=None, hardware=None, memory_budget: float | N
     _require_mesh(mesh, "plan")
     _check_options(dict(hardware=hardware, memory_budget=memory_budget, strategy=strategy,
                         time_limit_s=time_limit_s, deterministic=deterministic,
-                        kernels=kernels), mesh)
+                        kernels=kernels, memory_decisions=memory_decisions), mesh)
     if pipeline is not None:   # inter-op: see autopar.pipeline
         from autopar.pipeline import planning
 
@@ -154,7 +160,8 @@ def plan(fn: Callable, *args, mesh=None, hardware=None, memory_budget: float | N
     graph, trace_s = _trace_call(fn, call, validate.donate_argnums(donate_argnums))
     return plan_graph(graph, mesh, hardware=hardware, memory_budget=memory_budget,
                       strategy=strategy, time_limit_s=time_limit_s, trace_s=trace_s,
-                      deterministic=deterministic, kernels=kernels, user_layout=user_layout)
+                      deterministic=deterministic, kernels=kernels, user_layout=user_layout,
+                      memory_decisions=memory_decisions)
 
 
 def _user_layout(strategy, args):
@@ -211,7 +218,8 @@ class AutoParallel:
     def __init__(self, fn: Callable, *, mesh, hardware=None, memory_budget=None,
                  strategy="auto", donate_argnums=(), time_limit_s: float = 30.0,
                  plan: Plan | None = None, deterministic: bool | None = None,
-                 host_local_argnums=(), kernels: str = "never"):
+                 host_local_argnums=(), kernels: str = "never",
+                 memory_decisions=validate.MEMORY_DECISIONS):
         validate.callable_fn(fn, "autopar.autoparallel")
         functools.update_wrapper(self, fn)
         self.fn = fn
@@ -219,7 +227,7 @@ class AutoParallel:
         self.mesh = concrete_mesh(mesh)
         self.options = dict(hardware=hardware, memory_budget=memory_budget, strategy=strategy,
                             time_limit_s=time_limit_s, deterministic=deterministic,
-                            kernels=kernels)
+                            kernels=kernels, memory_decisions=memory_decisions)
         _check_options(self.options, self.mesh)
         self.donate_argnums = validate.donate_argnums(donate_argnums)
         self._given_plan = _given_plan(plan, self.options, self.mesh)
@@ -411,6 +419,7 @@ def _check_options(options: dict, mesh) -> None:
     validate.time_limit(options["time_limit_s"])
     _deterministic(options["deterministic"])
     validate.kernels(options["kernels"])
+    validate.memory_decisions(options["memory_decisions"])
     _, strat = validate.strategy(options["strategy"])
     if strat is not None and hasattr(strat, "axes"):
         strat.axes(sizes)
@@ -425,6 +434,8 @@ def _given_plan(plan, options: dict, mesh) -> Plan | None:
     ignored = [k for k in ("hardware", "memory_budget") if options[k] is not None]
     ignored += ["strategy"] if options["strategy"] not in (None, "auto") else []
     ignored += ["kernels"] if options["kernels"] != "never" else []
+    ignored += (["memory_decisions"] if validate.memory_decisions(options["memory_decisions"])
+                != validate.MEMORY_DECISIONS else [])
     if ignored:
         raise AutoparError(f"plan= applies a saved plan without solving, so "
                            f"{', '.join(k + '=' for k in ignored)} would be ignored; drop "
@@ -443,7 +454,7 @@ def autoparallel(fn: Callable | None = None, *, mesh=None, hardware=None,
                  memory_budget: float | None = None, strategy="auto", donate_argnums=(),
                  time_limit_s: float = 30.0, plan: Plan | None = None,
                  deterministic: bool | None = None, host_local_argnums=(), kernels: str = "never",
-                 pipeline=None, **options):
+                 pipeline=None, memory_decisions=validate.MEMORY_DECISIONS, **options):
     """Decorate a training step so it runs sharded over ``mesh`` by a plan autopar chooses.
 
     ``autoparallel(fn, mesh=...)`` and ``@autoparallel(mesh=...)`` both work. The first call with
@@ -471,7 +482,8 @@ def autoparallel(fn: Callable | None = None, *, mesh=None, hardware=None,
         return AutoParallel(f, mesh=mesh, hardware=hardware, memory_budget=memory_budget,
                             strategy=strategy, donate_argnums=donate_argnums,
                             time_limit_s=time_limit_s, plan=plan, deterministic=deterministic,
-                            host_local_argnums=host_local_argnums, kernels=kernels)
+                            host_local_argnums=host_local_argnums, kernels=kernels,
+                            memory_decisions=memory_decisions)
 
     return wrap(fn) if fn is not None else wrap
 

@@ -93,6 +93,24 @@ def kernels(value: Any, hw=None, mesh=None) -> str:
     return "never" if on_cpu or hw.name.lower().startswith("cpu") else "auto"
 
 
+MEMORY_DECISIONS = ("recompute", "offload")
+
+
+def memory_decisions(value: Any) -> tuple[str, ...]:
+    """``memory_decisions=``: which trades the planner may make where no layout fits the
+    budget, a subset of ``MEMORY_DECISIONS`` (``()``: none, the budget error at once)."""
+    items = (value,) if isinstance(value, str) else value
+    try:
+        names = tuple(items)
+    except TypeError:
+        names = None
+    if names is None or any(n not in MEMORY_DECISIONS for n in names):
+        raise AutoparError(f"memory_decisions={short(value)} must be a tuple of names from "
+                           f"{MEMORY_DECISIONS} (the backward pass recomputing saved values, the "
+                           f"optimizer's state held in host memory); pass () to allow neither")
+    return tuple(n for n in MEMORY_DECISIONS if n in names)
+
+
 def donate_argnums(value: Any) -> tuple[int, ...]:
     """A sorted tuple of distinct non-negative positions."""
     items = (value,) if isinstance(value, numbers.Integral) else value

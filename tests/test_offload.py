@@ -179,3 +179,17 @@ def test_plan_json_rejects_a_bad_offload(gpt_step):
                                                Offload((1,), (1,), ("x",), 1.0, 1.0)))
     with pytest.raises(autopar.PlanError, match="twice"):
         autopar.Plan.from_json(twice.to_json())
+
+
+def test_memory_decisions_choose_which_trades_the_planner_may_make():
+    step, state, batch = mlp.abstract(256, 512, 2, 16)
+    budget = 0.95 * sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(state)) / 8
+    kw = dict(mesh={"data": 8}, hardware="cpu", donate_argnums=(0,), memory_budget=budget)
+    assert autopar.plan(step, state, batch, memory_decisions=("offload",), **kw).offload
+    with pytest.raises(autopar.BudgetError) as err:
+        autopar.plan(step, state, batch, memory_decisions=(), **kw)
+    assert "host memory" not in str(err.value)
+    with pytest.raises(autopar.AutoparError, match=r"memory_decisions=\('swap',\)"):
+        autopar.plan(step, state, batch, memory_decisions=("swap",), **kw)
+    with pytest.raises(autopar.AutoparError, match="memory_decisions"):   # at decoration
+        autopar.autoparallel(step, mesh=_mesh(), memory_decisions="remat")
