@@ -60,8 +60,8 @@ class PlannerOptions:
         where no ``op_filter`` is bound to the traced graph's ops (auto, the user's layout).
       offload: where no plan fits ``memory_budget`` and the hardware profile has a host link,
         plan the step again with groups of its update-only state (an optimizer's moments) held
-        in host memory between steps (``planner.offload``), alone and on top of each
-        recomputation policy; the same restriction on ``op_filter``.
+        in host memory between steps (``planner.offload``), beside the recomputation policies
+        and, where neither fits alone, on top of each; the same restriction on ``op_filter``.
       explain_budget: a plan that cannot fit ``memory_budget`` seeks the smallest budget that
         fits, for its error's advice (``ilp.min_memory``: seconds of solves); False when the
         error is only a step of a search (``planner.recompute``'s first attempt).

@@ -161,7 +161,8 @@ def main() -> None:
             "`benchmarks/offload.py`: where no layout fits the memory budget, the planner holds",
             "groups of the step's update-only state (Adam's moments, one parameter's at a time)",
             "in host memory and streams them through the device for the update (`ir.offload`),",
-            "alone and on top of each recomputation policy, and keeps the fastest plan that fits.",
+            "beside the recomputation policies (on top of each where neither fits alone), and",
+            "keeps the fastest plan that fits.",
             ""]
     if not args.quick:
         text += ["## GPT-6.7B (scanned, bf16, no user remat) on one H100, predicted", "",

@@ -310,21 +310,24 @@ def make_plan(graph: Graph, mesh: Mapping[str, int], cost_model,
 def _memory_decisions(graph, mesh, cost_model, options, error: BudgetError, may_r: bool,
                       may_o: bool) -> Plan:
     """The fastest plan that fits where the plain step does not: its loops' saved values
-    recomputed (each policy, with its state offloaded where the policy alone does not fit), or
-    its state offloaded alone."""
-    def layouts_or_offload(g, mesh, cost_model, opts, *, trace_s=0.0):
+    recomputed, or its state offloaded; where neither fits alone, each recomputation policy
+    with its state offloaded too (tried last: each pairing plans the step up to three times)."""
+    def layouts_then_offload(g, mesh, cost_model, opts, *, trace_s=0.0):
         try:
-            return _plan_layouts(g, mesh, cost_model, opts.replace(explain_budget=False)
-                                 if may_o else opts, trace_s=trace_s)
+            return _plan_layouts(g, mesh, cost_model, opts.replace(explain_budget=False),
+                                 trace_s=trace_s)
         except BudgetError as e:
-            if not may_o or not offload.offerable(g, cost_model):
+            if not offload.offerable(g, cost_model):
                 raise
             return offload.plan_offloaded(g, mesh, cost_model, opts, e, _plan_layouts)
 
     found, failed = [], []
-    tries = [(recompute.plan_recomputed, layouts_or_offload)] if may_r else []
+    tries = [(recompute.plan_recomputed, _plan_layouts)] if may_r else []
     tries += [(offload.plan_offloaded, _plan_layouts)] if may_o else []
-    for decide, plan_one in tries:
+    both = [(recompute.plan_recomputed, layouts_then_offload)] if may_r and may_o else []
+    for decide, plan_one in tries + both:
+        if found and plan_one is layouts_then_offload:
+            break
         try:
             found.append(decide(graph, mesh, cost_model, options, error, plan_one))
         except BudgetError as e:
