@@ -164,7 +164,8 @@ def estimate(prob: Problem, choice) -> MemoryEstimate:
     resident = sum(whole(v) for v in prob.const_values)
     temps, inner = _schedule(prob)
     if g.host and prob.reshard.cm.hw.platform == "cpu":
-        temps = [t for t in temps if t[0] not in _moved_in_place(g)]
+        in_place = _memo(prob, "_moved_in_place", lambda: _moved_in_place(g))
+        temps = [t for t in temps if t[0] not in in_place]
     fused = _fused_broadcasts(prob, nbytes) | _unshared_broadcasts(prob, choice)
     last = _last_untransposed_reads(prob)
     sliced, held = _recomputed_in_slices(prob, choice)
