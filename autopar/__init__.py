@@ -9,6 +9,7 @@ from autopar import checkpoint, distributed, strategies
 from autopar.api import autoparallel, plan
 from autopar.compare import compare
 from autopar.errors import AutoparError, BudgetError, PlanError, ShardingError
+from autopar.pipeline import megatron_3d as _megatron_3d  # noqa: F401  (registers the strategy)
 from autopar.plan import Plan
 from autopar.verify import verify
 

@@ -15,13 +15,12 @@ import jax
 
 import cost_models
 import ir
-from autopar import arguments, codegen, distributed, validate
+from autopar import arguments, codegen, distributed, strategies, validate
 from autopar.errors import AutoparError, PlanError, ShardingError
 from autopar.executable import Compiled, Lowered
-from autopar.mesh import axis_sizes, concrete_mesh, hardware_for, on_mesh, without_mesh
-from autopar.options import PlannerOptions, checks_enabled, deterministic_default
+from autopar.mesh import axis_sizes, concrete_mesh, on_mesh, without_mesh
 from autopar.plan import Plan
-from autopar.planner import make_plan
+from autopar.request import plan_graph, resolve_deterministic
 
 PLAN_OPTIONS = ("mesh", "hardware", "memory_budget", "strategy", "donate_argnums",
                 "time_limit_s", "deterministic", "pipeline", "kernels", "memory_decisions")
@@ -34,63 +33,6 @@ def _trace(fn: Callable, args, types, donate_argnums) -> tuple[ir.Graph, float]:
     with without_mesh():
         graph = ir.trace(fn, *validate.abstract(args, types), donate_argnums=donate_argnums)
     return graph, time.perf_counter() - t0
-
-
-def plan_graph(graph: ir.Graph, mesh, *, hardware=None, memory_budget=None, strategy="auto",
-               time_limit_s: float = 30.0, trace_s: float = 0.0,
-               deterministic: bool | None = None, kernels: str = "never",
-               host_inputs: bool = True, seed_plans: tuple[Plan, ...] = (),
-               user_layout=None, memory_decisions=validate.MEMORY_DECISIONS) -> Plan:
-    """Plan an already traced graph (see ``plan``); ``host_inputs=False``: no input is fed
-    from the host (``PlannerOptions.host_inputs``); ``seed_plans``: plans of this graph auto
-    is held against (``PlannerOptions.seed_plans``); ``user_layout``: the layout the arguments
-    are committed to (``strategies.user.from_arrays``), the strategy ``"user"`` and one more
-    start auto is held against."""
-    sizes = axis_sizes(mesh)
-    hw = hardware_for(hardware, mesh)
-    budget = validate.memory_budget(memory_budget)
-    time_limit_s = validate.time_limit(time_limit_s)
-    cm = cost_models.CostModel(hw, sizes, device_nodes=distributed.device_nodes(mesh))
-    name, strat = validate.strategy(strategy)
-    if name == "user" and user_layout is not None:
-        strat = user_layout
-    if hasattr(strat, "bind"):   # hand-written: find parameters and their roles in this graph
-        strat = strat.bind(graph, sizes)
-    fixed = (validate.fixed_layouts(strat.fix_inputs(graph, sizes), graph, sizes, name)
-             if strat is not None else None)
-    op_filter = getattr(strat, "allows", None)
-    budget = hw.memory_bytes if memory_budget is None else budget
-    starts = _handwritten_starts() if strat is None else ()
-    if strat is None and user_layout is not None:
-        starts = (*starts, user_layout)
-    if checks_enabled():
-        ir.verify(graph)
-    opts = PlannerOptions(strategy=name, memory_budget=budget, time_limit_s=time_limit_s,
-                          fixed_inputs=fixed, op_filter=op_filter, starts=tuple(starts),
-                          deterministic=_deterministic(deterministic),
-                          kernels=validate.kernels(kernels, hw, mesh), host_inputs=host_inputs,
-                          recompute="recompute" in validate.memory_decisions(memory_decisions),
-                          offload="offload" in validate.memory_decisions(memory_decisions),
-                          seed_plans=tuple(seed_plans) if strat is None else ())
-    notes = tuple(getattr(strat, "notes", ()))
-    if notes:
-        warnings.warn(f"autopar: strategy {name!r} cannot place every parameter as it intends "
-                      f"(plan.summary() lists them):\n  " + "\n  ".join(notes), UserWarning,
-                      stacklevel=3)
-    plan = make_plan(graph, sizes, cm, opts, trace_s=trace_s)
-    return dataclasses.replace(plan, notes=notes) if notes else plan
-
-
-# Hand-written strategies auto is held against (planner._seeds): each one's own plan is solved
-# on auto's problem, the cheapest that fits starts the ILP, and auto returns nothing slower. One
-# that a mesh or step cannot take is skipped; fsdp pins what zero3 does (solved once).
-_STARTS = ("dp", "zero1", "zero2", "zero3", "fsdp", "megatron", "megatron_sp", "fsdp_tp", "ep")
-
-
-def _handwritten_starts() -> list:
-    from autopar import strategies
-
-    return [strategies.get(name) for name in _STARTS]
 
 
 def plan(fn: Callable, *args, mesh=None, hardware=None, memory_budget: float | None = None,
@@ -148,6 +90,20 @@ def plan(fn: Callable, *args, mesh=None, hardware=None, memory_budget: float | N
     _check_options(dict(hardware=hardware, memory_budget=memory_budget, strategy=strategy,
                         time_limit_s=time_limit_s, deterministic=deterministic,
                         kernels=kernels, memory_decisions=memory_decisions), mesh)
+    staged = strategies.pipelined(strategy)
+    if staged is not None:     # megatron_3d: pins its own pipeline, planned by the pipeline's
+        _no_graph_objects(args, "plan")
+        if pipeline is not None:
+            raise AutoparError(f"autopar.plan(strategy={staged.name!r}, pipeline={pipeline!r}): "
+                               f"the strategy pins its own pipeline (stage axis, microbatches, "
+                               f"schedule); drop pipeline=, or plan with strategy='auto' and "
+                               f"pipeline= to have the planner choose")
+        if len(args) != 2:
+            raise AutoparError(f"strategy {staged.name!r} pipelines a step of (state, batch) "
+                               f"that declares its layers (autopar.pipeline.model); "
+                               f"autopar.plan got {len(args)} arguments")
+        return staged.plan(fn, *args, mesh=mesh, hardware=hardware, memory_budget=memory_budget,
+                           time_limit_s=time_limit_s)
     if pipeline is not None:   # inter-op: see autopar.pipeline
         from autopar.pipeline import planning
 
@@ -193,10 +149,6 @@ def _no_graph_objects(args: tuple, where: str) -> None:
                            f"(state, batch), not NNX objects: split them first "
                            f"(graphdef, state = nnx.split(model)) and merge inside the step, "
                            f"or plan without pipeline=")
-
-
-def _deterministic(value) -> bool:
-    return deterministic_default() if value is None else validate.flag("deterministic", value)
 
 
 def _require_mesh(mesh, where: str) -> None:
@@ -417,7 +369,7 @@ def _check_options(options: dict, mesh) -> None:
         cost_models.hardware(options["hardware"])
     validate.memory_budget(options["memory_budget"])
     validate.time_limit(options["time_limit_s"])
-    _deterministic(options["deterministic"])
+    resolve_deterministic(options["deterministic"])
     validate.kernels(options["kernels"])
     validate.memory_decisions(options["memory_decisions"])
     _, strat = validate.strategy(options["strategy"])
@@ -469,13 +421,15 @@ def autoparallel(fn: Callable | None = None, *, mesh=None, hardware=None,
     ``pipeline=`` (or ``plan=`` a pipelined plan) runs the step pipelined (``autopar.pipeline``).
     """
     validate.reject_unknown(options, AUTOPARALLEL_OPTIONS, "autoparallel")
-    if pipeline is not None or getattr(plan, "pipeline", None) is not None:
-        _pipelined_only(strategy=strategy, donate_argnums=donate_argnums,
+    staged = strategies.pipelined(strategy) if plan is None else None
+    if pipeline is not None or getattr(plan, "pipeline", None) is not None or staged:
+        _pipelined_only(strategy=None if staged else strategy, donate_argnums=donate_argnums,
                         host_local_argnums=host_local_argnums, kernels=kernels,
                         deterministic=deterministic)
-        make = functools.partial(_Pipelined, mesh=mesh, pipeline=pipeline, plan=plan,
-                                 hardware=hardware, memory_budget=memory_budget,
-                                 time_limit_s=time_limit_s)
+        options = dict(hardware=hardware, memory_budget=memory_budget, time_limit_s=time_limit_s)
+        if staged:
+            options["strategy"] = staged
+        make = functools.partial(_Pipelined, mesh=mesh, pipeline=pipeline, plan=plan, **options)
         return make if fn is None else make(fn)
 
     def wrap(f):
@@ -514,7 +468,8 @@ class _Pipelined:
         functools.update_wrapper(self, fn)
         _require_mesh(mesh, "autoparallel")
         self.fn, self.mesh = fn, concrete_mesh(mesh)
-        self.pipeline = "auto" if pipeline is None and plan is None else pipeline
+        staged = plan is None and "strategy" in plan_options
+        self.pipeline = "auto" if pipeline is None and plan is None and not staged else pipeline
         self._given, self._options = plan, plan_options
         self._runs: dict[tuple, tuple[Plan, Any]] = {}
         self._last: Plan | None = None

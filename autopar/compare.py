@@ -39,6 +39,7 @@ from autopar.api import autoparallel, plan_graph, trace_abstract
 from autopar.errors import PlanError
 from autopar.mesh import axis_sizes, concrete_mesh, hardware_for
 from autopar.plan import Plan
+from autopar.strategies import pipelined as pipelined_strategy
 
 __all__ = ["Comparison", "Row", "compare"]
 
@@ -235,7 +236,7 @@ def _plan_row(graph, mesh, hw, strategy, name, memory_budget, time_limit_s, trac
               seeds: tuple[Plan, ...] = (), fn_args=None) -> Row:
     t0 = time.perf_counter()
     try:
-        pipelined = _pipelined(strategy)
+        pipelined = pipelined_strategy(strategy)
         if pipelined is not None:       # megatron_3d: the pipeline codegen's own planner
             fn, args = fn_args
             plan = pipelined.plan(fn, *args, mesh=mesh, hardware=hw,
@@ -248,15 +249,6 @@ def _plan_row(graph, mesh, hw, strategy, name, memory_budget, time_limit_s, trac
         return Row(name, error=_text(e), plan_s=time.perf_counter() - t0)
     return Row(name, float(plan.cost.step_time_s), float(plan.cost.peak_memory_bytes),
                plan.collective_counts(), plan_s=time.perf_counter() - t0, plan=plan)
-
-
-def _pipelined(strategy):
-    """The pipelined strategy object (``autopar.strategies.PIPELINED``), else ``None``."""
-    from autopar import strategies
-
-    if isinstance(strategy, str):
-        return strategies.get(strategy) if strategy in strategies.PIPELINED else None
-    return strategy if callable(getattr(strategy, "pipeline", None)) else None
 
 
 def _seed_plans(rows) -> tuple[Plan, ...]:

@@ -359,7 +359,7 @@ def _mesh(x) -> dict[str, int]:
 
 
 def _in_layouts(value, paths, shapes, sizes) -> tuple[Sharding, ...]:
-    from autopar.validate import layout_for
+    from autopar.sharding import layout_for
 
     return tuple(layout_for(s, shapes[k], sizes, f"input_shardings[{k}] (input {paths[k]})",
                             PlanError)
@@ -367,7 +367,7 @@ def _in_layouts(value, paths, shapes, sizes) -> tuple[Sharding, ...]:
 
 
 def _layout(value, sizes, where: str) -> Sharding:
-    from autopar.validate import layout
+    from autopar.sharding import layout
 
     return layout(value, sizes, where, PlanError)
 

@@ -11,8 +11,11 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from jax.sharding import PartitionSpec
+
+from autopar.errors import ShardingError
 
 Sharding = tuple[tuple[str, ...], ...]
 
@@ -66,3 +69,39 @@ def enumerate_shardings(shape: Sequence[int], mesh: Mapping[str, int],
         if divides(s, shape, mesh):
             out.append(s)
     return out
+
+
+# ---- layouts given as data (a plan's JSON, a strategy's pins), checked ------------------------
+def layout(value: Any, mesh: Mapping[str, int], where: str, error=ShardingError) -> tuple:
+    """A layout (one tuple of mesh-axis names per dim), each axis in ``mesh`` and used once."""
+    if not isinstance(value, (tuple, list)) or not all(isinstance(d, (tuple, list))
+                                                       for d in value):
+        raise error(f"{where}: layout {value!r} must give one list of mesh-axis names per dim, "
+                    f"e.g. [['data'], []]")
+    seen: set[str] = set()
+    for d in value:
+        for a in d:
+            if not isinstance(a, str) or a not in mesh:
+                raise error(f"{where}: layout {value!r} names mesh axis {a!r}, but the mesh has "
+                            f"axes {dict(mesh)}")
+            if a in seen:
+                raise error(f"{where}: layout {value!r} uses mesh axis {a!r} twice; an axis "
+                            f"splits at most one dim")
+            seen.add(a)
+    return tuple(tuple(d) for d in value)
+
+
+def layout_for(value: Any, shape: Sequence[int], mesh: Mapping[str, int], where: str,
+               error=ShardingError) -> tuple:
+    """A layout that also fits ``shape``: one entry per dim, each dim divisible by its axes."""
+    s = layout(value, mesh, where, error)
+    if len(s) != len(shape):
+        raise error(f"{where}: layout {value!r} has {len(s)} dims but the shape {tuple(shape)} "
+                    f"has {len(shape)}")
+    for d, (axes, size) in enumerate(zip(s, shape)):
+        n = math.prod(mesh[a] for a in axes)
+        if size % n:
+            raise error(f"{where}: dim {d} of size {size} is split over {axes} ({n} devices), "
+                        f"which does not divide it; leave that dim whole or pick axes whose "
+                        f"sizes divide {size}")
+    return s

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 
 from autopar.errors import AutoparError, PlanError, ShardingError
+from autopar.sharding import layout_for
 
 # Budgets beyond this many bytes cannot bind on any device; the ILP works in KiB and int64.
 MAX_BUDGET_BYTES = 2.0**60
@@ -185,42 +186,6 @@ def fixed_layouts(fixed: Any, graph, mesh: Mapping[str, int], name: str) -> dict
         where = f"strategy {name!r}, input {graph.input_paths[k]} of shape {shape}"
         out[int(k)] = layout_for(layout, shape, mesh, where)
     return out
-
-
-# ---- layouts ----------------------------------------------------------------------------------
-def layout(value: Any, mesh: Mapping[str, int], where: str, error=ShardingError) -> tuple:
-    """A layout (one tuple of mesh-axis names per dim), each axis in ``mesh`` and used once."""
-    if not isinstance(value, (tuple, list)) or not all(isinstance(d, (tuple, list))
-                                                       for d in value):
-        raise error(f"{where}: layout {value!r} must give one list of mesh-axis names per dim, "
-                    f"e.g. [['data'], []]")
-    seen: set[str] = set()
-    for d in value:
-        for a in d:
-            if not isinstance(a, str) or a not in mesh:
-                raise error(f"{where}: layout {value!r} names mesh axis {a!r}, but the mesh has "
-                            f"axes {dict(mesh)}")
-            if a in seen:
-                raise error(f"{where}: layout {value!r} uses mesh axis {a!r} twice; an axis "
-                            f"splits at most one dim")
-            seen.add(a)
-    return tuple(tuple(d) for d in value)
-
-
-def layout_for(value: Any, shape: Sequence[int], mesh: Mapping[str, int], where: str,
-               error=ShardingError) -> tuple:
-    """A layout that also fits ``shape``: one entry per dim, each dim divisible by its axes."""
-    s = layout(value, mesh, where, error)
-    if len(s) != len(shape):
-        raise error(f"{where}: layout {value!r} has {len(s)} dims but the shape {tuple(shape)} "
-                    f"has {len(shape)}")
-    for d, (axes, size) in enumerate(zip(s, shape)):
-        n = math.prod(mesh[a] for a in axes)
-        if size % n:
-            raise error(f"{where}: dim {d} of size {size} is split over {axes} ({n} devices), "
-                        f"which does not divide it; leave that dim whole or pick axes whose "
-                        f"sizes divide {size}")
-    return s
 
 
 # ---- arguments --------------------------------------------------------------------------------

@@ -70,7 +70,26 @@ def test_megatron_3d_bad_inputs(setup):
     step, state, batch, _ = setup
     with pytest.raises(AutoparError, match="lacks"):
         strategies.get("megatron_3d").plan(step, state, batch, mesh={"data": 4, "model": 2})
-    with pytest.raises(AutoparError, match="pipelines the step"):
-        autopar.plan(step, state, batch, mesh=MESH, strategy="megatron_3d")
+    with pytest.raises(AutoparError, match="pins its own pipeline"):
+        autopar.plan(step, state, batch, mesh=MESH, strategy="megatron_3d", pipeline="auto")
+    with pytest.raises(AutoparError, match="got 1 arguments"):
+        autopar.plan(step, state, mesh=MESH, strategy="megatron_3d")
     with pytest.raises(AutoparError, match="takes stage_axis"):
         strategies.get("megatron_3d", model_axis="x")
+
+
+def test_megatron_3d_is_a_strategy_like_any_other(setup):
+    """``autopar.plan(strategy="megatron_3d")`` gives the strategy's own plan, and
+    ``autoparallel(strategy=...)`` plans and runs it on the first call with the unsharded step's
+    numbers (it used to refuse and send the user to another call)."""
+    step, state, batch, own = setup
+    plan = autopar.plan(step, state, batch, mesh=MESH, hardware="cpu", strategy="megatron_3d")
+    assert plan.strategy == "megatron_3d" and plan.pipeline == own.pipeline
+    assert plan.input_specs == own.input_specs
+    run = autopar.autoparallel(step, mesh=_mesh(), hardware="cpu",
+                               strategy=strategies.get("megatron_3d", microbatches=2))
+    new, loss = run(state, batch)
+    assert run.plan.pipeline.microbatches == 2 and run.plan.strategy == "megatron_3d"
+    ref_state, ref_loss = jax.jit(step)(state, batch)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+    assert_params(new["params"], ref_state["params"], LR, grads=ref_state["opt_state"][0].mu)

@@ -198,7 +198,7 @@ def _spec(a, lead=None):
 
 
 def _sub_plan(fn, args, submesh: dict, hardware, time_limit_s: float, strategy="auto"):
-    from autopar.api import plan_graph
+    from autopar.request import plan_graph
 
     with without_mesh():
         graph = ir.trace(fn, *args)

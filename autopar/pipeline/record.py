@@ -91,7 +91,7 @@ def from_dict(d, mesh: dict) -> PipelinePlan | None:
 
 
 def _layouts(x, mesh: dict, where: str) -> tuple:
-    from autopar.validate import layout
+    from autopar.sharding import layout
 
     out = []
     for k, item in enumerate(J.seq(x, where)):

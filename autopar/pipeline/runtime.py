@@ -111,7 +111,7 @@ def state_specs(model: StagedModel, state, axis: str, tensor_axis: str | None,
         by theirs below the params (the longest that ends the leaf's path);
       * None: the dim ``model.tensor_dims`` names (by the leaf's last three or two path keys)
         over the tensor axis when its ``tensor_size`` divides it (else whole, as the stage costs
-        price it: ``megatron_3d.StageLayouts``), everything else replicated;
+        price it: ``autopar.pipeline.megatron_3d.StageLayouts``), everything else replicated;
       * ``fsdp``: ``{data axis: size}``: each layer leaf also split over those axes on its
         largest dim that stays whole otherwise and that their product divides (``fsdp_dim``)."""
     layer_want = dict(layouts[0]) if layouts is not None else None

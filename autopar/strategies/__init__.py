@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from autopar.errors import ShardingError
 from autopar.sharding import Sharding
@@ -279,6 +279,24 @@ NAMES: tuple[str, ...] = tuple(_FACTORIES)
 # Pipelined strategies plan a step that declares its layers (autopar.pipeline.model) through the
 # pipeline codegen, not one traced graph: autopar.compare and Megatron3D.plan take them.
 PIPELINED: tuple[str, ...] = ("megatron_3d",)
+# Their factories live with the pipeline codegen, a layer above this one (imports run one way):
+# ``autopar.pipeline.megatron_3d`` registers its own when ``autopar`` is imported.
+_PIPELINED_FACTORIES: dict[str, Callable] = {}
+
+
+def pipelined(strategy):
+    """The pipelined strategy object ``strategy`` names or is (one of ``PIPELINED``: it plans and
+    runs through the pipeline codegen, not one traced graph), else ``None``."""
+    if isinstance(strategy, str):
+        return get(strategy) if strategy in PIPELINED else None
+    return strategy if callable(getattr(strategy, "pipeline", None)) else None
+
+
+def register_pipelined(name: str, factory: Callable) -> None:
+    """Make the pipelined strategy ``name`` (one of ``PIPELINED``) available to ``get``."""
+    if name not in PIPELINED:
+        raise ValueError(f"{name!r} is not one of the pipelined strategies {PIPELINED}")
+    _PIPELINED_FACTORIES[name] = factory
 
 
 def get(name: str, **knobs) -> HandWritten:
@@ -288,13 +306,11 @@ def get(name: str, **knobs) -> HandWritten:
     Raises:
       ShardingError: for an unknown name, listing the valid ones.
     """
-    if name == "megatron_3d":
-        from autopar.strategies import megatron_3d
-
+    if name in _PIPELINED_FACTORIES:
         try:
-            return megatron_3d.make(**knobs)
+            return _PIPELINED_FACTORIES[name](**knobs)
         except TypeError as e:
-            raise ShardingError(f"strategy 'megatron_3d' got knobs {sorted(knobs)}; it takes "
+            raise ShardingError(f"strategy {name!r} got knobs {sorted(knobs)}; it takes "
                                 f"stage_axis, microbatches, schedule and virtual_stages "
                                 f"({e})") from None
     factory = _FACTORIES.get(name)

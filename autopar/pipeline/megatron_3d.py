@@ -11,8 +11,10 @@ It runs through the same pipeline codegen as ``autopar.plan(..., pipeline=...)``
 stage costs come from sub-plans whose inputs are pinned to exactly the layouts the runtime gives
 them (``StageLayouts``), so its prediction prices what runs.
 
+    >>> plan = autopar.plan(step, state, batch, mesh={"stage": 2, "data": 2, "model": 2},
+    ...                     strategy="megatron_3d")
     >>> m3d = autopar.strategies.get("megatron_3d", microbatches=8, schedule="1f1b")
-    >>> plan = m3d.plan(step, state, batch, mesh={"stage": 2, "data": 2, "model": 2})
+    >>> run = autopar.autoparallel(step, mesh=mesh, strategy=m3d)      # plans on its first call
     >>> autopar.compare(step, state, batch, mesh=..., strategies=("megatron_3d", "auto"))
 """
 from __future__ import annotations
@@ -26,6 +28,7 @@ import jax
 from autopar.errors import ShardingError
 from autopar.pipeline.model import tensor_dim
 from autopar.pipeline.runtime import data_axes
+from autopar.strategies import register_pipelined
 from autopar.strategies.roles import path_keys
 
 
@@ -66,10 +69,10 @@ class Megatron3D:
 
     def fix_inputs(self, graph, mesh):
         raise ShardingError("strategy 'megatron_3d' pipelines the step, so it is not planned "
-                            "from one traced graph: use autopar.strategies.get('megatron_3d')"
-                            ".plan(step, state, batch, mesh=...) or autopar.compare(step, state, "
-                            "batch, mesh=..., strategies=('megatron_3d', ...)), with a step that "
-                            "declares its layers (autopar.pipeline.model.gpt_train_step)")
+                            "from one traced graph: plan it with autopar.plan(step, state, batch, "
+                            "mesh=..., strategy='megatron_3d') (or autoparallel, or compare), "
+                            "with a step that declares its layers "
+                            "(autopar.pipeline.model.gpt_train_step)")
 
     def pipeline(self, sizes: Mapping[str, int], rows: int) -> dict:
         """The ``pipeline=`` options this strategy pins on a mesh of ``sizes``."""
@@ -102,3 +105,6 @@ class Megatron3D:
 def make(*, stage_axis: str = "stage", microbatches: int | None = None, schedule: str = "1f1b",
          virtual_stages: int = 1) -> Megatron3D:
     return Megatron3D(stage_axis, microbatches, schedule, virtual_stages)
+
+
+register_pipelined("megatron_3d", make)
