@@ -39,7 +39,7 @@ from autopar.models import hf, zoo  # noqa: E402
 HAND = ("dp", "zero1", "zero2", "zero3", "megatron", "megatron_sp", "fsdp_tp")
 MESHES = ({"data": 8}, {"data": 2, "model": 4})
 HEADER = ("model", "framework", "step", "mesh", "strategy", "pred_ms", "meas_ms", "pred/meas",
-          "pred_peak_mib", "status")
+          "pred_peak_mib", "same_program", "status")
 TIME_LIMIT_S = 10.0
 
 
@@ -134,16 +134,27 @@ def _executables(fn, args, mesh, plans: dict, user) -> dict:
     return out
 
 
+def _programs(exes: dict) -> dict:
+    """name -> the first name whose compiled program is the same (equal HLO text): plans that
+    decide the same layouts (auto returning dp's plan) are one executable, timed once, so their
+    rows differ by nothing, not by the machine's noise."""
+    first: dict[int, str] = {}
+    return {k: first.setdefault(hash(exe.as_text()), k) for k, (exe, _) in exes.items()}
+
+
 def _timed(exes: dict, runs: int) -> dict:
-    """Median seconds per executable over ``runs`` interleaved rounds (after a warm-up)."""
-    times = {k: [] for k in exes}
+    """Median seconds per executable over ``runs`` interleaved rounds (after a warm-up); an
+    executable whose program another already has gets that one's times."""
+    same = _programs(exes)
+    times = {k: [] for k in exes if same[k] == k}
     for r in range(runs + 1):
-        for k, (exe, placed) in exes.items():
+        for k in times:
+            exe, placed = exes[k]
             t0 = time.perf_counter()
             jax.block_until_ready(exe(*placed))
             if r:
                 times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return {k: (statistics.median(times[same[k]]), same[k]) for k in exes}
 
 
 def run_case(case: Case, sizes: dict, runs: int, hand=HAND) -> list[dict]:
@@ -153,7 +164,7 @@ def run_case(case: Case, sizes: dict, runs: int, hand=HAND) -> list[dict]:
     user = case.user_layout(mesh) if case.user_layout else None
     measured = _timed(_executables(fn, args, mesh, plans, user), runs)
     rows = []
-    for name, t in measured.items():
+    for name, (t, same) in measured.items():
         plan = plans.get(name)
         pred = plan.cost.step_time_s * 1e3 if plan is not None else float("nan")
         rows.append(dict(model=case.name, framework=case.framework, step=case.step,
@@ -161,6 +172,7 @@ def run_case(case: Case, sizes: dict, runs: int, hand=HAND) -> list[dict]:
                          meas_ms=t * 1e3, **{"pred/meas": pred / (t * 1e3)},
                          pred_peak_mib=(plan.cost.peak_memory_bytes / 2**20 if plan is not None
                                         else float("nan")),
+                         same_program=same if same != name else "-",
                          status=plan.solver.status[:60] if plan is not None else "jax.jit"))
     return rows
 
@@ -203,7 +215,9 @@ def report(rows: list[dict], summ: list[dict]) -> str:
         "logical rules, as `user` planned by autopar and as `user-jit`, the user's own "
         "`jax.jit`), auto seeded (`compare`'s rows handed to it) and unseeded "
         "(`autopar.plan`). Predicted by the CPU cost model; measured on 8 emulated CPU devices "
-        "in interleaved rounds (medians). Reproduce: `python benchmarks/zoo.py`.", "",
+        "in interleaved rounds (medians). Plans that compile to the same program (equal HLO "
+        "text: auto returning dp's plan) are one executable, timed once (`same_program` names "
+        "the row it shares). Reproduce: `python benchmarks/zoo.py`.", "",
         "## Targets", "",
         _targets(seeded, "auto (seeded)"), _targets(unseeded, "auto (unseeded)"), "",
         "## Auto against the best other plan, per model and mesh", "",
@@ -234,7 +248,7 @@ def _targets(summ: list[dict], label: str) -> str:
 def main() -> None:
     p = _common.parser(__doc__)
     p.add_argument("--only", nargs="*", default=None, help="model names to run (merged)")
-    p.add_argument("--runs", type=int, default=7)
+    p.add_argument("--runs", type=int, default=21)
     args = p.parse_args()
     runs = 2 if args.quick else args.runs
     meshes = MESHES[1:] if args.quick else MESHES
@@ -245,6 +259,7 @@ def main() -> None:
         with open(csv_path) as f:
             old = [r for r in csv.DictReader(f) if r["model"] not in args.only]
             for r in old:
+                r.setdefault("same_program", "-")
                 for k in ("pred_ms", "meas_ms", "pred/meas", "pred_peak_mib"):
                     r[k] = float(r[k]) if r[k] not in ("-", "") else float("nan")
     rows = list(old)
