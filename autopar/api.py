@@ -15,7 +15,7 @@ import jax
 
 import cost_models
 import ir
-from autopar import arguments, codegen, distributed, strategies, validate
+from autopar import arguments, codegen, distributed, mesh_search, strategies, validate
 from autopar.errors import AutoparError, PlanError, ShardingError
 from autopar.executable import Compiled, Lowered
 from autopar.mesh import axis_sizes, concrete_mesh, on_mesh, without_mesh
@@ -50,7 +50,11 @@ def plan(fn: Callable, *args, mesh=None, hardware=None, memory_budget: float | N
         split as ``nnx.jit`` splits them: their state is traced, and a decorated step writes
         every change to it back into the caller's objects (see ``autopar.arguments``).
       mesh: a ``jax.sharding.Mesh``, an ``AbstractMesh`` or a dict of axis sizes
-        (``{"data": 32, "model": 8}``) — the devices need not be present.
+        (``{"data": 32, "model": 8}``) — the devices need not be present. Or a shape left to
+        the planner (``autopar.mesh_search``): a device count (``mesh=64``), a list of devices,
+        or a dict with open axes (``{"data": None, "model": None}``); every shape is planned
+        and the fastest that fits is returned, ``Plan.mesh`` the one chosen and
+        ``Plan.mesh_candidates`` the others.
       hardware: a profile name (``"a100"``, ``"h100"``, ``"h200"``, ``"cpu"``) or a
         ``cost_models.Hardware``; default: the mesh's devices, else ``"h100"``.
       memory_budget: per-device bytes the plan must fit; default the hardware's memory.
@@ -87,6 +91,12 @@ def plan(fn: Callable, *args, mesh=None, hardware=None, memory_budget: float | N
     validate.reject_unknown(options, PLAN_OPTIONS, "plan")
     validate.callable_fn(fn, "autopar.plan")
     _require_mesh(mesh, "plan")
+    if mesh_search.is_open(mesh):
+        return _plan_open_mesh(fn, args, mesh, hardware=hardware, memory_budget=memory_budget,
+                               strategy=strategy, donate_argnums=donate_argnums,
+                               time_limit_s=time_limit_s, deterministic=deterministic,
+                               pipeline=pipeline, kernels=kernels,
+                               memory_decisions=memory_decisions)
     _check_options(dict(hardware=hardware, memory_budget=memory_budget, strategy=strategy,
                         time_limit_s=time_limit_s, deterministic=deterministic,
                         kernels=kernels, memory_decisions=memory_decisions), mesh)
@@ -137,6 +147,29 @@ def _trace_call(fn: Callable, call, donate_argnums) -> tuple[ir.Graph, float]:
     return trace_abstract(traced, call.dynamic, donate_argnums)
 
 
+def _plan_open_mesh(fn, args, mesh, *, hardware, strategy, donate_argnums, time_limit_s,
+                    pipeline, **options) -> Plan:
+    """``autopar.plan`` where ``mesh=`` leaves the shape open (``autopar.mesh_search``): the
+    step traced once, each shape planned on it, the fastest that fits returned."""
+    if pipeline is not None or strategies.pipelined(strategy) is not None:
+        mesh_search.check_not_open(mesh, "a pipelined plan (pipeline= or strategy='megatron_3d')")
+    if strategy == "user":
+        raise ShardingError("strategy='user' plans the layouts the arguments are committed to, "
+                            "on their mesh; give that mesh instead of leaving its shape open")
+    om = mesh_search.open_mesh(mesh)
+    hw = mesh_search.hardware(hardware, om)
+    shapes = om.shapes(hw.devices_per_node)
+    _check_options(dict(hardware=hw, strategy=strategy, time_limit_s=time_limit_s, **options),
+                   shapes[0])
+    call = arguments.prepare(args)
+    graph, trace_s = _trace_call(fn, call, validate.donate_argnums(donate_argnums))
+    left = max(validate.time_limit(time_limit_s) - trace_s, 0.0)
+    return mesh_search.plan_over_shapes(
+        shapes, lambda sizes, t: plan_graph(graph, sizes, hardware=hw, strategy=strategy,
+                                            time_limit_s=t + trace_s, trace_s=trace_s,
+                                            **options), left)
+
+
 def trace_abstract(fn: Callable, args: tuple, donate_argnums=()) -> tuple[ir.Graph, float]:
     """``(graph, seconds)`` of ``fn(*args)`` traced from unsharded abstract arguments (arrays
     committed to a mesh trace as jax traces them there: jax.random adds reshards)."""
@@ -176,13 +209,25 @@ class AutoParallel:
         functools.update_wrapper(self, fn)
         self.fn = fn
         _require_mesh(mesh, "autoparallel")
-        self.mesh = concrete_mesh(mesh)
         self.options = dict(hardware=hardware, memory_budget=memory_budget, strategy=strategy,
                             time_limit_s=time_limit_s, deterministic=deterministic,
                             kernels=kernels, memory_decisions=memory_decisions)
-        _check_options(self.options, self.mesh)
+        # mesh= may leave its shape to the planner (autopar.mesh_search): chosen on the first
+        # call, and kept for every later signature (the state lives on one mesh)
+        self._open_mesh = mesh if mesh_search.is_open(mesh) else None
+        if self._open_mesh is not None:
+            if plan is not None or host_local_argnums not in ((), None):
+                mesh_search.check_not_open(mesh, "autoparallel with plan= or host_local_argnums=")
+            om = mesh_search.open_mesh(mesh)
+            hw = mesh_search.hardware(hardware, om)
+            _check_options(dict(self.options, hardware=hw), om.shapes(hw.devices_per_node)[0])
+            self.mesh = None
+        else:
+            self.mesh = concrete_mesh(mesh)
+            _check_options(self.options, self.mesh)
         self.donate_argnums = validate.donate_argnums(donate_argnums)
         self._given_plan = _given_plan(plan, self.options, self.mesh)
+        self._searched: dict[str, Plan] = {}    # graph fingerprint -> the mesh search's plan
         # Arguments holding this process's rows of the batch (see autopar.distributed).
         self.host_local_argnums = ((host_local_argnums,) if isinstance(host_local_argnums, int)
                                    else tuple(host_local_argnums))
@@ -226,6 +271,7 @@ class AutoParallel:
     def _plan_for(self, graph: ir.Graph, trace_s: float, given: Plan | None = None,
                   user_layout=None) -> Plan:
         given = given if given is not None else self._given_plan
+        given = given if given is not None else self._searched.pop(graph.fingerprint(), None)
         if given is not None:
             validate.check_plan_mesh(given, self.mesh)
             validate.plan_applies(given, graph)
@@ -233,8 +279,19 @@ class AutoParallel:
         return plan_graph(graph, self.mesh, trace_s=trace_s, user_layout=user_layout,
                           **self.options)
 
+    def _choose_mesh(self, args: tuple) -> None:
+        """Where ``mesh=`` left the shape open and none is chosen yet: plan ``args`` over every
+        shape (``autopar.plan``), keep the chosen shape's device mesh and its plan."""
+        if self.mesh is not None:
+            return
+        made = plan(self.fn, *args, mesh=self._open_mesh, donate_argnums=self.donate_argnums,
+                    **self.options)
+        self.mesh = mesh_search.open_mesh(self._open_mesh).concrete(made.mesh_shape)
+        self._searched[made.graph_fingerprint] = made
+
     def __call__(self, *args, **kwargs):
         _no_kwargs(self, kwargs)
+        self._choose_mesh(args)
         call, types, key = self._prepared(args, run=True)
         with on_mesh(self.mesh):
             entry = self._compiled(call, types, key)     # the key's one lookup in this call
@@ -298,6 +355,7 @@ class AutoParallel:
         for the planned one, as a call would move them), ShapeDtypeStructs, NNX objects, modules
         with static leaves. ``.compile()`` gives the executable, which runs as the step does."""
         _no_kwargs(self, kwargs)
+        self._choose_mesh(args)
         call, types, key = self._prepared(args, run=False)
         with on_mesh(self.mesh):
             entry = self._compiled(call, types, key)
@@ -307,6 +365,7 @@ class AutoParallel:
         """The executable of ``args``' signature (planned and compiled on first use, shared with
         the step's calls); it runs as the step does: ``step.compile(*args)(*args)``."""
         _no_kwargs(self, kwargs)
+        self._choose_mesh(args)
         call, types, key = self._prepared(args, run=False)
         with on_mesh(self.mesh):
             entry = self._compiled(call, types, key)
@@ -467,6 +526,7 @@ class _Pipelined:
         validate.callable_fn(fn, "autopar.autoparallel")
         functools.update_wrapper(self, fn)
         _require_mesh(mesh, "autoparallel")
+        mesh_search.check_not_open(mesh, "a pipelined step (pipeline= or strategy='megatron_3d')")
         self.fn, self.mesh = fn, concrete_mesh(mesh)
         staged = plan is None and "strategy" in plan_options
         self.pipeline = "auto" if pipeline is None and plan is None and not staged else pipeline

@@ -34,7 +34,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from autopar import arguments, hlo, validate
+from autopar import arguments, hlo, mesh_search, validate
 from autopar.api import autoparallel, plan_graph, trace_abstract
 from autopar.errors import PlanError
 from autopar.mesh import axis_sizes, concrete_mesh, hardware_for
@@ -184,6 +184,7 @@ def compare(fn: Callable, *args, mesh, hardware=None,
     validate.leaf_types(args, run=False)
     validate.memory_budget(memory_budget)
     validate.time_limit(time_limit_s)
+    mesh_search.check_not_open(mesh, "autopar.compare")
     axis_sizes(mesh)
     strategies = validate.strategy_list(strategies, "autopar.compare")
     graph, trace_s = trace_abstract(fn, args)   # as autoparallel traces it, so its plans apply

@@ -84,6 +84,7 @@ def summary(plan, max_rows: int = 40) -> str:
              f"{plan.solver.num_groups} decision groups, trace {plan.solver.trace_s:.2f}s + "
              f"build {plan.solver.build_s:.2f}s + solve {plan.solver.solve_s:.2f}s", ""]
     header = f"{'input':<64} {'shape':<22} spec"
+    lines += mesh_candidate_lines(plan)
     if plan.notes:
         lines += ["not placed as the strategy intends:"] + [f"  {n}" for n in plan.notes] + [""]
     rows = param_rows(plan)
@@ -101,6 +102,23 @@ def summary(plan, max_rows: int = 40) -> str:
     lines += _rejected_lines(plan, max_rows)
     lines += _fallback_lines(plan, max_rows)
     return "\n".join(lines)
+
+
+def mesh_candidate_lines(plan) -> list[str]:
+    """The mesh shapes tried where ``mesh=`` left the shape open, the chosen one first."""
+    if not plan.mesh_candidates:
+        return []
+    lines = [f"mesh chosen among {len(plan.mesh_candidates)} shapes (predicted step, peak):"]
+    for k, c in enumerate(plan.mesh_candidates):
+        shape = " x ".join(f"{a}={n}" for a, n in c.mesh)
+        if c.step_time_s is None:
+            what = f"no plan: {c.error.splitlines()[0][:100]}"
+        else:
+            what = (f"{c.step_time_s * 1e3:.3f} ms, {c.peak_memory_bytes / 2**20:.2f} MiB"
+                    + ("   <- chosen" if k == 0 else
+                       f"   ({c.step_time_s / plan.mesh_candidates[0].step_time_s:.2f}x)"))
+        lines.append(f"  {shape:<28} {what}")
+    return lines + [""]
 
 
 def rejected_rows(plan):
@@ -216,6 +234,10 @@ def html(plan) -> str:
     if host:
         again += (f"{esc(host[0])}<ul>" + "".join(f"<li>{esc(r.strip())}</li>" for r in host[1:])
                   + "</ul>")
+    shapes = mesh_candidate_lines(plan)
+    if shapes:
+        again += (f"{esc(shapes[0])}<ul>" + "".join(f"<li>{esc(r.strip())}</li>"
+                                                    for r in shapes[1:] if r) + "</ul>")
     return (f"<div><b>autopar plan</b> strategy={esc(plan.strategy)} mesh={esc(dict(plan.mesh))} "
             f"hardware={esc(plan.hardware)}<br>{esc(plan.cost)}<br>{again}"
             f"<table><tr><th>input</th><th>shape</th><th>spec</th></tr>{rows}</table>"

@@ -23,7 +23,8 @@ from autopar.sharding import Sharding, to_spec
 # 5: kernels: the fused kernels the plan runs in place of XLA's ops.
 # 6: recompute: the loops whose saved values the backward pass recomputes, and how.
 # 7: offload: the arguments held in host memory between steps.
-FORMAT_VERSION = 7
+# 8: mesh_candidates: the mesh shapes the planner tried where the call left the shape open.
+FORMAT_VERSION = 8
 # Prefix of the strategy names of ops run replicated for want of a rule (planner.rules uses it).
 FALLBACK = "replicated: "
 PIN_SLOTS = ("out", "in", "arg", "res")
@@ -174,6 +175,17 @@ class SolverStats:
 
 
 @dataclasses.dataclass(frozen=True)
+class MeshCandidate:
+    """One mesh shape the planner tried where ``mesh=`` left the shape open
+    (``autopar.mesh_search``): its predicted step and peak, or why it has no plan."""
+
+    mesh: tuple[tuple[str, int], ...]
+    step_time_s: float | None
+    peak_memory_bytes: float | None
+    error: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     """A sharding plan for one function and one abstract signature.
 
@@ -207,6 +219,7 @@ class Plan:
     pipeline: Any = None       # autopar.pipeline.record.PipelinePlan of a pipelined plan
     recompute: tuple[Recompute, ...] = ()   # what the backward pass recomputes (memory)
     offload: tuple[Offload, ...] = ()       # what lives in host memory between steps (memory)
+    mesh_candidates: tuple[MeshCandidate, ...] = ()   # shapes tried for an open mesh= (best first)
 
     # ---- views ------------------------------------------------------------------------------
     @property
@@ -322,7 +335,9 @@ def _plan_from_dict(d) -> Plan:
             J.seq(d.get("rejected_kernels", []), "rejected_kernels"))),
         recompute=tuple(_recompute(x, k) for k, x in enumerate(
             J.seq(d["recompute"], "recompute"))),
-        offload=_offloads(d["offload"], len(ins), len(outs)))
+        offload=_offloads(d["offload"], len(ins), len(outs)),
+        mesh_candidates=tuple(_mesh_candidate(x, k) for k, x in enumerate(
+            J.seq(d["mesh_candidates"], "mesh_candidates"))))
 
 
 def _pipeline(x, sizes):
@@ -348,11 +363,11 @@ def _check_top(d) -> None:
         raise PlanError(f"unknown fields {unknown} / missing fields {missing}")
 
 
-def _mesh(x) -> dict[str, int]:
+def _mesh(x, where: str = "mesh") -> dict[str, int]:
     from autopar.mesh import axis_sizes
 
-    pairs = J.pairs(x, "mesh")
-    names = [J.text(a, f"mesh[{k}] axis name") for k, (a, _) in enumerate(pairs)]
+    pairs = J.pairs(x, where)
+    names = [J.text(a, f"{where}[{k}] axis name") for k, (a, _) in enumerate(pairs)]
     if len(set(names)) != len(names):
         raise PlanError(f"mesh {pairs} repeats an axis name")
     return axis_sizes(dict(pairs))
@@ -478,6 +493,18 @@ def _offloads(x, n_in: int, n_out: int) -> tuple[Offload, ...]:
                            None if before is None else J.number(before,
                                                                 f"{where}.no_offload_peak_bytes")))
     return tuple(out)
+
+
+def _mesh_candidate(x, k: int) -> MeshCandidate:
+    where = f"mesh_candidates[{k}]"
+    d = J.fields(x, where, [f.name for f in dataclasses.fields(MeshCandidate)])
+    step, peak = d["step_time_s"], d["peak_memory_bytes"]
+    if (step is None) != (peak is None) or (step is None) == (not d["error"]):
+        raise AutoparError(f"{where}: a candidate has a step time and peak, or an error")
+    return MeshCandidate(tuple(_mesh(d["mesh"], f"{where}.mesh").items()),
+                         None if step is None else J.number(step, f"{where}.step_time_s"),
+                         None if peak is None else J.number(peak, f"{where}.peak_memory_bytes"),
+                         J.text(d["error"], f"{where}.error") if d["error"] else "")
 
 
 def _spec_entry(x, where: str) -> tuple[str, str, tuple[int, ...]]:
