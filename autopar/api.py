@@ -151,8 +151,12 @@ def _plan_open_mesh(fn, args, mesh, *, hardware, strategy, donate_argnums, time_
                     pipeline, **options) -> Plan:
     """``autopar.plan`` where ``mesh=`` leaves the shape open (``autopar.mesh_search``): the
     step traced once, each shape planned on it, the fastest that fits returned."""
-    if pipeline is not None or strategies.pipelined(strategy) is not None:
-        mesh_search.check_not_open(mesh, "a pipelined plan (pipeline= or strategy='megatron_3d')")
+    if pipeline is not None:
+        return _plan_open_pipeline(fn, args, mesh, hardware=hardware, strategy=strategy,
+                                   donate_argnums=donate_argnums, time_limit_s=time_limit_s,
+                                   pipeline=pipeline, memory_budget=options["memory_budget"])
+    if strategies.pipelined(strategy) is not None:
+        mesh_search.check_not_open(mesh, "strategy='megatron_3d'")
     if strategy == "user":
         raise ShardingError("strategy='user' plans the layouts the arguments are committed to, "
                             "on their mesh; give that mesh instead of leaving its shape open")
@@ -168,6 +172,26 @@ def _plan_open_mesh(fn, args, mesh, *, hardware, strategy, donate_argnums, time_
         shapes, lambda sizes, t: plan_graph(graph, sizes, hardware=hw, strategy=strategy,
                                             time_limit_s=t + trace_s, trace_s=trace_s,
                                             **options), left)
+
+
+def _plan_open_pipeline(fn, args, mesh, *, hardware, strategy, donate_argnums, time_limit_s,
+                        pipeline, memory_budget) -> Plan:
+    """``autopar.plan(..., pipeline=...)`` over an open mesh: every ``{stage, data, model}``
+    shape (the stage axis named by ``pipeline``'s ``axis``, at least 2 stages) planned by the
+    pipeline planner, the fastest that fits returned."""
+    from autopar.pipeline import planning
+
+    _no_graph_objects(args, "plan")
+    axis = pipeline.get("axis", "stage") if isinstance(pipeline, dict) else "stage"
+    om = mesh_search.open_mesh(mesh, (axis, "data", "model"))
+    hw = mesh_search.hardware(hardware, om)
+    shapes = om.shapes(hw.devices_per_node, {axis: 2} if dict(om.axes).get(axis, 0) is None
+                       else {})
+    return mesh_search.plan_over_shapes(
+        shapes, lambda sizes, t: planning.plan(
+            fn, args, sizes, hardware=hw, memory_budget=memory_budget, pipeline=pipeline,
+            time_limit_s=t, strategy=strategy, donate_argnums=donate_argnums),
+        validate.time_limit(time_limit_s))
 
 
 def trace_abstract(fn: Callable, args: tuple, donate_argnums=()) -> tuple[ir.Graph, float]:
@@ -526,7 +550,9 @@ class _Pipelined:
         validate.callable_fn(fn, "autopar.autoparallel")
         functools.update_wrapper(self, fn)
         _require_mesh(mesh, "autoparallel")
-        mesh_search.check_not_open(mesh, "a pipelined step (pipeline= or strategy='megatron_3d')")
+        mesh_search.check_not_open(mesh, "a pipelined autoparallel step (plan it with "
+                                         "autopar.plan(..., pipeline=..., mesh=N) and run the "
+                                         "plan on its mesh)")
         self.fn, self.mesh = fn, concrete_mesh(mesh)
         staged = plan is None and "strategy" in plan_options
         self.pipeline = "auto" if pipeline is None and plan is None and not staged else pipeline

@@ -7,17 +7,18 @@ shares the devices present (``jax.device_count()``) among its open axes once its
 taken.
 
 Every way of giving the open axes sizes that multiply to the devices left is a candidate, except
-where an axis other than the first would cross a node boundary: the mesh's devices are laid out
-in order, so the axes after the first hold consecutive devices and must fit inside one node
-(their product divides the hardware profile's ``devices_per_node``), as Megatron-LM keeps its
-tensor-parallel groups on NVLink. The step is traced once and each candidate is planned on it
-(the call's time limit shared among them); the fastest plan that fits the memory budget wins.
+where the last axis would cross a node boundary: the mesh's devices are laid out in order, so
+the minor axis holds consecutive devices, and it is where tensor parallelism's frequent
+collectives go: its size must divide the hardware profile's ``devices_per_node``, as Megatron-LM
+keeps its tensor-parallel groups on NVLink. With ``pipeline=`` a count opens ``stage`` (at
+least 2), ``data`` and ``model``, and each shape is planned by the pipeline planner. The step
+is traced once and each candidate is planned on it (the call's time limit shared among them);
+the fastest plan that fits the memory budget wins (a pipelined step is traced per shape).
 ``Plan.mesh`` is the shape it chose; ``Plan.mesh_candidates`` every shape tried, with its
 predicted step and peak or why it has no plan, and the summary shows them.
 
-Not searched here: the pipeline's stage axis and an expert axis (``pipeline=`` and MoE steps
-plan one given mesh); ``autopar.pipeline.search`` sweeps stage counts for clusters planned
-abstractly.
+Not searched here: an expert axis (an MoE step plans the axes it is given); ``autoparallel``
+with ``pipeline=`` and ``compare`` take a mesh of fixed shape.
 """
 from __future__ import annotations
 
@@ -43,8 +44,9 @@ class OpenMesh:
     devices: int
     device_list: tuple | None = None
 
-    def shapes(self, devices_per_node: int) -> list[dict[str, int]]:
-        """Every shape the planner may choose, in a fixed order (first axis largest first)."""
+    def shapes(self, devices_per_node: int, at_least: Mapping[str, int] = {}) -> list[dict]:
+        """Every shape the planner may choose, in a fixed order (first axis largest first);
+        ``at_least``: open axes' smallest sizes (a pipeline's stage axis: 2)."""
         fixed = math.prod(n for _, n in self.axes if n is not None)
         if self.devices % fixed:
             raise ShardingError(f"mesh={dict(self.axes)}: its fixed axes take {fixed} devices, "
@@ -55,15 +57,16 @@ class OpenMesh:
         for sizes in _factorisations(self.devices // fixed, len(open_axes)):
             chosen = dict(zip(open_axes, sizes))
             shape = {a: chosen.get(a, n) for a, n in self.axes}
-            minor = math.prod(list(shape.values())[1:])
-            if devices_per_node % minor == 0:
+            minor = list(shape.values())[-1]
+            if devices_per_node % minor == 0 and all(
+                    chosen.get(a, n) >= n for a, n in at_least.items()):
                 out.append(shape)
         if not out:
             raise ShardingError(f"mesh={dict(self.axes)} over {self.devices} devices: every shape "
-                                f"puts an axis other than the first across a node boundary "
-                                f"({devices_per_node} devices per node); open the first axis "
-                                f"too, or fix the minor axes to sizes that divide "
-                                f"{devices_per_node}")
+                                f"puts its last axis across a node boundary "
+                                f"({devices_per_node} devices per node) or leaves a pipeline "
+                                f"fewer than 2 stages; open more axes, or fix the last one to "
+                                f"a size that divides {devices_per_node}")
         return out
 
     def concrete(self, sizes: Mapping[str, int]):
@@ -88,12 +91,13 @@ def is_open(mesh) -> bool:
         isinstance(d, jax.Device) for d in mesh)
 
 
-def open_mesh(mesh) -> OpenMesh:
-    """``mesh`` (an open form, ``is_open``) checked and made an ``OpenMesh``."""
+def open_mesh(mesh, axes: Sequence[str] = OPEN_AXES) -> OpenMesh:
+    """``mesh`` (an open form, ``is_open``) checked and made an ``OpenMesh``; ``axes``: the
+    axes a count or a device list opens."""
     if isinstance(mesh, (int, np.integer)):
         if mesh < 1:
             raise ShardingError(f"mesh={mesh}: a device count is an integer >= 1, e.g. mesh=8")
-        return OpenMesh(tuple((a, None) for a in OPEN_AXES), int(mesh))
+        return OpenMesh(tuple((a, None) for a in axes), int(mesh))
     if isinstance(mesh, Mapping):
         for name, n in mesh.items():
             if not isinstance(name, str) or not name:
@@ -108,7 +112,7 @@ def open_mesh(mesh) -> OpenMesh:
     if len({id(d) for d in mesh}) != len(mesh):
         raise ShardingError(f"mesh= lists {len(mesh)} devices with repeats; give each device "
                             f"once")
-    return OpenMesh(tuple((a, None) for a in OPEN_AXES), len(mesh), tuple(mesh))
+    return OpenMesh(tuple((a, None) for a in axes), len(mesh), tuple(mesh))
 
 
 def hardware(hardware, om: OpenMesh):
@@ -147,7 +151,7 @@ def plan_over_shapes(shapes: Sequence[dict], plan_one: Callable[[dict, float], P
     for sizes in shapes:
         try:
             tried.append((sizes, plan_one(sizes, share), ""))
-        except (PlanError, ShardingError) as e:    # this shape has no plan; the others may
+        except AutoparError as e:      # this shape has no plan (or takes no pipeline); others may
             tried.append((sizes, None, f"{type(e).__name__}: {e}"))
     planned = [(s, p) for s, p, _ in tried if p is not None]
     if not planned:
@@ -169,6 +173,5 @@ def check_not_open(mesh, where: str) -> None:
     """Refuse an open mesh where the shape cannot be a decision (yet)."""
     if is_open(mesh):
         raise AutoparError(f"{where} takes a mesh of fixed shape; mesh={mesh!r} leaves it to "
-                           f"the planner, which only autopar.plan and autoparallel decide (for "
-                           f"steps planned without pipeline=). Give the sizes, e.g. "
-                           f"mesh={{'data': 2, 'model': 4}}")
+                           f"the planner, which autopar.plan decides (and autoparallel without "
+                           f"pipeline=). Give the sizes, e.g. mesh={{'data': 2, 'model': 4}}")

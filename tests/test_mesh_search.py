@@ -30,8 +30,10 @@ def test_shapes_are_every_factorisation_within_a_node():
         (("data", 16), ("model", 4)), (("data", 8), ("model", 8))]
     assert len(_shapes(("data", "model"), 8)) == 4                 # 8x1 4x2 2x4 1x8
     assert _shapes({"data": 2, "model": None}) == [(("data", 2), ("model", 4))]
-    three = _shapes(("data", "expert", "model"), 16, per_node=4)
-    assert all(e * m <= 4 for (_, _), (_, e), (_, m) in three) and len(three) == 6
+    three = _shapes(("data", "expert", "model"), 16, per_node=4)   # the last axis in a node
+    assert {m for *_, (_, m) in three} == {1, 2, 4} and len(three) == 12
+    staged = open_mesh(8, ("stage", "data", "model")).shapes(8, {"stage": 2})
+    assert {s["stage"] for s in staged} == {2, 4, 8} and len(staged) == 6
 
 
 @functools.cache
@@ -112,3 +114,31 @@ def test_the_notebook_view_lists_the_shapes():
     _, _, plan = _searched()
     view = plan._repr_html_()
     assert "mesh chosen among 4 shapes" in view and view.count("<li>") >= 4
+
+
+def test_a_pipelined_plan_chooses_its_stage_count_too():
+    """``pipeline="auto"`` with ``mesh=8``: every {stage >= 2, data, model} shape is planned by the
+    pipeline planner; a shape with more stages than layers says why it has no plan; the chosen
+    plan runs with the unsharded step's numbers."""
+    from numerics import assert_params
+
+    from autopar.models import gpt
+    from autopar.pipeline import model as PM
+    from autopar.pipeline import planning as PL
+
+    cfg = gpt.GPTConfig(vocab=64, seq=8, d_model=32, heads=4, d_ff=64, layers=4, scan=True)
+    step, init = PM.gpt_train_step(cfg, 1e-3)
+    state, batch = init(jax.random.PRNGKey(0), 8), gpt.make_batch(cfg, 8)
+    plan = autopar.plan(step, state, batch, mesh=8, hardware="cpu", pipeline="auto",
+                        time_limit_s=20)
+    cands = plan.mesh_candidates
+    assert len(cands) == 6 and plan.pipeline is not None
+    assert dict(plan.mesh) == dict(cands[0].mesh) and dict(plan.mesh)["stage"] >= 2
+    failed = [c for c in cands if c.step_time_s is None]
+    assert [dict(c.mesh)["stage"] for c in failed] == [8] and "8 stages" in failed[0].error
+    mesh = jax.make_mesh(tuple(dict(plan.mesh).values()), tuple(dict(plan.mesh)),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    new, loss = PL.executable(plan, step, mesh)(state, batch)
+    ref, ref_loss = jax.jit(step)(state, batch)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+    assert_params(new["params"], ref["params"], 1e-3, grads=ref["opt_state"][0].mu)
