@@ -89,7 +89,9 @@ def _mesh_listing_a_device_twice() -> Mesh:
 MESH_CASES = [
     ("mesh-missing", lambda: _plan(mesh=None), ShardingError, r"needs mesh="),
     ("mesh-list", lambda: _plan(mesh=[2, 4]), ShardingError, r"\[2, 4\] \(list\) is not a jax"),
-    ("mesh-int", lambda: _plan(mesh=8), ShardingError, r"mesh=8 \(int\) is not"),
+    ("mesh-count-0", lambda: _plan(mesh=0), ShardingError,
+     r"mesh=0: a device count is an integer >= 1"),
+    ("mesh-float", lambda: _plan(mesh=8.0), ShardingError, r"mesh=8.0 \(float\) is not"),
     ("mesh-str", lambda: _plan(mesh="data"), ShardingError, r"'data' \(str\) is not"),
     ("mesh-empty", lambda: _plan(mesh={}), ShardingError, r"has no axes.*\{'data': 1\}"),
     ("mesh-size-0", lambda: _plan(mesh={"data": 2, "model": 0}), ShardingError,

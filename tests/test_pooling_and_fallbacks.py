@@ -255,15 +255,15 @@ def test_compare_seeds_auto_with_its_rows_and_unseeded_plans_as_autopar_plan(mon
     """Seeded, compare hands its hand-written plans to auto (which does not solve them again);
     unseeded, auto is planned as ``autopar.plan(strategy="auto")`` plans it, with its own
     hand-written starts. Both are held against dp and are never predicted slower."""
-    api = importlib.import_module("autopar.api")
+    request = importlib.import_module("autopar.request")     # where every plan call goes
     seen = []
-    real = api.make_plan
+    real = request.make_plan
 
     def spy(graph, sizes, cm, opts, **kw):
         seen.append(opts)
         return real(graph, sizes, cm, opts, **kw)
 
-    monkeypatch.setattr(api, "make_plan", spy)
+    monkeypatch.setattr(request, "make_plan", spy)
     step, state, batch = mlp.abstract(64, 256, 2, 64)
     kw = dict(mesh={"data": 8}, hardware="h100", measure=False, progress=False, time_limit_s=2)
     seeded = autopar.compare(step, state, batch, strategies=("dp", "auto"), **kw)
