@@ -550,10 +550,12 @@ class _Pipelined:
         validate.callable_fn(fn, "autopar.autoparallel")
         functools.update_wrapper(self, fn)
         _require_mesh(mesh, "autoparallel")
-        mesh_search.check_not_open(mesh, "a pipelined autoparallel step (plan it with "
-                                         "autopar.plan(..., pipeline=..., mesh=N) and run the "
-                                         "plan on its mesh)")
-        self.fn, self.mesh = fn, concrete_mesh(mesh)
+        # an open mesh (autopar.mesh_search) is shaped, stage count included, on the first call
+        self._open_mesh = mesh if mesh_search.is_open(mesh) else None
+        if self._open_mesh is not None and plan is not None:
+            mesh_search.check_not_open(mesh, "autoparallel with plan=")
+        self.fn = fn
+        self.mesh = None if self._open_mesh is not None else concrete_mesh(mesh)
         staged = plan is None and "strategy" in plan_options
         self.pipeline = "auto" if pipeline is None and plan is None and not staged else pipeline
         self._given, self._options = plan, plan_options
@@ -602,8 +604,12 @@ class _Pipelined:
         if key not in self._runs:
             if run:     # an unrolled model's own layout is refused before planning it
                 planning.stacked_args(self.fn, args, run=True)
-            made = self._given or plan(self.fn, *args, mesh=self.mesh, pipeline=self.pipeline,
-                                       **self._options)
+            made = self._given or plan(self.fn, *args, mesh=self.mesh or self._open_mesh,
+                                       pipeline=self.pipeline, **self._options)
+            if self.mesh is None:       # the shape the search chose, kept for later calls
+                axis = made.pipeline.axis if made.pipeline is not None else "stage"
+                self.mesh = mesh_search.open_mesh(self._open_mesh, (axis, "data", "model")
+                                                  ).concrete(made.mesh_shape)
             self._runs[key] = (made, planning.executable(made, self.fn, self.mesh))
         self._last, step = self._runs[key]
         return step

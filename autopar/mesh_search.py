@@ -17,8 +17,8 @@ the fastest plan that fits the memory budget wins (a pipelined step is traced pe
 ``Plan.mesh`` is the shape it chose; ``Plan.mesh_candidates`` every shape tried, with its
 predicted step and peak or why it has no plan, and the summary shows them.
 
-Not searched here: an expert axis (an MoE step plans the axes it is given); ``autoparallel``
-with ``pipeline=`` and ``compare`` take a mesh of fixed shape.
+Not searched here: an expert axis (an MoE step plans the axes it is given). ``compare`` and
+``megatron_3d`` take a mesh of fixed shape.
 """
 from __future__ import annotations
 

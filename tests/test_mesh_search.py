@@ -118,27 +118,24 @@ def test_the_notebook_view_lists_the_shapes():
 
 def test_a_pipelined_plan_chooses_its_stage_count_too():
     """``pipeline="auto"`` with ``mesh=8``: every {stage >= 2, data, model} shape is planned by the
-    pipeline planner; a shape with more stages than layers says why it has no plan; the chosen
-    plan runs with the unsharded step's numbers."""
+    pipeline planner; a shape with more stages than layers says why it has no plan; the
+    decorated step runs the chosen plan, on the chosen mesh, with the unsharded step's numbers."""
     from numerics import assert_params
 
     from autopar.models import gpt
     from autopar.pipeline import model as PM
-    from autopar.pipeline import planning as PL
 
     cfg = gpt.GPTConfig(vocab=64, seq=8, d_model=32, heads=4, d_ff=64, layers=4, scan=True)
     step, init = PM.gpt_train_step(cfg, 1e-3)
     state, batch = init(jax.random.PRNGKey(0), 8), gpt.make_batch(cfg, 8)
-    plan = autopar.plan(step, state, batch, mesh=8, hardware="cpu", pipeline="auto",
-                        time_limit_s=20)
-    cands = plan.mesh_candidates
+    run = autopar.autoparallel(step, mesh=8, hardware="cpu", pipeline="auto", time_limit_s=20)
+    new, loss = run(state, batch)
+    plan, cands = run.plan, run.plan.mesh_candidates
     assert len(cands) == 6 and plan.pipeline is not None
     assert dict(plan.mesh) == dict(cands[0].mesh) and dict(plan.mesh)["stage"] >= 2
+    assert dict(zip(run.mesh.axis_names, run.mesh.devices.shape)) == dict(plan.mesh)
     failed = [c for c in cands if c.step_time_s is None]
     assert [dict(c.mesh)["stage"] for c in failed] == [8] and "8 stages" in failed[0].error
-    mesh = jax.make_mesh(tuple(dict(plan.mesh).values()), tuple(dict(plan.mesh)),
-                         axis_types=(jax.sharding.AxisType.Auto,) * 3)
-    new, loss = PL.executable(plan, step, mesh)(state, batch)
     ref, ref_loss = jax.jit(step)(state, batch)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
     assert_params(new["params"], ref["params"], 1e-3, grads=ref["opt_state"][0].mu)
