@@ -1,7 +1,8 @@
-"""The request: a traced graph and the caller's options, checked and resolved once (mesh
-sizes, hardware profile, cost model, budget, strategy pins and starts), then handed to the
+"""The request: a traced graph and the caller's options, checked and resolved (mesh sizes,
+hardware profile, cost model, budget, strategy pins and starts) in one place, then handed to the
 planner. ``autopar.plan``, ``@autoparallel``, ``compare`` and the pipeline's stage pricing all
-plan through ``plan_graph``; nothing below re-validates or re-derives a default."""
+plan through ``plan_graph``. (The options still travel as ``PlannerOptions`` plus arguments, not
+yet as one Request object the planner's layers share.)"""
 from __future__ import annotations
 
 import dataclasses
@@ -21,7 +22,7 @@ def plan_graph(graph: ir.Graph, mesh, *, hardware=None, memory_budget=None, stra
                deterministic: bool | None = None, kernels: str = "never",
                host_inputs: bool = True, seed_plans: tuple[Plan, ...] = (),
                user_layout=None, memory_decisions=validate.MEMORY_DECISIONS) -> Plan:
-    """Plan an already traced graph (see ``plan``); ``host_inputs=False``: no input is fed
+    """Plan an already traced graph (see ``autopar.plan``); ``host_inputs=False``: no input is fed
     from the host (``PlannerOptions.host_inputs``); ``seed_plans``: plans of this graph auto
     is held against (``PlannerOptions.seed_plans``); ``user_layout``: the layout the arguments
     are committed to (``strategies.user.from_arrays``), the strategy ``"user"`` and one more
