@@ -38,13 +38,15 @@ OPEN_AXES = ("data", "model")
 @dataclasses.dataclass(frozen=True)
 class OpenMesh:
     """A mesh whose shape is left to the planner: ``axes`` in mesh order, ``None`` where open;
-    ``devices`` the devices to lay it over (``None``: the ones present, for a count)."""
+    ``devices`` how many devices it spans; ``device_list`` the devices to lay it over (``None``:
+    the ones present, in order)."""
 
     axes: tuple[tuple[str, int | None], ...]
     devices: int
     device_list: tuple | None = None
 
-    def shapes(self, devices_per_node: int, at_least: Mapping[str, int] = {}) -> list[dict]:
+    def shapes(self, devices_per_node: int, at_least: Mapping[str, int] | None = None
+               ) -> list[dict]:
         """Every shape the planner may choose, in a fixed order (first axis largest first);
         ``at_least``: open axes' smallest sizes (a pipeline's stage axis: 2)."""
         fixed = math.prod(n for _, n in self.axes if n is not None)
@@ -59,7 +61,7 @@ class OpenMesh:
             shape = {a: chosen.get(a, n) for a, n in self.axes}
             minor = list(shape.values())[-1]
             if devices_per_node % minor == 0 and all(
-                    chosen.get(a, n) >= n for a, n in at_least.items()):
+                    chosen.get(a, n) >= n for a, n in (at_least or {}).items()):
                 out.append(shape)
         if not out:
             raise ShardingError(f"mesh={dict(self.axes)} over {self.devices} devices: every shape "
