@@ -175,12 +175,6 @@ def elementwise_rule(op: Op, ctx: RuleContext) -> Choices | Follow:
             if v not in ctx.literals and ctx.t(v).shape == out_shape]
     if not out_shape:
         return fallback_rule(op, ctx)
-    if not full:
-        return _outer_choices(op, ctx, out_shape)
-    # Follow a "real" operand: not a broadcast of something smaller, nor a graph input, when there
-    # is a choice, so a bias add follows the activation, not the bias.
-    strong = [i for i in full if ctx.producers.get(op.ins[i]) not in _WEAK_PRODUCERS]
-    lead = (strong or full)[0]
 
     def derive(s: Sharding) -> Strategy:
         ins = tuple(None if v in ctx.literals else _broadcast_need(s, ctx.t(v).shape, out_shape)
@@ -189,26 +183,21 @@ def elementwise_rule(op: Op, ctx: RuleContext) -> Choices | Follow:
                      for v in op.outs)
         return Strategy(fmt(s), ins, outs, shard_factor(s, ctx.mesh))
 
+    if not full:
+        # None of the operands has the result's shape: operands of the result's rank broadcast
+        # their size-1 dims against each other (flax's norms: ``rsqrt(var)`` of shape (B, S, 1)
+        # times ``scale`` of shape (1, 1, D)). Each layout of the result is a choice and each
+        # operand needs its own dims of it (a rank-0 operand is needed whole), so a batch-split
+        # ``rsqrt`` stays split. Operands of another rank make it a source: every operand whole.
+        ranks = {len(ctx.t(v).shape) for v in op.ins if v not in ctx.literals}
+        if not ranks <= {0, len(out_shape)}:
+            return source_choices(op, ctx)
+        return Choices(tuple(derive(s) for s in enumerate_shardings(out_shape, ctx.mesh)))
+    # Follow a "real" operand: not a broadcast of something smaller, nor a graph input, when there
+    # is a choice, so a bias add follows the activation, not the bias.
+    strong = [i for i in full if ctx.producers.get(op.ins[i]) not in _WEAK_PRODUCERS]
+    lead = (strong or full)[0]
     return Follow(lead, derive)
-
-
-def _outer_choices(op: Op, ctx: RuleContext, out_shape) -> Choices:
-    """An elementwise op none of whose operands has the result's shape: operands of the result's
-    rank broadcast their size-1 dims against each other (flax's norms: ``rsqrt(var)`` of shape
-    (B, S, 1) times ``scale`` of shape (1, 1, D)). Each layout of the result is a choice, and each
-    operand needs its own dims of it (a rank-0 operand is needed whole), so a batch-split
-    ``rsqrt`` stays split. Operands of another rank make it a source: every operand whole."""
-    ranks = {len(ctx.t(v).shape) for v in op.ins if v not in ctx.literals}
-    if not ranks <= {0, len(out_shape)}:
-        return source_choices(op, ctx)
-    strategies = []
-    for s in enumerate_shardings(out_shape, ctx.mesh):
-        ins = tuple(None if v in ctx.literals else _broadcast_need(s, ctx.t(v).shape, out_shape)
-                    for v in op.ins)
-        outs = tuple(s if ctx.t(v).shape == out_shape else replicated(len(ctx.t(v).shape))
-                     for v in op.outs)
-        strategies.append(Strategy(fmt(s), ins, outs, shard_factor(s, ctx.mesh)))
-    return Choices(tuple(strategies))
 
 
 # ---------------------------------------------------------------------------------------------
