@@ -160,9 +160,7 @@ def _plan_open_mesh(fn, args, mesh, *, hardware, strategy, donate_argnums, time_
     if strategy == "user":
         raise ShardingError("strategy='user' plans the layouts the arguments are committed to, "
                             "on their mesh; give that mesh instead of leaving its shape open")
-    om = mesh_search.open_mesh(mesh)
-    hw = mesh_search.hardware(hardware, om)
-    shapes = om.shapes(hw.devices_per_node)
+    hw, shapes = mesh_search.checked(mesh, hardware)
     _check_options(dict(hardware=hw, strategy=strategy, time_limit_s=time_limit_s, **options),
                    shapes[0])
     call = arguments.prepare(args)
@@ -183,10 +181,7 @@ def _plan_open_pipeline(fn, args, mesh, *, hardware, strategy, donate_argnums, t
 
     _no_graph_objects(args, "plan")
     axis = pipeline.get("axis", "stage") if isinstance(pipeline, dict) else "stage"
-    om = mesh_search.open_mesh(mesh, (axis, "data", "model"))
-    hw = mesh_search.hardware(hardware, om)
-    shapes = om.shapes(hw.devices_per_node, {axis: 2} if dict(om.axes).get(axis, 0) is None
-                       else {})
+    hw, shapes = mesh_search.checked(mesh, hardware, (axis, "data", "model"), {axis: 2})
     return mesh_search.plan_over_shapes(
         shapes, lambda sizes, t: planning.plan(
             fn, args, sizes, hardware=hw, memory_budget=memory_budget, pipeline=pipeline,
@@ -242,9 +237,8 @@ class AutoParallel:
         if self._open_mesh is not None:
             if plan is not None or host_local_argnums not in ((), None):
                 mesh_search.check_not_open(mesh, "autoparallel with plan= or host_local_argnums=")
-            om = mesh_search.open_mesh(mesh)
-            hw = mesh_search.hardware(hardware, om)
-            _check_options(dict(self.options, hardware=hw), om.shapes(hw.devices_per_node)[0])
+            hw, shapes = mesh_search.checked(mesh, hardware)
+            _check_options(dict(self.options, hardware=hw), shapes[0])
             self.mesh = None
         else:
             self.mesh = concrete_mesh(mesh)
@@ -310,7 +304,7 @@ class AutoParallel:
             return
         made = plan(self.fn, *args, mesh=self._open_mesh, donate_argnums=self.donate_argnums,
                     **self.options)
-        self.mesh = mesh_search.open_mesh(self._open_mesh).concrete(made.mesh_shape)
+        self.mesh = mesh_search.concrete(self._open_mesh, made.mesh_shape)
         self._searched[made.graph_fingerprint] = made
 
     def __call__(self, *args, **kwargs):
@@ -607,9 +601,7 @@ class _Pipelined:
             made = self._given or plan(self.fn, *args, mesh=self.mesh or self._open_mesh,
                                        pipeline=self.pipeline, **self._options)
             if self.mesh is None:       # the shape the search chose, kept for later calls
-                axis = made.pipeline.axis if made.pipeline is not None else "stage"
-                self.mesh = mesh_search.open_mesh(self._open_mesh, (axis, "data", "model")
-                                                  ).concrete(made.mesh_shape)
+                self.mesh = mesh_search.concrete(self._open_mesh, made.mesh_shape)
             self._runs[key] = (made, planning.executable(made, self.fn, self.mesh))
         self._last, step = self._runs[key]
         return step

@@ -71,15 +71,6 @@ class OpenMesh:
                                 f"a size that divides {devices_per_node}")
         return out
 
-    def concrete(self, sizes: Mapping[str, int]):
-        """The device mesh of the chosen shape, with Auto axes (see ``mesh.concrete_mesh``)."""
-        from autopar.mesh import concrete_mesh
-
-        if self.device_list is None:
-            return concrete_mesh(dict(sizes))
-        devices = np.array(self.device_list, dtype=object).reshape(tuple(sizes.values()))
-        return concrete_mesh(jax.sharding.Mesh(devices, tuple(sizes)))
-
 
 def is_open(mesh) -> bool:
     """Whether ``mesh`` leaves its shape to the planner (see the module docstring)."""
@@ -117,7 +108,27 @@ def open_mesh(mesh, axes: Sequence[str] = OPEN_AXES) -> OpenMesh:
     return OpenMesh(tuple((a, None) for a in axes), len(mesh), tuple(mesh))
 
 
-def hardware(hardware, om: OpenMesh):
+def concrete(mesh, sizes: Mapping[str, int]):
+    """The device mesh of the shape the search chose for the open ``mesh``, with Auto axes (see
+    ``mesh.concrete_mesh``): over the listed devices, or the ones present."""
+    from autopar.mesh import concrete_mesh
+
+    if not isinstance(mesh, (list, tuple)):
+        return concrete_mesh(dict(sizes))
+    devices = np.array(mesh, dtype=object).reshape(tuple(sizes.values()))
+    return concrete_mesh(jax.sharding.Mesh(devices, tuple(sizes)))
+
+
+def checked(mesh, hardware, axes: Sequence[str] = OPEN_AXES,
+            at_least: Mapping[str, int] | None = None):
+    """``(hardware profile, shapes)`` of the open ``mesh``: its form checked, the profile
+    resolved (``hardware``), every shape the planner may choose (``OpenMesh.shapes``)."""
+    om = open_mesh(mesh, axes)
+    hw = hardware_of(hardware, om)
+    return hw, om.shapes(hw.devices_per_node, at_least)
+
+
+def hardware_of(hardware, om: OpenMesh):
     """The hardware profile: ``hardware`` if given, else that of the devices the mesh is laid
     over (the listed ones, or the present ones when they number the count), else H100's."""
     from autopar.mesh import hardware_for
