@@ -174,7 +174,11 @@ def estimate(prob: Problem, choice) -> MemoryEstimate:
     looped = [(a, b, nbytes(v)) for v, a, b in temps if g.ops[a].regions]
     spans = [(a, b, nbytes(v)) for v, a, b in temps if not g.ops[a].regions and v not in fused]
     # a folded graph's removed copies' values live across the gap: a buffer each (ir.fold)
-    spans += [(a, b, nbytes(v)) for v, a, b, copies in prob.phantoms for _ in range(copies)]
+    # ... but for those XLA computes only in slices or never writes, and held as long as the
+    # kept copies' (a sliced value's operands, to where the removed copies read the slices)
+    spans += [(a, _held_in_gap(prob, v, b, held), nbytes(v))
+              for v, a, b, copies in prob.phantoms
+              if v not in sliced and v not in fused for _ in range(copies)]
     live = np.zeros(len(g.ops) + 1)
     copies, made = _copy_spans(prob, choice)
     for a, b, size in _pooled(looped + spans + copies
@@ -195,6 +199,15 @@ def estimate(prob: Problem, choice) -> MemoryEstimate:
 # least this many elements, whatever its type (measured on f32 and bf16 row sums and layer norms);
 # a smaller one runs in XLA's own loop fusion, which computes a broadcast operand in place.
 LIBRARY_REDUCTION_ELEMENTS = 4096
+
+
+def _held_in_gap(prob: Problem, v: int, last: int, held: dict[int, int]) -> int:
+    """Where a folded graph's removed copies of ``v`` are last read, ``last``, or later where
+    ``_recomputed_in_slices`` holds ``v`` for a slice its removed copies read."""
+    t = held.get(v)
+    if t is None or t >= len(prob.graph.ops):
+        return last
+    return max(last, prob.gap.read(prob.graph.ops[t].id))
 
 
 def _fused_broadcasts(prob: Problem, nbytes) -> set[int]:
@@ -648,32 +661,82 @@ def _copy_spans(prob: Problem, choice) -> tuple[list[tuple[int, int, float]], di
         kept = [t for e, t in zip(edges, at) if (e.op, e.value) not in moved]
         first = min(at)
         top = all(g.ops[t].id == e.op and not g.ops[t].regions for e, t in zip(edges, at))
-        if written and top and _communicates(src, need, prob.mesh):
+        early = bool(written) and top and _communicates(src, need, prob.mesh)
+        if early:
             first = min(first, written.get(es[0].value, first))
         size = g.values[es[0].value].nbytes / shard_factor(need, prob.mesh)
         out.append((first, max(kept, default=first if dots else min(at)), size))
         made.update(((e.op, e.value), first) for e in dots)
         if prob.gap is not None:
-            out += _gap_copies(prob, es[0].value, edges, at, size)
+            out += _gap_copies(prob, es[0].value, edges,
+                               [e for e in edges if (e.op, e.value) not in moved], early, size)
     return out, made
 
 
-def _gap_copies(prob: Problem, v: int, edges, at, size: float) -> list:
+def _gap_copies(prob: Problem, v: int, edges, kept, early: bool, size: float) -> list:
     """The copy of ``v`` each removed copy of a folded graph's representative makes
-    (``problem.Gap``): made where the removed copies make ``v`` (or, of an argument, where
-    its first reader runs), held to where its last reader would run."""
+    (``problem.Gap``), as ``_copy_spans`` places the representative's own: made where the
+    removed copies' first reader of it runs (``Gap.made``), or where they make ``v`` for a
+    copy XLA:CPU makes as soon as its source exists (``early``); held to where their last
+    reader other than a transposing dot (``kept``) runs. Only a copy made inside the gap
+    (by a forward or backward op of the layer) is one per removed layer live at once; and
+    one made and read inside the gap is live at no kept op: none. (Placing every copy where
+    the removed layers make its source, or where they first read an argument, held a
+    backward-only weight's gathered copy and each backward-only activation copy once per
+    removed layer at the gap's edge: 3.5 GiB on transformers' Llama-7B at one sequence a
+    device, and up to 15% of a 16-layer GPT's zero3 peak, that the full graph never holds.)"""
     gap = prob.gap
     producer = prob.graph.producer(v)
-    weights = [gap.weight.get(e.op, 0) for e in edges]
-    lo = gap.born(producer.id) if producer is not None else None
-    if lo is None:
-        if producer is not None or not any(weights):
+    if producer is not None:
+        if gap.born(producer.id) is None:
             return []
-        first = min(range(len(at)), key=at.__getitem__)
-        lo = gap.read(edges[first].op)
-    hi = max(gap.read(e.op) for e in edges)
-    w = gap.weight[producer.id] if producer is not None else max(weights)
+        w = gap.weight[producer.id]
+    else:
+        w = max((gap.weight.get(e.op, 0) for e in edges), default=0)
+    inside = [gap.made(e.op) for e in edges if gap.weight.get(e.op) and gap.stage.get(e.op)
+              in ("f", "b")]
+    if early and producer is not None:
+        inside.append(gap.born(producer.id))
+    if not w or not inside:
+        return []
+    lo = min(inside)
+    hi = max((gap.read(e.op) for e in kept), default=lo)
     return [(lo, hi, size)] * w if lo <= hi else []
+
+
+def _gap_cut_copies(prob: Problem, es, position: int) -> list:
+    """The possible copies of ``es``'s value that a folded graph's removed layers would hold at
+    ``position`` (``_gap_copies``, per layout a reader may need), as ``CopyCut.copies``, each
+    once for all its removed copies (its bytes times their number): live where the source
+    makes another layout, a reader of the layer made it in the gap at or before the position
+    and one reads it at or after (XLA:CPU's early copies are not seen, as ``cut_at`` does not
+    see them of the kept ops). Without them a cut at a folded plan's peak could not see what
+    holds it there (transformers' Llama-7B at one sequence a device: 14 GiB of resharded
+    activations across the gap, and six cut rounds left the plan where it was)."""
+    gap, g = prob.gap, prob.graph
+    v = es[0].value
+    readers = [e for e in es if e.op >= 0]
+    producer = g.producer(v)
+    if producer is not None:
+        if gap.born(producer.id) is None:
+            return []
+        w = gap.weight[producer.id]
+    else:
+        w = max((gap.weight.get(e.op, 0) for e in readers), default=0)
+    if not w:
+        return []
+    have = prob.groups[es[0].src].shard[v]
+    out = []
+    for need in dict.fromkeys(n for e in readers for n in e.need):
+        other = frozenset(i for i, h in enumerate(have) if h != need)
+        ix = [(e, frozenset(j for j, n in enumerate(e.need) if n == need)) for e in readers]
+        before = tuple((e.dst, i) for e, i in ix if i and gap.weight.get(e.op)
+                       and gap.stage.get(e.op) in ("f", "b") and gap.made(e.op) <= position)
+        after = tuple((e.dst, i) for e, i in ix if i and gap.read(e.op) >= position)
+        if other and before and after:
+            out.append((w * g.values[v].nbytes / shard_factor(need, prob.mesh), es[0].src,
+                        other, before, after))
+    return out
 
 
 def _never_written(prob: Problem) -> frozenset[int]:
@@ -909,6 +972,9 @@ def cut_at(prob: Problem, position: int) -> CopyCut:
             if other and before and after:
                 copies.append((nbytes / shard_factor(need, prob.mesh), es[0].src, other,
                                before, after))
+    if prob.gap is not None:
+        for es in prob.edge_sets():
+            copies += _gap_cut_copies(prob, es, position)
     intervals, inner = _schedule(prob)
     live = [v for v, a, b in intervals if a <= position <= b] + list(
         inner.get(position, ((), 0))[0])

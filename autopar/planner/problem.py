@@ -1029,6 +1029,14 @@ class Gap:
             return None
         return self.fwd_next if s == "f" else self.bwd_start
 
+    def made(self, op_id: int) -> int:
+        """Where the removed copies of ``op_id`` make a copy of an argument they read: inside
+        the gap for a forward or backward op of the layer (so the copies of an argument that
+        only the layer's forward, or only its backward, reads are made and freed inside it,
+        never live at a kept op), where the reader itself runs for any other."""
+        return self.born(op_id) if self.weight.get(op_id) and self.stage.get(op_id) in (
+            "f", "b") else self.at[op_id]
+
     def read(self, op_id: int) -> int:
         """Where the removed copies of a value's reader ``op_id`` read it: inside the gap for a
         forward or backward op of the layer, where the reader itself runs for any other."""
