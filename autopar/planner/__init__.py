@@ -168,6 +168,7 @@ def _seeds(prob: problem.Problem, cm, allowed, options: PlannerOptions, hint,
     # Branch and bound: a start whose every plan costs at least the best seed so far cannot
     # win; the weakest bounds are tried first, so the best seeds come early.
     bounded = sorted((ilp.lower_bound_s(prob.untied(m), cm, m), n, m) for n, m in pinned.values())
+    start_clock = clock.for_starts()
     for k, (bound, name, merged) in enumerate(bounded):
         if clock.spent(START_BEFORE):
             clock.note(f"time limit: tried {k} of {len(bounded)} hand-written starts")
@@ -179,10 +180,14 @@ def _seeds(prob: problem.Problem, cm, allowed, options: PlannerOptions, hint,
         if budget is not None and ilp.memory_lower_bound(sub, merged) > budget:
             continue           # its pinned state alone breaks the budget: it fits no plan
         try:
-            sol = ilp.solve(sub, cm, budget, options.time_limit_s, merged, clock=clock,
+            sol = ilp.solve(sub, cm, budget, options.time_limit_s, merged, clock=start_clock,
                             score=_scorer(prob, cm), explain=False)
-            sol, peak, _ = _within_budget(sub, sol, cm, options, merged, clock,
-                                          SEED_CUT_ROUNDS, 0, seek_least=False)
+            cost = plan_cost(prob, cm, sol.choice)
+            # Cut rounds only add constraints: a start no cheaper than a seed that fits cannot
+            # win by them, and is kept as it is (its layouts stay among the ILP's candidates).
+            rounds = 0 if best is not None and cost >= best.step_s else SEED_CUT_ROUNDS
+            sol, peak, _ = _within_budget(sub, sol, cm, options, merged, start_clock,
+                                          rounds, 0, seek_least=False)
         except PlanError:      # this strategy fits no plan: auto has nothing to beat here
             continue
         out.append(_Seed(name, sol.choice, plan_cost(prob, cm, sol.choice), peak, sol.status))
