@@ -64,15 +64,27 @@ def _choices(model, params, batch, n: int, hw, budget: float, grid: dict, costs:
     """Every candidate of ``grid`` on ``n`` devices (stage costs cached in ``costs``)."""
     out = []
     for sizes in search.meshes(n, model.num_layers, hw.devices_per_node, grid["tensor"]):
-        if not search.fits_parameters(model, params, sizes, budget):
-            continue
-        for m in search.microbatch_counts(ROWS, sizes, grid["rows_per_shard"]):
-            key = (sizes["data"], sizes["model"], ROWS // m)
-            if key not in costs:
-                costs[key] = PL.stage_costs(model, params, batch, ROWS // m, sizes, "stage", hw,
-                                            SUB_PLAN_LIMIT_S)
-            out += [search.evaluate(model, params, costs[key], sizes, hw, budget, name, v, m)
-                    for name in grid["schedules"] for v in grid["virtual"]]
+        out += choices_on(model, params, batch, sizes, hw, budget, grid, costs, ROWS,
+                          SUB_PLAN_LIMIT_S)
+    return out
+
+
+def choices_on(model, params, batch, sizes: dict, hw, budget: float, grid: dict, costs: dict,
+               rows: int, limit_s: float, strategy="auto") -> list:
+    """Every candidate of ``grid`` (microbatch rows per shard, schedules, virtual stages) on
+    the mesh ``sizes``, ``rows`` sequences a step; stage costs planned under ``strategy`` and
+    cached in ``costs``. None where a stage's parameters and Adam state alone break
+    ``budget``."""
+    if not search.fits_parameters(model, params, sizes, budget):
+        return []
+    out = []
+    for m in search.microbatch_counts(rows, sizes, grid["rows_per_shard"]):
+        key = (sizes["data"], sizes["model"], rows // m)
+        if key not in costs:
+            costs[key] = PL.stage_costs(model, params, batch, rows // m, sizes, "stage", hw,
+                                        limit_s, strategy)
+        out += [search.evaluate(model, params, costs[key], sizes, hw, budget, name, v, m)
+                for name in grid["schedules"] for v in grid["virtual"]]
     return [c for c in out if c is not None]
 
 
