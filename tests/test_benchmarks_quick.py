@@ -28,6 +28,7 @@ CASES = {
     "zoo.py": ("zoo.md", "zoo.csv"),
     "recompute.py": ("recompute.md",),
     "nnx_call.py": ("nnx_call.md", "nnx_call.csv"),
+    "megatron_table.py": ("megatron_table.md", "megatron_table.csv"),
 }
 
 
@@ -53,6 +54,11 @@ def test_quick(script, tmp_path):
         assert not row["status"].startswith("error") and float(row["total_s"]) > 0, row
         # the whole plan call holds its build and solve, and then the Plan's assembly
         assert float(row["plan_s"]) >= float(row["build_s"]) + float(row["solve_s"]), row
+    if script == "megatron_table.py":     # the 39.1B row: both sides planned at the paper's mesh
+        with open(tmp_path / "megatron_table.csv") as fh:
+            row = next(csv.DictReader(fh))
+        hand, auto = float(row["megatron_3d TFLOP/s"]), float(row["auto TFLOP/s"])
+        assert row["row"] == "39.1B" and 0 < hand <= auto * 1.001, row
 
 
 def test_pipeline_cpu_pads_a_chunk_as_the_runtime_does(monkeypatch):
