@@ -73,6 +73,24 @@ HEADER = ("row", "gpus", "paper t p d", "batch", "paper TFLOP/s",
           "open mesh TFLOP/s", "open / paper", "open mesh choice", "plan_s")
 
 
+NOTES = """\
+Reading the table:
+
+* megatron_3d as this project runs it keeps the embedding and the output layer whole on every
+  device of a stage (the runtime's hand-written stage layout: only the layers' kernels are
+  split over the tensor axis), where Megatron-LM splits them over the vocabulary. At 145.6B
+  that alone puts its best candidate at 80.6 GiB (auto's layouts: 55.3 GiB), at 310.1B at
+  94.5 GiB (auto: 60.8 GiB): "no plan fits" 80 GiB.
+* Its plain 1F1B pays the lockstep runtime's penalty (every hop between stages is a tick;
+  ``autopar.pipeline.schedules``): a 39% bubble at p = 4, where Megatron-LM's asynchronous
+  runtime has the textbook (p - 1) / M = 5%. Auto buys that back with eager 1F1B, two
+  sequences per microbatch and the ILP's layouts, at the cost of memory.
+* The p = 1 rows are not pipelined: the whole batch is one step (Megatron-LM accumulates
+  microbatches); their ratios are the intra-operator cost model's against the paper's
+  measurement.
+"""
+
+
 def config(heads: int, d_model: int, layers: int) -> gpt.GPTConfig:
     return gpt.GPTConfig(vocab=VOCAB, seq=SEQ, d_model=d_model, heads=heads, d_ff=4 * d_model,
                          layers=layers, scan=True, remat=True, dtype=jnp.bfloat16)
@@ -177,7 +195,7 @@ def main() -> None:
     _common.write_csv(out / "megatron_table.csv", HEADER, table)
     text = ["# Megatron-LM's SC'21 table, planned (predicted TFLOP/s per GPU)", "",
             __doc__.split("\n\n", 1)[1].split("    python ")[0].strip(), "",
-            _common.md_table(HEADER, table), "",
+            _common.md_table(HEADER, table), "", NOTES, "",
             f"Wall time {time.perf_counter() - t0:.0f} s. Environment: "
             f"{_common.environment()}.", ""]
     _common.write_md(args, "megatron_table.md", "\n".join(text))
