@@ -45,7 +45,7 @@ import cost_models
 from autopar.models import gpt
 from autopar.pipeline import model as PM
 from autopar.pipeline import schedules as S
-from autopar.pipeline.megatron_3d import StageLayouts
+from autopar.pipeline.megatron_3d import stage_layouts
 
 SEQ, VOCAB = 2048, 51200
 # (name, heads, d_model, layers, t, p, GPUs, global batch, TFLOP/s per GPU measured): Table 1
@@ -110,7 +110,7 @@ def _pipelined(cfg, batch: int, hw, sizes_of, grid: dict, costs: dict, strategy)
     state = jax.eval_shape(lambda: init(jax.random.PRNGKey(0), 8))
     xb = jax.eval_shape(lambda: gpt.make_batch(cfg, batch))
     if strategy == "megatron":
-        strategy = StageLayouts(dict(model.tensor_dims))
+        strategy = stage_layouts(model, state["params"], xb)
     out = []
     for sizes in sizes_of(model):
         out += pipeline_3d.choices_on(model, state["params"], xb, sizes, hw, hw.memory_bytes,

@@ -36,6 +36,9 @@ def test_megatron_3d_pins_megatrons_recipe(setup):
     assert pp.layer_ranges == ((0, 2), (2, 4)) and plan.strategy == "megatron_3d"
     spec = plan.spec_of("params']['layers']['attn']['qkv']['kernel")     # (L, D, 3, H, Dh)
     assert tuple(spec) == ("stage", None, None, "model")
+    # Megatron-LM's vocabulary-parallel embedding and output layer
+    assert tuple(plan.spec_of("params']['wte']['embedding")) == ("model",)
+    assert tuple(plan.spec_of("params']['lm_head']['kernel")) == (None, "model")
     assert 0 < pp.bubble_fraction < 1 and len(pp.stage_memory_bytes) == 2
 
 
