@@ -96,3 +96,18 @@ def test_megatron_3d_is_a_strategy_like_any_other(setup):
     ref_state, ref_loss = jax.jit(step)(state, batch)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
     assert_params(new["params"], ref_state["params"], LR, grads=ref_state["opt_state"][0].mu)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_megatron_3d_finds_the_vocabulary_to_split(dtype):
+    """The embedding table's rows are read off the staged model's embedding, through the cast
+    a bfloat16 model makes of its float32 table (missed, the table stayed whole)."""
+    import dataclasses
+
+    from autopar.pipeline.megatron_3d import stage_layouts
+
+    cfg = dataclasses.replace(CFG, vocab=96, dtype=getattr(jax.numpy, dtype))
+    step, init = PM.gpt_train_step(cfg)
+    state = jax.eval_shape(lambda: init(jax.random.PRNGKey(0), 8))
+    batch = jax.eval_shape(lambda: gpt.make_batch(cfg, 8))
+    assert stage_layouts(PM.staged_model_of(step), state["params"], batch).vocabulary == 96

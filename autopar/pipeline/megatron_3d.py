@@ -81,9 +81,14 @@ def _vocabulary(graph) -> int | None:
     first = {v for v, path in zip(graph.inputs, graph.input_paths)
              if path_keys(path)[:1] == ("0",) and len(graph.values[v].shape) == 2}
     for op in graph.all_ops():
+        if op.prim in _CASTS and op.ins and op.ins[0] in first:   # a bfloat16 model's table
+            first.update(op.outs)
         if op.prim == "gather" and op.ins and op.ins[0] in first:
             return graph.values[op.ins[0]].shape[0]
     return None
+
+
+_CASTS = ("convert_element_type", "copy", "reduce_precision")
 
 
 @dataclasses.dataclass(frozen=True)
