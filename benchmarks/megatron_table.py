@@ -76,15 +76,14 @@ HEADER = ("row", "gpus", "paper t p d", "batch", "paper TFLOP/s",
 NOTES = """\
 Reading the table:
 
-* megatron_3d as this project runs it keeps the embedding and the output layer whole on every
-  device of a stage (the runtime's hand-written stage layout: only the layers' kernels are
-  split over the tensor axis), where Megatron-LM splits them over the vocabulary. At 145.6B
-  that alone puts its best candidate at 80.6 GiB (auto's layouts: 55.3 GiB), at 310.1B at
-  94.5 GiB (auto: 60.8 GiB): "no plan fits" 80 GiB.
-* Its plain 1F1B pays the lockstep runtime's penalty (every hop between stages is a tick;
-  ``autopar.pipeline.schedules``): a 39% bubble at p = 4, where Megatron-LM's asynchronous
-  runtime has the textbook (p - 1) / M = 5%. Auto buys that back with eager 1F1B, two
+* megatron_3d's plain 1F1B pays the lockstep runtime's penalty (every hop between stages is a
+  tick; ``autopar.pipeline.schedules``): a 38% bubble at p = 4 and 53% at p = 16, where
+  Megatron-LM's asynchronous runtime has the textbook (p - 1) / M, 5% and 10%. At 145.6B its
+  best is interleaved 1F1B (V = 2, 15%). Auto buys the time back with eager 1F1B, two
   sequences per microbatch and the ILP's layouts, at the cost of memory.
+* megatron_3d splits the embedding and the output layer over the vocabulary, as Megatron-LM
+  does. Kept whole (before that was fixed) they put its best candidates at 80.6 GiB (145.6B)
+  and 94.5 GiB (310.1B): no plan fitted 80 GiB.
 * The p = 1 rows are not pipelined: the whole batch is one step (Megatron-LM accumulates
   microbatches); their ratios are the intra-operator cost model's against the paper's
   measurement.
