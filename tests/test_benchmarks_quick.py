@@ -29,6 +29,7 @@ CASES = {
     "recompute.py": ("recompute.md",),
     "nnx_call.py": ("nnx_call.md", "nnx_call.csv"),
     "megatron_table.py": ("megatron_table.md", "megatron_table.csv"),
+    "mesh_choice.py": ("mesh_choice.md", "mesh_choice.csv"),
 }
 
 
