@@ -97,8 +97,10 @@ class RejectedKernel:
 class Recompute:
     """A planner decision: at one forward/backward loop pair of the step (``ir.recompute``: a
     scanned model's layers), the backward loop recomputes what the forward loop saved for it,
-    under ``policy`` (``"save_dots"``: from the layer input and the kept matmul outputs;
-    ``"full"``: from the layer input alone). Codegen rewrites the step accordingly."""
+    under ``policy`` (``"selective"``: the attention core, from the kept queries and keys;
+    ``"save_dots"``: from the layer input and the kept matmul outputs; ``"save_weight_dots"``:
+    from the layer input and the kept outputs of the weight matmuls; ``"full"``: from the
+    layer input alone). Codegen rewrites the step accordingly."""
 
     site: int                 # index among ``ir.recompute.sites_of(graph)``
     policy: str               # one of ir.recompute.POLICIES other than "none"

@@ -26,6 +26,12 @@ Policies, in increasing recomputation (``POLICIES``):
   statistics and outputs, softmax, activations, elementwise results) is recomputed, like
   ``jax.checkpoint_policies.dots_saveable`` and close to Megatron-LM's selective recomputation
   (which also recomputes the attention scores' matmul);
+* ``"save_weight_dots"``: only the outputs of matmuls without batch dimensions (a layer's
+  matmuls with its weights) stay saved; the attention's batched matmuls, its softmax and
+  everything elementwise are recomputed, like
+  ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable`` (MaxText's and many users'
+  choice for Megatron-LM-style selective recomputation: nothing quadratic in the sequence is
+  kept);
 * ``"full"``: only each layer's input stays saved (``nothing_saveable``: full recomputation).
 
 Residuals that are a loop input already (a parameter slice the forward loop passes through)
@@ -50,7 +56,7 @@ from ir import replay
 from ir.flops import op_cost
 from ir.from_jaxpr import graph_of, tensor_type
 
-POLICIES = ("none", "selective", "save_dots", "full")
+POLICIES = ("none", "selective", "save_dots", "save_weight_dots", "full")
 # What a saved value is: the layer's input (never recomputed: recomputation starts from it), a
 # loop input passed through (free to read again), the attention core (quadratic in a dimension
 # of the layer's input, e.g. (batch, heads, seq, seq) scores), a matmul output, the rest.
@@ -318,11 +324,20 @@ class _Handoff:
 
 def saved_vars(body, policy: str) -> set:
     """The forward-body values a policy keeps (stacked) for the recomputation to start from,
-    beyond the layer's inputs: ``"save_dots"`` the matmul outputs, ``"full"`` none."""
-    if policy == "save_dots":
-        return {v for e in body.eqns if e.primitive.name == "dot_general" for v in e.outvars
-                if not _is_drop(v)}
+    beyond the layer's inputs: ``"save_dots"`` the matmul outputs, ``"save_weight_dots"``
+    those of matmuls without batch dimensions, ``"full"`` none."""
+    if policy in ("save_dots", "save_weight_dots"):
+        return {v for e in body.eqns if e.primitive.name == "dot_general"
+                and (policy == "save_dots" or not _batched(e))
+                for v in e.outvars if not _is_drop(v)}
     return set()
+
+
+def _batched(eqn) -> bool:
+    """Whether a ``dot_general`` has batch dimensions (attention's per-head matmuls do; a
+    layer's matmuls with its weights do not)."""
+    (_, _), (lhs_batch, _) = eqn.params["dimension_numbers"]
+    return bool(lhs_batch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -490,6 +505,7 @@ def describe(closed: jcore.ClosedJaxpr, site: Site, policy: str) -> str:
     c = choose(eqns[site.fwd], eqns[site.bwd], site, policy)
     what = {"selective": "from the saved queries and keys, all else kept",
             "save_dots": "from the layer input and the matmul outputs, kept",
+            "save_weight_dots": "from the layer input and the weight matmuls' outputs, kept",
             "full": "from the layer input alone"}.get(policy, "")
     return (f"{policy} at the {site.length}-iteration loop {site.where}: {len(c.again)} saved "
             f"values ({c.dropped_bytes / 2**20:.1f} MiB over all devices) recomputed {what} "

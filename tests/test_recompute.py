@@ -65,7 +65,7 @@ def _runs_the_same(graph, closed, new, args) -> None:
     _same_step(graph, got, want)
 
 
-@pytest.mark.parametrize("policy", ["selective", "save_dots", "full"])
+@pytest.mark.parametrize("policy", ["selective", "save_dots", "save_weight_dots", "full"])
 def test_rewritten_step_is_the_same_function_and_saves_less(gpt_step, policy):
     step, state, batch = gpt_step
     graph = ir.trace(step, state, batch)
@@ -87,6 +87,9 @@ def test_rewritten_step_is_the_same_function_and_saves_less(gpt_step, policy):
         assert choice.stacked_bytes == 0
         assert {r.cls for r in site.recomputed(policy)} <= {"attention", "input"}
         assert choice.replayed_flops == 2 * ROWS * CFG.heads * CFG.seq ** 2 * (
+            CFG.d_model // CFG.heads) * CFG.layers
+    elif policy == "save_weight_dots":   # the attention's two batched matmuls again
+        assert choice.replayed_flops == 4 * ROWS * CFG.heads * CFG.seq ** 2 * (
             CFG.d_model // CFG.heads) * CFG.layers
     else:                      # matmul outputs are kept: no matmul is replayed
         assert choice.replayed_flops == 0

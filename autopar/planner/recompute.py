@@ -3,7 +3,9 @@
 When no layout of the step fits the memory budget, the planner plans the step again with its
 scanned layers' saved values recomputed (``ir.recompute``): under ``"selective"`` (only the
 attention core recomputed, Megatron-LM's selective recomputation), ``"save_dots"`` (matmul
-outputs kept, the rest recomputed) and ``"full"`` (only each layer's input kept). Each
+outputs kept, the rest recomputed), ``"save_weight_dots"`` (only the weight matmuls' outputs
+kept: ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``) and ``"full"`` (only each
+layer's input kept). Each
 rewritten step is planned whole (layouts, collectives, the replayed FLOPs and the memory the
 loops no longer hold, all priced by the same cost model), and the fastest plan that fits is
 returned, with the decision in ``Plan.recompute`` for codegen to apply. A step that fits
@@ -11,7 +13,7 @@ without recomputation is planned as before: recomputation only ever trades time 
 the budget lacks.
 
 Partial, on purpose for now: the policy is one per step (every loop pair the same), chosen
-among three, by planning each rewritten step rather than by variables of one ILP; steps that fit
+among four, by planning each rewritten step rather than by variables of one ILP; steps that fit
 are not offered recomputation even where it would let a cheaper layout fit (Mist's trade);
 unrolled layers are not rewritten (see ``ir.recompute``); hand-written strategies (whose
 filters are bound to the traced graph's ops) are not rewritten.
@@ -26,7 +28,7 @@ from ir import recompute as rewrite
 from ir.from_jaxpr import graph_of
 
 # Tried in this order; every one that fits is planned and the fastest kept.
-TRIED = ("selective", "save_dots", "full")
+TRIED = ("selective", "save_dots", "save_weight_dots", "full")
 
 
 def has_sites(graph) -> bool:
