@@ -4,7 +4,9 @@ Part 1 (abstract, H100 profile): ``autopar.models.gpt`` at the paper's 6.7B conf
 (scanned, bfloat16, 64 sequences of 2048), without the user's remat, planned by auto on ``{data:
 8}``: the planner decides what the backward pass recomputes (``Plan.recompute``). Beside it, the
 same model with the user's own full remat (``nn.remat``, as MaxText users set it), and megatron
-on that, and the model on one H100 (which fits only with host offload and its state donated:
+on that, and with the user's own selective remat (``nn.remat`` with jax's
+``dots_with_no_batch_dims_saveable``, Megatron-LM-style) under megatron and auto, and the
+model on one H100 (which fits only with host offload and its state donated:
 ``benchmarks/offload.py`` plans it); and ``benchmarks/checkpoint.py``'s re-plan of the model
 (sequence 1024, 224 rows) from 64 H100s onto the 56 left after losing a node, which no layout
 fits without recomputation.
@@ -58,6 +60,12 @@ def big_rows() -> list[tuple]:
               {"data": 8}),
              ("user full remat (nn.remat)", dataclasses.replace(BIG, remat=True), "megatron",
               {"data": 8}),
+             # Megatron-LM-style selective recomputation written by the user: nn.remat with
+             # jax's dots_with_no_batch_dims_saveable (the weight matmuls' outputs kept)
+             ("user selective remat (weight dots kept)",
+              dataclasses.replace(BIG, remat="selective"), "megatron", {"data": 8}),
+             ("user selective remat (weight dots kept)",
+              dataclasses.replace(BIG, remat="selective"), "auto", {"data": 8}),
              ("no user remat, one H100", BIG, "auto", {"data": 1}),
              # benchmarks/checkpoint.py's re-plan after losing a node: 224 sequences of 1024
              ("seq 1024, 224 rows, 64 H100s", dataclasses.replace(BIG, seq=1024), "auto",
@@ -117,7 +125,9 @@ def main() -> None:
     text = ["# Recomputation as a planner decision", "",
             "`benchmarks/recompute.py`: where no layout fits the memory budget, the planner",
             "rewrites a scanned model's step so its backward loop recomputes what the forward",
-            "loop saved (`ir.recompute`; policies `save_dots`: matmul outputs kept, `full`: only",
+            "loop saved (`ir.recompute`; policies `selective`: the attention core recomputed, "
+            "`save_dots`: matmul outputs kept, `save_weight_dots`: the weight matmuls' outputs "
+            "kept, `full`: only",
             "each layer's input kept), plans each rewritten step and keeps the fastest that fits.",
             ""]
     if not args.quick:

@@ -191,3 +191,22 @@ def test_plan_json_rejects_an_unknown_policy(gpt_step):
     bad = dataclasses.replace(plan, recompute=(Recompute(0, "sometimes", "x", 1.0, 1.0, 0.0),))
     with pytest.raises(autopar.PlanError, match="recompute policy"):
         autopar.Plan.from_json(bad.to_json())
+
+
+def test_user_selective_remat_is_the_same_step_and_saves_less():
+    """``GPTConfig(remat="selective")``: the user's own Megatron-style recomputation (jax's
+    ``dots_with_no_batch_dims_saveable``), the baseline the planner's ``save_weight_dots``
+    is held against: the same step, fewer saved values than none, more than full remat."""
+    small = dataclasses.replace(CFG, layers=2, seq=32)
+    outs, saved = {}, {}
+    for remat in (False, "selective", True):
+        step, state, batch = gpt.concrete(dataclasses.replace(small, remat=remat), 8)
+        outs[remat] = jax.jit(step)(state, batch)
+        saved[remat] = _stacked_bytes(recompute.flat(ir.trace(step, state, batch).jaxpr))
+    (got, got_loss), (want, want_loss) = outs["selective"], outs[False]
+    numerics.assert_same_step(got["params"], want["params"], lr=1e-3, got_loss=got_loss,
+                              want_loss=want_loss, got_mu=got["opt_state"][0].mu,
+                              want_mu=want["opt_state"][0].mu, atol=1e-8)
+    assert saved[True] < saved["selective"] < saved[False]
+    with pytest.raises(ValueError, match="remat"):
+        gpt.concrete(dataclasses.replace(small, remat="sometimes"), 8)

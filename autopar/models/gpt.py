@@ -26,8 +26,20 @@ class GPTConfig:
     d_ff: int = 256
     layers: int = 2
     scan: bool = False      # stack the layers with nn.scan (one loop region) instead of unrolling
-    remat: bool = False     # recompute each block in the backward pass (nn.remat)
+    # recompute each block in the backward pass (nn.remat): True (all of it), or "selective",
+    # Megatron-LM's selective recomputation: the matmuls with weights keep their outputs, the
+    # attention's scores, softmax and weighted sum (batched matmuls) are recomputed
+    remat: bool | str = False
     dtype: Any = jnp.float32
+
+
+def remat_block(block, remat: bool | str):
+    """``block`` under the user's recomputation ``remat`` (``GPTConfig.remat``)."""
+    if remat == "selective":
+        return nn.remat(block, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    if remat not in (True, False):
+        raise ValueError(f"GPTConfig.remat={remat!r}: True, False or 'selective'")
+    return nn.remat(block) if remat else block
 
 
 # Configs of the papers (Megatron-LM / Alpa GPT table), by parameter count: vocabulary 51200,
@@ -100,7 +112,7 @@ class GPT(nn.Module):
         x = nn.Embed(c.vocab, c.d_model, dtype=c.dtype, name="wte")(tokens)   # (B, S, D)
         pos = self.param("wpe", nn.initializers.normal(0.02), (c.seq, c.d_model))
         x = x + pos[None, : tokens.shape[1]].astype(c.dtype)
-        block = nn.remat(Block) if c.remat else Block
+        block = remat_block(Block, c.remat)
         if c.scan:
             stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
                             length=c.layers)

@@ -124,7 +124,7 @@ def gpt_staged(cfg, lr: float = 1e-3) -> StagedModel:
 
     block = gpt.Block(dataclasses.replace(cfg, scan=False))
     if cfg.remat:
-        block = nn.remat(gpt.Block)(dataclasses.replace(cfg, scan=False))
+        block = gpt.remat_block(gpt.Block, cfg.remat)(dataclasses.replace(cfg, scan=False))
     wte = nn.Embed(cfg.vocab, cfg.d_model, dtype=cfg.dtype)
     ln_f = nn.LayerNorm(dtype=cfg.dtype)
     head = nn.Dense(cfg.vocab, use_bias=False, dtype=cfg.dtype)
