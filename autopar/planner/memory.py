@@ -174,10 +174,8 @@ def estimate(prob: Problem, choice) -> MemoryEstimate:
     looped = [(a, b, nbytes(v)) for v, a, b in temps if g.ops[a].regions]
     spans = [(a, b, nbytes(v)) for v, a, b in temps if not g.ops[a].regions and v not in fused]
     # a folded graph's removed copies' values live across the gap: a buffer each (ir.fold)
-    # ... but for those XLA computes only in slices or never writes, and held as long as the
-    # kept copies' (a sliced value's operands, to where the removed copies read the slices)
-    spans += [(a, _held_in_gap(prob, v, b, held), nbytes(v))
-              for v, a, b, copies in prob.phantoms
+    # ... but for those XLA computes only in slices or never writes, as of the kept copies
+    spans += [(a, b, nbytes(v)) for v, a, b, copies in prob.phantoms
               if v not in sliced and v not in fused for _ in range(copies)]
     live = np.zeros(len(g.ops) + 1)
     copies, made = _copy_spans(prob, choice)
@@ -199,15 +197,6 @@ def estimate(prob: Problem, choice) -> MemoryEstimate:
 # least this many elements, whatever its type (measured on f32 and bf16 row sums and layer norms);
 # a smaller one runs in XLA's own loop fusion, which computes a broadcast operand in place.
 LIBRARY_REDUCTION_ELEMENTS = 4096
-
-
-def _held_in_gap(prob: Problem, v: int, last: int, held: dict[int, int]) -> int:
-    """Where a folded graph's removed copies of ``v`` are last read, ``last``, or later where
-    ``_recomputed_in_slices`` holds ``v`` for a slice its removed copies read."""
-    t = held.get(v)
-    if t is None or t >= len(prob.graph.ops):
-        return last
-    return max(last, prob.gap.read(prob.graph.ops[t].id))
 
 
 def _fused_broadcasts(prob: Problem, nbytes) -> set[int]:
@@ -687,14 +676,8 @@ def _gap_copies(prob: Problem, v: int, edges, kept, early: bool, size: float) ->
     device, and up to 15% of a 16-layer GPT's zero3 peak, that the full graph never holds.)"""
     gap = prob.gap
     producer = prob.graph.producer(v)
-    if producer is not None:
-        if gap.born(producer.id) is None:
-            return []
-        w = gap.weight[producer.id]
-    else:
-        w = max((gap.weight.get(e.op, 0) for e in edges), default=0)
-    inside = [gap.made(e.op) for e in edges if gap.weight.get(e.op) and gap.stage.get(e.op)
-              in ("f", "b")]
+    w = _removed_copies(prob, v, edges)
+    inside = [gap.made(e.op) for e in edges if gap.in_layer(e.op)]
     if early and producer is not None:
         inside.append(gap.born(producer.id))
     if not w or not inside:
@@ -702,6 +685,17 @@ def _gap_copies(prob: Problem, v: int, edges, kept, early: bool, size: float) ->
     lo = min(inside)
     hi = max((gap.read(e.op) for e in kept), default=lo)
     return [(lo, hi, size)] * w if lo <= hi else []
+
+
+def _removed_copies(prob: Problem, v: int, readers) -> int:
+    """How many removed layers of a folded graph each make a copy of ``v``: the weight of its
+    producer when a forward or backward op of the layer makes it, of its readers for an
+    argument; 0 when no removed layer makes one."""
+    gap = prob.gap
+    producer = prob.graph.producer(v)
+    if producer is None:
+        return max((gap.weight.get(e.op, 0) for e in readers), default=0)
+    return gap.weight[producer.id] if gap.born(producer.id) is not None else 0
 
 
 def _gap_cut_copies(prob: Problem, es, position: int) -> list:
@@ -716,13 +710,7 @@ def _gap_cut_copies(prob: Problem, es, position: int) -> list:
     gap, g = prob.gap, prob.graph
     v = es[0].value
     readers = [e for e in es if e.op >= 0]
-    producer = g.producer(v)
-    if producer is not None:
-        if gap.born(producer.id) is None:
-            return []
-        w = gap.weight[producer.id]
-    else:
-        w = max((gap.weight.get(e.op, 0) for e in readers), default=0)
+    w = _removed_copies(prob, v, readers)
     if not w:
         return []
     have = prob.groups[es[0].src].shard[v]
@@ -730,8 +718,8 @@ def _gap_cut_copies(prob: Problem, es, position: int) -> list:
     for need in dict.fromkeys(n for e in readers for n in e.need):
         other = frozenset(i for i, h in enumerate(have) if h != need)
         ix = [(e, frozenset(j for j, n in enumerate(e.need) if n == need)) for e in readers]
-        before = tuple((e.dst, i) for e, i in ix if i and gap.weight.get(e.op)
-                       and gap.stage.get(e.op) in ("f", "b") and gap.made(e.op) <= position)
+        before = tuple((e.dst, i) for e, i in ix
+                       if i and gap.in_layer(e.op) and gap.made(e.op) <= position)
         after = tuple((e.dst, i) for e, i in ix if i and gap.read(e.op) >= position)
         if other and before and after:
             out.append((w * g.values[v].nbytes / shard_factor(need, prob.mesh), es[0].src,

@@ -1024,18 +1024,21 @@ class Gap:
     def born(self, op_id: int) -> int | None:
         """Where the removed copies of ``op_id``'s results are made: None if not a weighted
         forward or backward op (they are then never live at a kept op, or are its twins')."""
-        s = self.stage.get(op_id)
-        if not self.weight.get(op_id) or s not in ("f", "b"):
+        if not self.in_layer(op_id):
             return None
-        return self.fwd_next if s == "f" else self.bwd_start
+        return self.fwd_next if self.stage[op_id] == "f" else self.bwd_start
+
+    def in_layer(self, op_id: int) -> bool:
+        """Whether ``op_id`` is a weighted forward or backward op of the layer: its removed
+        copies run inside the gap."""
+        return bool(self.weight.get(op_id)) and self.stage.get(op_id) in ("f", "b")
 
     def made(self, op_id: int) -> int:
         """Where the removed copies of ``op_id`` make a copy of an argument they read: inside
         the gap for a forward or backward op of the layer (so the copies of an argument that
         only the layer's forward, or only its backward, reads are made and freed inside it,
         never live at a kept op), where the reader itself runs for any other."""
-        return self.born(op_id) if self.weight.get(op_id) and self.stage.get(op_id) in (
-            "f", "b") else self.at[op_id]
+        return self.born(op_id) if self.in_layer(op_id) else self.at[op_id]
 
     def read(self, op_id: int) -> int:
         """Where the removed copies of a value's reader ``op_id`` read it: inside the gap for a
