@@ -1,14 +1,15 @@
 """The mesh's shape as a decision, measured: every shape ``mesh=8`` plans, timed side by side.
 
-``autopar.plan(step, ..., mesh=8)`` plans every {data, model} shape of the 8 CPU devices and keeps
-the fastest predicted (``Plan.mesh_candidates``). Here each candidate shape's plan is also
-compiled and timed, in interleaved rounds (each executable once per round, medians), on models
-this project did not write (``benchmarks/zoo.py``'s Flax NNX, MaxText-style linen and Equinox
-LMs and transformers' GPT-2, Llama and BERT, plain steps), so the choice is held to the
-measured best shape. Predicted by the CPU profile; measured on the 8 emulated CPU devices.
+``autopar.plan(step, ..., mesh=jax.devices())`` (as ``mesh=8``) plans every {data, model}
+shape of the 8 CPU devices and keeps the fastest predicted (``Plan.mesh_candidates``). Here
+each candidate shape's plan is also compiled and timed, in interleaved rounds (each executable
+once per round, medians), on models this project did not write (``benchmarks/zoo.py``'s Flax
+NNX, MaxText-style linen and Equinox LMs and transformers' GPT-2, Llama and BERT, plain steps),
+so the choice is held to the measured best shape. Predicted by the CPU profile; measured on the
+8 emulated CPU devices.
 
-    python benchmarks/mesh_choice.py          # six models (~10 min on 2 cores)
-    python benchmarks/mesh_choice.py --quick  # one small model
+    python benchmarks/mesh_choice.py          # six models (~3 min on 2 cores)
+    python benchmarks/mesh_choice.py --quick  # one small model on 4 devices
 
 Writes ``benchmarks/results/mesh_choice.md`` and ``mesh_choice.csv``.
 """
@@ -41,14 +42,17 @@ def _cases(quick: bool) -> list:
     return out
 
 
-def run_case(case, runs: int, limit_s: float = Z.TIME_LIMIT_S) -> list[dict]:
+def run_case(case, runs: int, limit_s: float = Z.TIME_LIMIT_S,
+             devices: int = DEVICES) -> list[dict]:
     fn, args = case.build()
-    chosen = autopar.plan(fn, *args, mesh=DEVICES, time_limit_s=limit_s)
+    # the devices themselves (a list): their profile prices the plans, as mesh=8 does on 8
+    chosen = autopar.plan(fn, *args, mesh=jax.devices()[:devices], time_limit_s=limit_s)
     cands = [c for c in chosen.mesh_candidates if c.step_time_s is not None]
     plans, exes = {}, {}
     for c in cands:
         sizes = dict(c.mesh)
-        mesh = Z._mesh(sizes)
+        mesh = jax.make_mesh(tuple(sizes.values()), tuple(sizes), devices=jax.devices()[:devices],
+                             axis_types=(jax.sharding.AxisType.Auto,) * len(sizes))
         plan = chosen if sizes == dict(chosen.mesh) else autopar.plan(
             fn, *args, mesh=mesh, time_limit_s=limit_s)
         name = _common.mesh_str(sizes)
@@ -96,7 +100,9 @@ def main() -> None:
     t0 = time.perf_counter()
     rows = []
     for case in _cases(args.quick):
-        got = run_case(case, runs, 2.0 if args.quick else Z.TIME_LIMIT_S)
+        # --quick: 4 devices (3 shapes), a 2 s limit: the smoke test's share of the suite
+        got = (run_case(case, runs, 2.0, devices=4) if args.quick
+               else run_case(case, runs))
         rows += got
         for r in got:
             print(" | ".join(_common._cell(r[h]) for h in HEADER), flush=True)
