@@ -295,7 +295,8 @@ def make_plan(graph: Graph, mesh: Mapping[str, int], cost_model,
     the whole time limit.
     """
     options = options or PlannerOptions()
-    began = time.perf_counter() - trace_s
+    # the call's clock, for the error's advice alone (each plan below keeps its own)
+    began = Clock(time.perf_counter() - trace_s, options.time_limit_s, options.deterministic)
     open_ = options.op_filter is None and options.memory_budget is not None
     may_r = open_ and options.recompute and recompute.has_sites(graph)
     # whether the step has state to offload is read (a retrace) only once the budget breaks
@@ -308,7 +309,7 @@ def make_plan(graph: Graph, mesh: Mapping[str, int], cost_model,
         may_o = may_o and offload.offerable(graph, cost_model)
         if not (may_r or may_o):
             if e.least_bytes is None and options.explain_budget:   # the advice, after all
-                if _spent(began, options):
+                if began.spent():
                     raise BudgetError(f"{e} {_NOT_SOUGHT}", None) from None
                 return _plan_layouts(graph, mesh, cost_model, options, trace_s=trace_s)
             raise
@@ -322,14 +323,8 @@ _NOT_SOUGHT = ("The smallest budget a plan fits was not sought: the call had spe
                "time_limit_s; raise time_limit_s to have it sought.")
 
 
-def _spent(began: float, options: PlannerOptions) -> bool:
-    """Whether the call has spent its time limit on the wall clock (never under
-    ``deterministic``: its answer, advice included, may not depend on the machine's load)."""
-    return not options.deterministic and time.perf_counter() - began > options.time_limit_s
-
-
 def _memory_decisions(graph, mesh, cost_model, options, error: BudgetError, may_r: bool,
-                      may_o: bool, began: float) -> Plan:
+                      may_o: bool, began: Clock) -> Plan:
     """The fastest plan that fits where the plain step does not: its loops' saved values
     recomputed, or its state offloaded; where neither fits alone, each recomputation policy
     with its state offloaded too (tried last: each pairing plans the step up to three times)."""
@@ -355,7 +350,7 @@ def _memory_decisions(graph, mesh, cost_model, options, error: BudgetError, may_
             failed.append(e)
     if not found:
         least = [e.least_bytes for e in failed if e.least_bytes is not None]
-        if not least and options.explain_budget and _spent(began, options):
+        if not least and options.explain_budget and began.spent():
             failed.append(BudgetError(_NOT_SOUGHT, None))
         elif not least and options.explain_budget:   # the smallest budget the plain step fits
             try:
