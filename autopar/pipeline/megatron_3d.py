@@ -46,12 +46,12 @@ class StageLayouts:
     tensor_dims: Mapping[str, int]
     tensor_axis: str = "model"
     name: str = "megatron_3d stage"
-    vocabulary: int | None = None   # the embedding table's rows (``stage_layouts``)
+    vocabulary: int | None = None   # the embedding table's rows (``stage_layouts``): split
 
     def fix_inputs(self, graph, mesh: Mapping[str, int]) -> dict[int, tuple]:
         out = {}
         t = mesh.get(self.tensor_axis, 1)
-        vocab = self.vocabulary or _vocabulary(graph)
+        vocab = self.vocabulary
         for k, path in enumerate(graph.input_paths):
             shape = graph.values[graph.inputs[k]].shape
             dims: list[tuple] = [()] * len(shape)
@@ -77,7 +77,7 @@ def stage_layouts(model, params, batch) -> StageLayouts:
 
 def _vocabulary(graph) -> int | None:
     """The rows of the embedding table: a 2-D argument of the parameters (the first argument)
-    that a gather reads as its operand; None when no sub-plan argument is one (a layer's)."""
+    that a gather reads as its operand (through a cast); None when there is none."""
     first = {v for v, path in zip(graph.inputs, graph.input_paths)
              if path_keys(path)[:1] == ("0",) and len(graph.values[v].shape) == 2}
     for op in graph.all_ops():
