@@ -23,6 +23,7 @@ import jax  # noqa: E402
 import zoo as Z  # noqa: E402
 
 import autopar  # noqa: E402
+from autopar import mesh_search  # noqa: E402
 
 DEVICES = 8
 RUNS = 21
@@ -51,8 +52,7 @@ def run_case(case, runs: int, limit_s: float = Z.TIME_LIMIT_S,
     plans, exes = {}, {}
     for c in cands:
         sizes = dict(c.mesh)
-        mesh = jax.make_mesh(tuple(sizes.values()), tuple(sizes), devices=jax.devices()[:devices],
-                             axis_types=(jax.sharding.AxisType.Auto,) * len(sizes))
+        mesh = mesh_search.concrete(jax.devices()[:devices], sizes)   # as autoparallel makes it
         plan = chosen if sizes == dict(chosen.mesh) else autopar.plan(
             fn, *args, mesh=mesh, time_limit_s=limit_s)
         name = _common.mesh_str(sizes)
