@@ -36,14 +36,12 @@ from __future__ import annotations
 import time
 
 import _common
-import jax
 import jax.numpy as jnp
 import pipeline_3d
 
 import autopar
 import cost_models
 from autopar.models import gpt
-from autopar.pipeline import model as PM
 from autopar.pipeline import schedules as S
 from autopar.pipeline.megatron_3d import stage_layouts
 
@@ -101,19 +99,17 @@ def flops_per_step(batch: int, layers: int, d_model: int) -> float:
     return 96 * batch * s * lyr * h * h * (1 + s / (6 * h) + VOCAB / (16 * lyr * h))
 
 
-def _pipelined(cfg, batch: int, hw, sizes_of, grid: dict, costs: dict, strategy):
-    """The best pipeline choice over the meshes ``sizes_of`` yields (``pipeline_3d._choices``
-    on each), with stage costs under ``strategy``."""
-    step, init = PM.gpt_train_step(cfg)
-    model = PM.staged_model_of(step)
-    state = jax.eval_shape(lambda: init(jax.random.PRNGKey(0), 8))
-    xb = jax.eval_shape(lambda: gpt.make_batch(cfg, batch))
+def _pipelined(staged, batch: int, hw, sizes_of, grid: dict, costs: dict, strategy):
+    """The best pipeline choice over the meshes ``sizes_of`` yields (``pipeline_3d.choices_on``
+    on each) for ``staged`` (``pipeline_3d.abstract_staged``), with stage costs under
+    ``strategy``."""
+    model, params, xb = staged
     if strategy == "megatron":
-        strategy = stage_layouts(model, state["params"], xb)
+        strategy = stage_layouts(model, params, xb)
     out = []
     for sizes in sizes_of(model):
-        out += pipeline_3d.choices_on(model, state["params"], xb, sizes, hw, hw.memory_bytes,
-                                      grid, costs, batch, SUB_PLAN_LIMIT_S, strategy)
+        out += pipeline_3d.choices_on(model, params, xb, sizes, hw, hw.memory_bytes, grid,
+                                      costs, batch, SUB_PLAN_LIMIT_S, strategy)
     return pipeline_3d.search.best(out, hw.memory_bytes)
 
 
@@ -163,17 +159,18 @@ def run_row(row, open_mesh: bool = True) -> tuple:
                 if open_mesh else ("-", "-", "not run"))
     else:
         costs: dict = {}
+        staged = pipeline_3d.abstract_staged(cfg, batch)
         paper_mesh = lambda model: [{"stage": p, "data": d, "model": t}]   # noqa: E731
-        hand = _pipe_cells(_pipelined(cfg, batch, hw, paper_mesh, HAND, {}, "megatron"),
+        hand = _pipe_cells(_pipelined(staged, batch, hw, paper_mesh, HAND, {}, "megatron"),
                            flops, gpus, paper)
-        auto = _pipe_cells(_pipelined(cfg, batch, hw, paper_mesh, AUTO, costs, "auto"),
+        auto = _pipe_cells(_pipelined(staged, batch, hw, paper_mesh, AUTO, costs, "auto"),
                            flops, gpus, paper)
         if open_mesh:
             def meshes(model):
                 return [s for s in pipeline_3d.search.meshes(
                     gpus, model.num_layers, hw.devices_per_node, OPEN_TENSOR)
                     if model.num_layers % s["stage"] == 0]
-            free = _pipe_cells(_pipelined(cfg, batch, hw, meshes, AUTO, costs, "auto"),
+            free = _pipe_cells(_pipelined(staged, batch, hw, meshes, AUTO, costs, "auto"),
                                flops, gpus, paper, True)
         else:
             free = ("-", "-", "not run")

@@ -53,10 +53,14 @@ HEADER = ("model", "gpus", "hardware", "side", "mesh", "schedule", "virtual", "m
 
 
 def _abstract(name: str):
-    cfg = dataclasses.replace(gpt.GPT_CONFIGS[name], scan=True)
+    return abstract_staged(dataclasses.replace(gpt.GPT_CONFIGS[name], scan=True), ROWS)
+
+
+def abstract_staged(cfg, rows: int):
+    """(staged model, parameters, batch of ``rows`` sequences) of ``cfg``'s GPT, as shapes."""
     step, init = PM.gpt_train_step(cfg)
     state = jax.eval_shape(lambda: init(jax.random.PRNGKey(0), 8))
-    batch = jax.eval_shape(lambda: gpt.make_batch(cfg, ROWS))
+    batch = jax.eval_shape(lambda: gpt.make_batch(cfg, rows))
     return PM.staged_model_of(step), state["params"], batch
 
 
