@@ -186,11 +186,12 @@ def _seeds(prob: problem.Problem, cm, allowed, options: PlannerOptions, hint,
             # Cut rounds only add constraints: a start no cheaper than a seed that fits cannot
             # win by them, and is kept as it is (its layouts stay among the ILP's candidates).
             rounds = 0 if best is not None and cost >= best.step_s else SEED_CUT_ROUNDS
-            sol, peak, _ = _within_budget(sub, sol, cm, options, merged, start_clock,
-                                          rounds, 0, seek_least=False)
+            kept, peak, _ = _within_budget(sub, sol, cm, options, merged, start_clock,
+                                           rounds, 0, seek_least=False)
         except PlanError:      # this strategy fits no plan: auto has nothing to beat here
             continue
-        out.append(_Seed(name, sol.choice, plan_cost(prob, cm, sol.choice), peak, sol.status))
+        step = cost if kept is sol else plan_cost(prob, cm, kept.choice)   # priced once
+        out.append(_Seed(name, kept.choice, step, peak, kept.status))
     return out
 
 
