@@ -281,6 +281,11 @@ def _compile(fn, args, mesh, plan: Plan):
     step = autoparallel(fn, mesh=mesh, plan=plan)
     if plan.pipeline is not None:
         args = (step.stack_state(args[0]), *args[1:])
+    if plan.pipeline is not None and plan.pipeline.runtime == "mpmd":   # many programs
+        from autopar.pipeline.planning import executable
+
+        return (executable(plan, fn, concrete_mesh(mesh)).issued(*args),
+                time.perf_counter() - t0, args)
     compiled = step.lower(*args).compile()
     compiled = getattr(compiled, "jax", compiled)   # jax's own: timed without autopar's wrapper
     return compiled, time.perf_counter() - t0, args
@@ -328,7 +333,11 @@ def _timed(rows: dict[int, Row], ready: dict[int, tuple], runs: int) -> dict[int
 def _xla_peak(compiled) -> float | None:
     """What the executable holds at once per device, as ``autopar.verify`` reads it
     (``hlo.memory``: arguments + outputs + temporaries - donated aliases); XLA:CPU's own
-    ``peak_memory_in_bytes`` leaves the temporaries out."""
+    ``peak_memory_in_bytes`` leaves the temporaries out. For an MPMD pipelined step, which is
+    many executables, and XLA reports none for the whole: its peak is measured by running it
+    (``MpmdStep.measure_peak``)."""
+    if not hasattr(compiled, "as_text"):      # an MPMD step: its own measure (mpmd.Issued)
+        return getattr(compiled, "peak_bytes", None)
     return hlo.memory(compiled).get("peak")
 
 

@@ -24,7 +24,8 @@ from autopar.sharding import Sharding, to_spec
 # 6: recompute: the loops whose saved values the backward pass recomputes, and how.
 # 7: offload: the arguments held in host memory between steps.
 # 8: mesh_candidates: the mesh shapes the planner tried where the call left the shape open.
-FORMAT_VERSION = 8
+# 9: pipeline.runtime: "lockstep" or "mpmd" (an 8 plan's pipeline ran lockstep).
+FORMAT_VERSION = 9
 # Prefix of the strategy names of ops run replicated for want of a rule (planner.rules uses it).
 FALLBACK = "replicated: "
 PIN_SLOTS = ("out", "in", "arg", "res")

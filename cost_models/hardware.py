@@ -38,6 +38,10 @@ A ``Hardware`` describes one kind of device and how devices are wired:
     (``autopar.pipeline``: dispatching its per-stage switches, launching its two
     collective-permutes, its buffer bookkeeping), apart from the actions' work, the bytes sent
     and the state each tick copies (priced from the bandwidths).
+  * ``pipeline_issue_s``: the controller's host time to issue one action of an asynchronous
+    (MPMD) pipelined step (``autopar.pipeline.mpmd``: one jitted call of a stage's program and
+    the ``device_put`` of its result to the next stage); the controller runs ahead of the
+    devices, so it costs time only where actions are shorter than it.
   * ``host_bytes_per_s``: what one device moves to or from its host's memory per second, per
     direction (the PCIe link on a GPU; a copy within memory on CPU devices): the price of
     ``autopar``'s host offload (``ir.offload``); 0, the default, offers no offload.
@@ -135,6 +139,7 @@ class Hardware:
     collective_launch_s: float = 0.0
     dispatch_s: float = 0.0          # launching one compiled program (once per step, not per op)
     pipeline_tick_s: float = 0.0     # one tick of a pipelined schedule's loop (autopar.pipeline)
+    pipeline_issue_s: float = 0.0    # issuing one action of an MPMD pipeline (host side)
     host_bytes_per_s: float = 0.0    # device <-> host memory, per direction (0: no host offload)
     host_memory_bytes: float = 0.0   # host memory per device for offloaded state (0: unbounded)
     platform: str = ""               # XLA backend compiling for it: "cpu", "gpu", "tpu" or ""
@@ -272,7 +277,8 @@ def hardware(spec: str | os.PathLike[str] | Hardware) -> Hardware:
 _RATES = ("hbm_bytes_per_s",)
 _FRACTIONS = ("matmul_efficiency", "memory_efficiency", "collective_efficiency")
 _FLOORS = ("kernel_launch_s", "kernel_floor_s", "collective_launch_s", "dispatch_s",
-           "transcendental_s", "pipeline_tick_s", "select_scatter_s", "select_scatter_fixed_s")
+           "transcendental_s", "pipeline_tick_s", "pipeline_issue_s", "select_scatter_s",
+           "select_scatter_fixed_s")
 _COUNTS = ("memory_bytes", "devices_per_node")
 _SIZES = ("kernel_floor_bytes", "host_memory_bytes")
 # Plausibility bounds: figures outside them are unit mistakes, and would push predicted times past

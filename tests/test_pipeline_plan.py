@@ -95,8 +95,8 @@ def test_a_stage_places_the_parameter_layouts_its_costs_priced(gpt_step):
     pipelined step places, not the model's Megatron ``tensor_dims``; the predicted stage peak
     is XLA's within 10% and the run equals the unsharded step."""
     step, state, batch = gpt_step
-    plan = autopar.plan(step, state, batch, mesh=MESH, hardware="cpu",
-                        pipeline={"schedule": "1f1b", "microbatches": 2})
+    plan = autopar.plan(step, state, batch, mesh=MESH, hardware="cpu",       # one program
+                        pipeline={"schedule": "1f1b", "microbatches": 2, "runtime": "lockstep"})
     pp = plan.pipeline
     assert {p for p, _ in pp.layer_layouts} == {
         "/".join(k.key for k in path) for path, _ in
@@ -319,7 +319,8 @@ def test_the_search_picks_unequal_ranges_when_they_win():
     cfg = dataclasses.replace(CFG, vocab=4096)
     step, init = PM.gpt_train_step(cfg)
     state, batch = init(jax.random.PRNGKey(0), 8), gpt.make_batch(cfg, 8)
-    pins = {"schedule": "gpipe", "microbatches": 2, "virtual_stages": 1}
+    # the lockstep runtime: it runs unequal chunks (padded), the MPMD runtime equal ones only
+    pins = {"schedule": "gpipe", "microbatches": 2, "virtual_stages": 1, "runtime": "lockstep"}
     plan = autopar.plan(step, state, batch, mesh={"stage": 2}, hardware="cpu", pipeline=pins)
     pp = plan.pipeline
     assert pp.layer_ranges == ((0, 3), (3, 4)), pp.why

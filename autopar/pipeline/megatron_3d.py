@@ -4,7 +4,9 @@ The step's layers are cut into equal pipeline stages over the ``stage`` axis (on
 axis per stage), each stage splits its layers' kernels over the ``model`` axis as Megatron-LM
 does (heads of the attention projections, the hidden dim of the MLP: ``StagedModel.tensor_dims``)
 and its microbatches' rows over every other axis (data parallel). Microbatches default to
-Megatron-LM's one row per data shard; the schedule to 1F1B (``virtual_stages > 1``: interleaved).
+Megatron-LM's one row per data shard; the schedule to 1F1B (``virtual_stages > 1``: interleaved),
+run asynchronously as Megatron-LM runs it (``autopar.pipeline.mpmd``; interleaved chunks on the
+lockstep runtime, ``runtime=`` pins one).
 
 It runs through the same pipeline codegen as ``autopar.plan(..., pipeline=...)``
 (``autopar.pipeline.runtime``); what it pins, the planner's ``pipeline="auto"`` would search. Its
@@ -100,6 +102,9 @@ class Megatron3D:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     name: str = "megatron_3d"
+    # what runs the stages: None, as Megatron-LM does, asynchronously (the MPMD runtime) where
+    # it can (one chunk per stage) and the lockstep runtime for interleaved chunks
+    runtime: str | None = None
 
     def fix_inputs(self, graph, mesh):
         raise ShardingError("strategy 'megatron_3d' pipelines the step, so it is not planned "
@@ -118,7 +123,8 @@ class Megatron3D:
         m = self.microbatches or max(rows // shards, 1)
         return {"axis": self.stage_axis, "stages": sizes[self.stage_axis], "microbatches": m,
                 "schedule": self.schedule, "virtual_stages": self.virtual_stages,
-                "layer_ranges": "equal", "fsdp": False}      # data parallel inside a stage
+                "layer_ranges": "equal", "fsdp": False,      # data parallel inside a stage
+                "runtime": self.runtime or ("mpmd" if self.virtual_stages == 1 else "lockstep")}
 
     def plan(self, fn, state, batch, *, mesh, hardware=None, memory_budget=None,
              time_limit_s: float = 30.0):
@@ -138,8 +144,8 @@ class Megatron3D:
 
 
 def make(*, stage_axis: str = "stage", microbatches: int | None = None, schedule: str = "1f1b",
-         virtual_stages: int = 1) -> Megatron3D:
-    return Megatron3D(stage_axis, microbatches, schedule, virtual_stages)
+         virtual_stages: int = 1, runtime: str | None = None) -> Megatron3D:
+    return Megatron3D(stage_axis, microbatches, schedule, virtual_stages, runtime=runtime)
 
 
 register_pipelined("megatron_3d", make)

@@ -58,12 +58,13 @@ from autopar.mesh import without_mesh
 from autopar.pipeline import dp
 from autopar.pipeline import schedules as S
 from autopar.pipeline.model import StagedModel, key_names
-from autopar.pipeline.record import PipelinePlan
+from autopar.pipeline.mpmd import supports as mpmd_supports
+from autopar.pipeline.record import RUNTIMES, PipelinePlan
 from autopar.pipeline.runtime import TENSOR_AXIS, data_axes, equal_ranges, rows_split
 from autopar.strategies.roles import path_keys
 
 OPTIONS = ("axis", "stages", "microbatches", "schedule", "virtual_stages", "layer_ranges",
-           "fsdp")
+           "fsdp", "runtime")
 LAYER_RANGES = ("auto", "equal")     # equal chunks or the layer-range DP's split; equal only
 # Per-device copies of a stage's parameters XLA holds for the whole step (the runtime donates
 # nothing): the arguments (parameters and Adam's two moments) and the results (the same, new).
@@ -82,6 +83,7 @@ class Pins:
     virtual_stages: int | None
     layer_ranges: str = "auto"
     fsdp: bool | None = None        # None: searched where the stage has data shards
+    runtime: str | None = None      # "lockstep" or "mpmd"; None: both priced where both run
 
 
 def parse(pipeline, sizes: dict, model: StagedModel, rows: int) -> Pins:
@@ -110,8 +112,19 @@ def parse(pipeline, sizes: dict, model: StagedModel, rows: int) -> Pins:
         raise AutoparError(f"pipeline fsdp={fsdp!r:.40} must be True (shard each layer's "
                            f"parameters over the data axes inside its stage), False, or left "
                            f"out (searched)")
+    runtime = pipeline.get("runtime")
+    if runtime not in (None, *RUNTIMES):
+        raise AutoparError(f"pipeline runtime={runtime!r:.40} must be one of {RUNTIMES} or left "
+                           f"out (both priced)")
     pins = Pins(axis, stages, pipeline.get("microbatches"), pipeline.get("schedule"),
-                pipeline.get("virtual_stages"), _layer_ranges(pipeline, model, stages), fsdp)
+                pipeline.get("virtual_stages"), _layer_ranges(pipeline, model, stages), fsdp,
+                runtime)
+    if runtime == "mpmd":
+        why = mpmd_supports(S.build("gpipe", stages, pins.virtual_stages or 1, stages),
+                            model.num_layers, fsdp=bool(fsdp))
+        if why:
+            raise AutoparError(f"pipeline runtime='mpmd' cannot run this pipeline ({why}); "
+                               f"leave runtime out (both priced) or use runtime='lockstep'")
     if pins.schedule is not None or pins.microbatches is not None:
         S.check(pins.schedule or "1f1b", stages, pins.virtual_stages or 1,
                 pins.microbatches or stages * (pins.virtual_stages or 1))
@@ -333,10 +346,12 @@ def _bytes(tree, layouts=(), sizes=None) -> float:
 
 
 def price(model: StagedModel, params, costs: Costs, sizes: dict, axis: str, hw,
-          schedule: str, virtual: int, microbatches: int, ranges=None) -> PipelinePlan:
+          schedule: str, virtual: int, microbatches: int, ranges=None,
+          runtime: str = "lockstep") -> PipelinePlan:
     """The ``PipelinePlan`` of one choice, with its predicted time and memory; ``ranges``: the
     layers of each chunk (default equal chunks; unequal ones add the runtime's padding and
-    layer moves, ``_layout_overheads``)."""
+    layer moves, ``_layout_overheads``); ``runtime``: the lockstep tick loop or the
+    asynchronous MPMD runtime (``mpmd_timeline``)."""
     p = sizes[axis]
     sch = S.build(schedule, p, virtual, microbatches)
     k = sch.chunks
@@ -350,21 +365,47 @@ def price(model: StagedModel, params, costs: Costs, sizes: dict, axis: str, hw,
                 + (costs.head_f if a.kind == "F" else costs.head_b) * (a.chunk == k - 1))
         return length[a.chunk] * per_layer[a.kind] + ends
 
-    timeline = loop_timeline(model, params, sizes, axis, hw, sch, ranges, duration,
-                             costs.act_bytes, costs=costs)
     layer_bytes, rest_bytes = _param_bytes(model, params, sizes, costs)
     on = [[length[c] for c in range(s, k, p)] for s in range(p)]     # chunk lengths of stage s
-    pad = _layout_overheads(cost_models.CostModel(hw, sizes), ranges, p, layer_bytes, axis,
-                            model.num_layers)[1]
-    slots = _buffer_slots(sch)[0]
+    if runtime == "mpmd":
+        timeline = mpmd_timeline(sch, sizes, axis, hw, duration, costs.act_bytes)
+        slots = S.held_async(timeline, k, p)
+        pad = 0.0
+    else:
+        timeline = loop_timeline(model, params, sizes, axis, hw, sch, ranges, duration,
+                                 costs.act_bytes, costs=costs)
+        slots = _buffer_slots(sch)
+        pad = _layout_overheads(cost_models.CostModel(hw, sizes), ranges, p, layer_bytes, axis,
+                                model.num_layers)[1]
     whole = model.num_layers % p != 0        # the runtime keeps the stack whole on each stage
     memory = tuple(stage_bytes(model.num_layers if whole else sum(n), max(n), layer_bytes,
-                               rest_bytes, slots, costs) + pad for n in on)
+                               rest_bytes, slot, costs) + pad for n, slot in zip(on, slots))
     return PipelinePlan(axis, p, ranges, microbatches, sch.name, virtual,
                         timeline.bubble_fraction, timeline.busy_s, memory, S.in_flight(sch),
                         timeline.makespan_s + after_loop_s(model, params, sizes, axis, hw,
                                                            ranges, costs),
-                        costs.act_bytes, costs.layer_f, costs.layer_b, fsdp=bool(costs.fsdp))
+                        costs.act_bytes, costs.layer_f, costs.layer_b, fsdp=bool(costs.fsdp),
+                        runtime=runtime)
+
+
+def mpmd_timeline(sch: S.Schedule, sizes: dict, axis: str, hw, duration,
+                  act_bytes: float) -> S.Timeline:
+    """``sch`` run by the MPMD runtime (``autopar.pipeline.mpmd``), priced asynchronously
+    (``schedules.price_async``): ``duration(action)`` seconds per action, except the last
+    chunk's forward, which only keeps its input (its backward recomputes it); a hop to the
+    neighbouring stage on the link its boundary crosses (``boundary_hops_s``: half of one
+    activation forward and one cotangent back); the controller's ``pipeline_issue_s`` per
+    action."""
+    hops = boundary_hops_s(sizes, axis, hw, act_bytes)
+    last = sch.chunks - 1
+
+    def hop(a: S.Action) -> float:
+        here = sch.stage_of(a.chunk)
+        there = here + 1 if a.kind == "F" else here - 1
+        return hops[min(here, there)] / 2
+
+    return S.price_async(sch, lambda a: 0.0 if a.kind == "F" and a.chunk == last
+                         else duration(a), hop, hw.pipeline_issue_s)
 
 
 def fsdp_layer_s(model: StagedModel, params, costs: Costs, sizes: dict, axis: str,
@@ -621,7 +662,7 @@ def candidates(pins: Pins, model: StagedModel, rows: int, sizes: dict):
     shards = _data_shards(sizes, pins.axis)
     ms = [pins.microbatches] if pins.microbatches else [
         m for m in (p, 2 * p, 4 * p, 8 * p) if rows_split(rows, m, shards)]
-    vs = [pins.virtual_stages] if pins.virtual_stages else [
+    vs = [pins.virtual_stages] if pins.virtual_stages else [1] if pins.runtime == "mpmd" else [
         v for v in (1, 2, 4)
         if (v == 1 and pins.layer_ranges == "auto") or model.num_layers % (p * v) == 0]
     names = [S.check(pins.schedule, p, 1, p)] if pins.schedule else list(S.SCHEDULES)
@@ -660,7 +701,8 @@ def choose(model: StagedModel, params, batch, pins: Pins, sizes: dict, hw, budge
         for sharded in _fsdp_choices(pins, sizes, costs_by_rows[rows // m]):
             costs = with_fsdp(costs_by_rows[rows // m], model, params, sizes, sharded)
             priced += _layer_choices(model, params, costs, sizes, pins.axis, hw, name, v, m,
-                                     budget, pins.layer_ranges == "auto")
+                                     budget, pins.layer_ranges == "auto",
+                                     (pins.runtime,) if pins.runtime else RUNTIMES)
     fits = [c for c in priced if max(c.stage_memory_bytes) <= budget]
     best = (min(fits, key=lambda c: (c.step_time_s, max(c.stage_memory_bytes))) if fits
             else min(priced, key=lambda c: (max(c.stage_memory_bytes), c.step_time_s)))
@@ -694,22 +736,32 @@ def _fsdp_choices(pins: Pins, sizes: dict, costs: Costs) -> list[tuple]:
                            f"on a mesh without {TENSOR_AXIS!r}")
     if pins.fsdp:
         return [data]
-    return [()] if pins.fsdp is False or not sharded or tensor else [(), data]
+    if pins.fsdp is False or pins.runtime == "mpmd" or not sharded or tensor:
+        return [()]
+    return [(), data]
 
 
 def _layer_choices(model, params, costs: Costs, sizes: dict, axis: str, hw, name: str,
-                   v: int, m: int, budget: float, split: bool = True) -> list[PipelinePlan]:
+                   v: int, m: int, budget: float, split: bool = True,
+                   runtimes=RUNTIMES) -> list[PipelinePlan]:
     """One candidate priced with its layer ranges: equal chunks when the layers split into
-    them, and (one chunk per stage, ``split``) the layer-range DP's best split when it
-    differs."""
+    them, on each of ``runtimes`` that runs them (the MPMD runtime: ``mpmd.supports``), and
+    (one chunk per stage, ``split``) the layer-range DP's best split when it differs (lockstep
+    only: it pads unequal chunks)."""
     out = []
     if model.num_layers % (sizes[axis] * v) == 0:
-        out.append(price(model, params, costs, sizes, axis, hw, name, v, m))
+        for runtime in runtimes:
+            sch = S.build(name, sizes[axis], v, m)
+            if runtime == "lockstep" or not mpmd_supports(sch, model.num_layers,
+                                                         fsdp=bool(costs.fsdp)):
+                out.append(price(model, params, costs, sizes, axis, hw, name, v, m,
+                                 runtime=runtime))
     if v == 1 and split:
         free = (layer_split(model, params, costs, sizes, axis, hw, name, m, budget, equal=False)
                 or layer_split(model, params, costs, sizes, axis, hw, name, m, math.inf,
                                equal=False))
-        if free is not None and not any(c.layer_ranges == free.ranges for c in out):
+        if "lockstep" in runtimes and free is not None and not any(
+                c.layer_ranges == free.ranges for c in out):
             out.append(price(model, params, costs, sizes, axis, hw, name, 1, m, free.ranges))
     return out
 
@@ -718,7 +770,7 @@ def _why(best: PipelinePlan, priced, fits, budget: float) -> str:
     def row(c):
         layers = "+".join(str(b - a) for a, b in c.layer_ranges)
         return (f"{c.schedule} V={c.virtual_stages} M={c.microbatches} layers {layers}"
-                f"{' FSDP' if c.fsdp else ''}: step "
+                f"{' FSDP' if c.fsdp else ''} ({c.runtime}): step "
                 f"{c.step_time_s * 1e3:.3f} ms, bubble {c.bubble_fraction:.1%}, peak "
                 f"{max(c.stage_memory_bytes) / 2**30:.3f} GiB")
     head = (f"chose {row(best)}" + ("" if fits else f"; nothing fits {budget / 2**30:.3f} GiB, "
@@ -834,5 +886,10 @@ def executable(plan, fn, mesh):
         raise AutoparError("this plan has no pipeline; make it with autopar.plan(..., "
                            "pipeline=...) or run it with autopar.autoparallel(plan=...)")
     sch = S.build(pp.schedule, pp.stages, pp.virtual_stages, pp.microbatches)
+    if pp.runtime == "mpmd":
+        from autopar.pipeline import mpmd
+
+        return mpmd.build_step(staged_model_of(fn), concrete_mesh(mesh), sch, pp.axis,
+                               ranges=pp.layer_ranges, layouts=pp.stage_layouts())
     return build_step(staged_model_of(fn), concrete_mesh(mesh), sch, pp.axis,
                       ranges=pp.layer_ranges, layouts=pp.stage_layouts(), fsdp=pp.fsdp)

@@ -11,6 +11,7 @@ import dataclasses
 from autopar import jsonread as J
 from autopar.errors import PlanError
 
+RUNTIMES = ("lockstep", "mpmd")
 FIELDS_INT = ("stages", "microbatches", "virtual_stages")
 LAYOUTS = ("layer_layouts", "rest_layouts")     # absent in plans written before them: ()
 FIELDS_NUM = ("bubble_fraction", "step_time_s", "p2p_bytes", "layer_forward_s",
@@ -43,6 +44,10 @@ class PipelinePlan:
     # the layers' parameters and Adam moments also sharded over the data axes inside a stage,
     # gathered per layer (runtime.build_step(fsdp=True)); older plans read as False
     fsdp: bool = False
+    # what runs it: "lockstep" (one SPMD program, ticks: autopar.pipeline.runtime) or "mpmd"
+    # (each stage its own programs, issued asynchronously: autopar.pipeline.mpmd); older plans
+    # read as "lockstep"
+    runtime: str = "lockstep"
 
     def stage_layouts(self):
         """``(layer_layouts, rest_layouts)`` for ``runtime.state_specs``, or None for a plan
@@ -55,7 +60,8 @@ class PipelinePlan:
         ms = ", ".join(f"{t * 1e3:.3f}" for t in self.stage_time_s)
         gib = ", ".join(f"{b / 2**30:.3f}" for b in self.stage_memory_bytes)
         return (f"pipeline over {self.axis!r}: {self.stages} stages x {self.virtual_stages} "
-                f"virtual, {self.microbatches} microbatches, {self.schedule}"
+                f"virtual, {self.microbatches} microbatches, {self.schedule} on the "
+                f"{self.runtime} runtime"
                 f"{', FSDP inside stages' if self.fsdp else ''}; predicted bubble "
                 f"{self.bubble_fraction:.1%}, step {self.step_time_s * 1e3:.3f} ms; per-stage "
                 f"busy ms [{ms}], peak GiB [{gib}], microbatches in flight "
@@ -67,9 +73,11 @@ def from_dict(d, mesh: dict) -> PipelinePlan | None:
     if d is None:
         return None
     J.fields(d, "pipeline", [f.name for f in dataclasses.fields(PipelinePlan)],
-             optional=(*LAYOUTS, "fsdp"))
+             optional=(*LAYOUTS, "fsdp", "runtime"))
     if not isinstance(d.get("fsdp", False), bool):
         raise PlanError(f"pipeline.fsdp must be true or false; got {d['fsdp']!r:.40}")
+    if d.get("runtime", "lockstep") not in RUNTIMES:
+        raise PlanError(f"pipeline.runtime must be one of {RUNTIMES}; got {d['runtime']!r:.40}")
     if d["axis"] not in mesh:
         raise PlanError(f"pipeline.axis {d['axis']!r} is not an axis of the mesh {mesh}")
     for n in FIELDS_INT:

@@ -255,6 +255,89 @@ def price(schedule: Schedule, duration: Callable[[Action], float],
                     tick_s * len(schedule.ticks))
 
 
+# ---- asynchronous (MPMD) execution --------------------------------------------------------------
+def _deps(a: Action, chunks: int) -> tuple[Action, ...]:
+    """The actions ``a`` waits for: ``F(m, k-1)``; ``F(m, k)`` and ``B(m, k+1)``."""
+    if a.kind == "F":
+        return () if a.chunk == 0 else (Action("F", a.mb, a.chunk - 1),)
+    nxt = () if a.chunk == chunks - 1 else (Action("B", a.mb, a.chunk + 1),)
+    return (Action("F", a.mb, a.chunk), *nxt)
+
+
+def dispatch_order(schedule: Schedule) -> list[tuple[int, Action]]:
+    """``(stage, action)`` in the order one controller issues them to an asynchronous runtime
+    (``autopar.pipeline.mpmd``): passes over the stages, each stage issuing the next actions of
+    its order whose inputs were issued already. Every stage's actions keep their order, and an
+    action is issued after what it reads, so the devices run each stage's order as it comes,
+    waiting only for their inputs."""
+    order = orders(schedule.name, schedule.stages, schedule.virtual, schedule.microbatches)
+    pos, issued, out = [0] * schedule.stages, set(), []
+    total = sum(map(len, order))
+    while len(out) < total:
+        moved = False
+        for s, acts in enumerate(order):
+            while pos[s] < len(acts) and all(d in issued for d in _deps(acts[pos[s]],
+                                                                         schedule.chunks)):
+                a = acts[pos[s]]
+                out.append((s, a))
+                issued.add(a)
+                pos[s] += 1
+                moved = True
+        if not moved:
+            raise AssertionError(f"schedule {schedule.name} deadlocks when run asynchronously")
+    return out
+
+
+def price_async(schedule: Schedule, duration: Callable[[Action], float],
+                hop_s: Callable[[Action], float] = lambda a: 0.0,
+                issue_s: float = 0.0) -> Timeline:
+    """Asynchronous timing of ``schedule``: each stage runs its order as soon as its inputs are
+    there, with no ticks. An action starts when its stage is free, when what it reads has
+    arrived (a neighbour's result ``hop_s(producer)`` seconds after the producer ended) and
+    when the controller has issued it: the controller issues ``dispatch_order`` one action
+    every ``issue_s`` seconds (its host-side cost per action), never waiting for a device.
+
+        start(a) = max(free(stage), max_d end(d) + hop(d), issued(a))
+
+    ``spans`` and ``busy_s`` as for ``price``; ``transfer_s`` sums the hops (overlapped with
+    compute: not on the makespan unless on its critical path); ``overhead_s`` is the
+    controller's issuing time (likewise)."""
+    end: dict[Action, float] = {}
+    free = [0.0] * schedule.stages
+    busy = [0.0] * schedule.stages
+    spans = []
+    host = moved = 0.0
+    for s, a in dispatch_order(schedule):
+        host += issue_s
+        ready = host
+        for d in _deps(a, schedule.chunks):
+            hop = hop_s(d) if schedule.stage_of(d.chunk) != s else 0.0
+            moved += hop if d.kind == a.kind else 0.0
+            ready = max(ready, end[d] + hop)
+        start = max(free[s], ready)
+        end[a] = free[s] = start + duration(a)
+        busy[s] += end[a] - start
+        spans.append((s, start, end[a], a))
+    return Timeline(max(free), tuple(busy), (), moved, tuple(spans), host)
+
+
+def held_async(timeline: Timeline, chunks: int, stages: int) -> tuple[int, ...]:
+    """Per stage, the most activations an asynchronous runtime holds at once in
+    ``timeline``: each chunk input from its forward until its backward ends (the stash), and
+    each received activation or cotangent from its producer's end until its consumer starts
+    (the inboxes)."""
+    span = {a: (s, t0, t1) for s, t0, t1, a in timeline.spans}
+    intervals = []
+    for a, (s, t0, _) in span.items():
+        if a.kind == "F":
+            intervals.append((s, t0, span[Action("B", a.mb, a.chunk)][2]))
+        for d in _deps(a, chunks):
+            if span[d][0] != s:
+                intervals.append((s, span[d][2], t0))
+    return tuple(_most_held([(t0, t1) for st, t0, t1 in intervals if st == s])
+                 for s in range(stages))
+
+
 # ---- buffers ----------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Slots:
@@ -319,17 +402,19 @@ def in_flight(schedule: Schedule) -> tuple[int, ...]:
 
 
 def _peaks(intervals, stages: int) -> tuple[int, ...]:
-    out = []
-    for s in range(stages):
-        events = sorted([(a, 1) for st, _, a, _ in intervals if st == s]
-                        + [(b + 1, -1) for st, _, _, b in intervals if st == s],
-                        key=lambda e: (e[0], e[1]))
-        now = top = 0
-        for _, d in events:
-            now += d
-            top = max(top, now)
-        out.append(top)
-    return tuple(out)
+    return tuple(_most_held([(a, b + 1) for st, _, a, b in intervals if st == s])
+                 for s in range(stages))
+
+
+def _most_held(spans) -> int:
+    """The most of ``spans`` ([start, end), an end freeing before a start at the same time
+    takes) open at once."""
+    events = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
+    now = top = 0
+    for _, d in events:
+        now += d
+        top = max(top, now)
+    return top
 
 
 def ideal_bubble(name: str, stages: int, virtual: int, microbatches: int) -> float:

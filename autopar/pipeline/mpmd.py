@@ -1,0 +1,449 @@
+"""The pipelined training step as MPMD: each stage its own programs on its own devices, issued
+asynchronously, with no lockstep ticks.
+
+``build_step(model, mesh, schedule)`` returns a step with the interface of
+``runtime.PipelinedStep`` (``step(state, batch) -> (state, loss)``, ``in_shardings_of``,
+``stack_state``, ``unstack_state``, ``loss_and_grads``) computing what the unpipelined step
+computes. Where the lockstep runtime is one SPMD program whose every hop between stages costs
+a tick of the slowest stage (``schedules`` explains why plain 1F1B then idles in its steady
+state), here:
+
+  * stage ``s`` is the submesh at index ``s`` of the pipeline axis (the other axes: its data and
+    tensor axes). Its forward, backward and gradient reduction are ``jax.jit`` programs on that
+    submesh (inside, ``jax.shard_map`` manual over the data axes and automatic over the tensor
+    axis, as in the lockstep runtime, so a device runs its rows and gradients are summed over
+    the data shards once, after the last microbatch);
+  * one Python loop issues every stage's actions in ``schedules.dispatch_order``. JAX
+    dispatches asynchronously, so issuing returns at once; each device runs its programs in the
+    order issued and waits only for its inputs. Activations and cotangents move between
+    submeshes with ``jax.device_put`` as soon as they are made;
+  * the state keeps the lockstep runtime's layout (``runtime.state_specs``: the stacked layers
+    split over the pipeline axis, the rest whole on every stage), so plans, ``stack_state`` and
+    checkpoints are the same. A stage reads its layers as a view of its own devices' shards of
+    the state (``jax.make_array_from_single_device_arrays``, no copy), and its layer gradients
+    become the state-shaped gradient the same way; the embedding's and head's gradients (made
+    on the first and last stage) are summed on the first and copied to every stage. The user's
+    optimizer then runs as one program over the whole mesh, so transformations that look at
+    every gradient (a global-norm clip) see them all;
+  * the last stage's forward only keeps its input: its backward recomputes the chunk (and the
+    loss) from it under ``jax.vjp``, as every backward does, so that forward has nothing to do
+    (``planning`` prices it at zero).
+
+Runs one chunk per stage (``virtual_stages=1``), equal layer ranges and no FSDP inside stages:
+the state's layout gives stage ``s`` exactly layers ``[s L / P, (s + 1) L / P)`` then. Single
+controller only: every device must be addressable from this process (``jax.distributed``'s
+multi-controller, each process issuing its own stages' actions, is not built).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from autopar.errors import AutoparError
+from autopar.pipeline import runtime as R
+from autopar.pipeline import schedules as S
+from autopar.pipeline.model import StagedModel
+
+
+def supports(schedule: S.Schedule, layers: int, ranges=None, fsdp: bool = False) -> str:
+    """Why this runtime cannot run the choice, or ``""`` when it can."""
+    if schedule.virtual != 1:
+        return (f"virtual_stages={schedule.virtual}: the state's layout holds a stage's own "
+                f"layers, not chunks v P + s")
+    if layers % schedule.stages:
+        return f"{layers} layers do not split into {schedule.stages} equal stages"
+    if ranges is not None and tuple(map(tuple, ranges)) != R.equal_ranges(layers,
+                                                                         schedule.stages):
+        return f"unequal layer ranges {list(ranges)}"
+    if fsdp:
+        return "FSDP inside stages"
+    return ""
+
+
+def build_step(model: StagedModel, mesh, schedule: S.Schedule, axis: str = "stage",
+               tensor_axis: str | None = R.TENSOR_AXIS, ranges=None, layouts=None):
+    """The MPMD step running ``schedule`` over ``axis`` (module docstring); ``layouts``: the
+    parameters' layouts inside a stage (``runtime.state_specs``; default Megatron's)."""
+    R._check(model, mesh, schedule, axis, ranges)
+    why = supports(schedule, model.num_layers, ranges)
+    if why:
+        raise AutoparError(f"the MPMD pipeline runtime cannot run this pipeline ({why}); use "
+                           f"runtime='lockstep' in pipeline= (or build it with "
+                           f"autopar.pipeline.runtime.build_step)")
+    if not all(d.process_index == jax.process_index() for d in mesh.devices.flat):
+        raise AutoparError("the MPMD pipeline runtime issues every stage from one process, and "
+                           "this mesh has devices of other processes; use runtime='lockstep' "
+                           "under jax.distributed")
+    tensor_axis = tensor_axis if tensor_axis in mesh.axis_names else None
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+    runner = _Runner(model, mesh, schedule, axis, tensor_axis, sizes, layouts)
+
+    def shardings(state, batch):
+        st = jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), runner.specs(state))
+        bt = jax.tree_util.tree_map(
+            lambda x: NamedSharding(mesh, R.batch_spec(x.ndim, sizes, axis, tensor_axis)), batch)
+        return st, bt
+
+    return MpmdStep(None, shardings, mesh, False, runner.loss_and_grads, model.stacking,
+                    runner=runner)
+
+
+@dataclasses.dataclass(frozen=True)
+class MpmdStep(R.PipelinedStep):
+    """``runtime.PipelinedStep``'s interface over the MPMD runner: ``step(state, batch)``
+    places its arguments in the step's layouts and issues the schedule; there is no one
+    program to lower (``jitted`` refuses)."""
+
+    runner: object = None
+
+    def jitted(self, state, batch):
+        raise AutoparError("an MPMD pipelined step is many programs, one per stage and action, "
+                           "not one jax.jit; lower a lockstep step "
+                           "(autopar.pipeline.runtime.build_step) to read its HLO")
+
+    def __call__(self, state, batch):
+        from autopar.pipeline.unrolled import require_stacked
+
+        require_stacked(self.stacking, state)
+        st, bt = self.in_shardings_of(state, batch)
+        state, batch = jax.device_put(state, st), jax.device_put(batch, bt)
+        loss, grads = self.runner.loss_and_grads(state["params"], batch)
+        return self.runner.update(state, grads, st), loss
+
+
+    def issued(self, state, batch):
+        """This step with every program built (it runs once on ``state`` and ``batch``), as
+        ``compare`` times a compiled plan: ``Issued(state, batch)`` runs the step on arguments
+        placed in ``input_shardings[0]``."""
+        st, bt = self.in_shardings_of(state, batch)
+        jax.block_until_ready(self(state, batch))
+        return Issued(self, ((st, bt), {}), self.measure_peak(state, batch))
+
+    def measure_peak(self, state, batch) -> float:
+        """The most bytes one device holds during a step, measured: the step runs one action
+        at a time, and after each the buffers jax holds on each device (``jax.live_arrays``,
+        each buffer once) plus the temporaries XLA's buffer assignment gives the program that
+        ran (``memory_analysis``). Slow: for ``compare`` and tests, not for training."""
+        st, bt = self.in_shardings_of(state, batch)
+        state, batch = jax.device_put(state, st), jax.device_put(batch, bt)
+        peak = [0.0]
+
+        def watch(program, args, outs, held):
+            jax.block_until_ready(outs)
+            temp = program.lower(*args).compile().memory_analysis().temp_size_in_bytes
+            peak[0] = max(peak[0], max(_held_bytes((state, args, outs, held)).values()) + temp)
+
+        loss, grads = self.runner.loss_and_grads(state["params"], batch, watch=watch)
+        new = self.runner.update(state, grads, st, watch=watch)
+        jax.block_until_ready(new)
+        return peak[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Issued:
+    """An MPMD step whose programs are built: what ``compare`` times in place of a jax
+    ``Compiled`` (there is no one executable, so no XLA memory figure)."""
+
+    step: MpmdStep
+    input_shardings: tuple
+    peak_bytes: float = 0.0     # MpmdStep.measure_peak
+
+    def __call__(self, state, batch):
+        return self.step(state, batch)
+
+
+class _Runner:
+    """The stages' programs (built once per argument signature) and the issuing loop."""
+
+    def __init__(self, model, mesh, sch, axis, tensor_axis, sizes, layouts):
+        self.model, self.mesh, self.sch, self.axis = model, mesh, sch, axis
+        self.tensor_axis, self.sizes, self.layouts = tensor_axis, sizes, layouts
+        self.data = R.data_axes(sizes, axis, tensor_axis)
+        self.shards = math.prod(sizes[a] for a in self.data)
+        names = tuple(a for a in mesh.axis_names if a != axis)
+        at = mesh.axis_names.index(axis)
+        self.subs = [Mesh(np.take(mesh.devices, s, axis=at), names)
+                     for s in range(sch.stages)]
+        self.programs: dict = {}
+
+    def specs(self, tree):
+        return R.state_specs(self.model, tree, self.axis, self.tensor_axis, self.sch.stages,
+                             self.sizes.get(self.tensor_axis, 1), self.layouts)
+
+    # ---- views between the whole mesh and a stage's submesh --------------------------------
+    def _inner(self, spec) -> P:
+        """A whole-mesh spec without the pipeline axis (a stage's view of the same shards)."""
+        def drop(d):
+            if isinstance(d, tuple):
+                rest = tuple(a for a in d if a != self.axis)
+                return rest if len(rest) > 1 else (rest[0] if rest else None)
+            return None if d == self.axis else d
+        return P(*map(drop, tuple(spec)))
+
+    def _view(self, x, s: int):
+        """Stage ``s``'s devices' shards of the whole-mesh array ``x`` as an array on its
+        submesh (no copy)."""
+        spec = x.sharding.spec
+        split = len(spec) and (spec[0] == self.axis)
+        shape = (x.shape[0] // self.sch.stages, *x.shape[1:]) if split else x.shape
+        mine = set(self.subs[s].devices.flat)
+        shards = [sh.data for sh in x.addressable_shards if sh.device in mine]
+        return jax.make_array_from_single_device_arrays(
+            shape, NamedSharding(self.subs[s], self._inner(spec)), shards)
+
+    def _whole(self, parts, sharding, shape):
+        """Arrays on each stage's submesh (stage ``s``'s in ``parts[s]``) as one whole-mesh
+        array of ``sharding`` (no copy): each device's shard is the one its stage holds."""
+        shards = [sh.data for part in parts for sh in part.addressable_shards]
+        return jax.make_array_from_single_device_arrays(shape, sharding, shards)
+
+    # ---- the stages' programs ----------------------------------------------------------------
+    def _rows(self) -> P:
+        """An activation's (or accumulator's) layout: its leading dim over the data axes."""
+        return P(self.data or None)
+
+    def _micro_specs(self, micro):
+        """The microbatches' (M, b, ...) layouts: rows over the data axes."""
+        return jax.tree_util.tree_map(
+            lambda x: P(None, self.data or None) if x.ndim >= 2 else P(), micro)
+
+    def _program(self, kind: str, s: int, args):
+        key = (kind, s, jax.tree_util.tree_structure(args),
+               tuple((x.shape, x.dtype) for x in jax.tree_util.tree_leaves(args)))
+        if key not in self.programs:
+            self.programs[key] = getattr(self, f"_build_{kind}")(s, args)
+        return self.programs[key]
+
+    def _shard_map(self, body, s: int, in_specs, out_specs):
+        if not self.data:       # no data axes: the body runs on the whole stage as it is
+            return body
+        return jax.shard_map(body, mesh=self.subs[s], in_specs=in_specs, out_specs=out_specs,
+                             axis_names=frozenset(self.data), check_vma=False)
+
+    def _chunk(self, s: int, mb: int | None):
+        """``f(layers, rest, x_in, micro) -> (y, loss)`` of stage ``s``'s chunk on microbatch
+        ``mb`` of the local rows ``micro`` (M, b, ...)."""
+        model, last = self.model, s == self.sch.stages - 1
+
+        def f(layers, rest, x_in, micro, m):
+            batch = jax.tree_util.tree_map(lambda x: x[m], micro)
+            x = model.embed(rest, batch) if s == 0 else x_in
+            y, _ = jax.lax.scan(lambda h, lp: (model.layer(lp, h), None), x, layers)
+            loss = (model.head_loss(rest, y, batch).astype(jnp.float32) if last
+                    else jnp.zeros((), jnp.float32))
+            return y, loss
+
+        return f
+
+    def _build_fwd(self, s: int, args):
+        chunk = self._chunk(s, None)
+
+        def body(layers, rest, x_in, micro, m):
+            return chunk(layers, rest, x_in, micro, m)[0]
+
+        rows = self._rows()
+        mapped = self._shard_map(body, s, (P(), P(), rows, self._micro_specs(args[3]), P()),
+                                 rows)
+        return jax.jit(mapped)
+
+    def _build_bwd(self, s: int, args):
+        chunk = self._chunk(s, None)
+        last, m_count = s == self.sch.stages - 1, self.sch.microbatches
+
+        def body(layers, rest, x_in, dy, micro, m, g_layers, g_rest, loss):
+            (y, mb_loss), vjp = jax.vjp(lambda p, r, x: chunk(p, r, x, micro, m),
+                                        layers, rest, x_in)
+            dl = jnp.float32(1.0 / m_count if last else 0.0)
+            dp, dr, dx = vjp((jnp.zeros_like(y) if last else dy.astype(y.dtype), dl))
+            g_layers = jax.tree_util.tree_map(lambda g, d: g + d[None], g_layers, dp)
+            g_rest = jax.tree_util.tree_map(lambda g, d: g + d[None], g_rest, dr)
+            return dx, g_layers, g_rest, loss + (mb_loss / m_count)[None]
+
+        rows = acc = self._rows()
+        mapped = self._shard_map(
+            body, s, (P(), P(), rows, rows, self._micro_specs(args[4]), P(), acc, acc, acc),
+            (rows, acc, acc, acc))
+        return jax.jit(mapped, donate_argnums=(6, 7, 8))
+
+    def _build_zeros(self, s: int, args):
+        """Stage ``s``'s accumulators: per data shard (a leading dim split over the data
+        axes) a zero gradient of its layers and of the rest, and a zero loss."""
+        layers, rest = args
+        n = max(self.shards, 1)
+
+        def acc_sharding(x):
+            inner = tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))
+            return NamedSharding(self.subs[s], P(self.data or None, *inner))
+
+        outs = (jax.tree_util.tree_map(acc_sharding, layers),
+                jax.tree_util.tree_map(acc_sharding, rest),
+                NamedSharding(self.subs[s], P(self.data or None)))
+        return jax.jit(lambda: (
+            jax.tree_util.tree_map(lambda x: jnp.zeros((n, *x.shape), x.dtype), layers),
+            jax.tree_util.tree_map(lambda x: jnp.zeros((n, *x.shape), x.dtype), rest),
+            jnp.zeros((n,), jnp.float32)), out_shardings=outs)
+
+    def _build_reduce(self, s: int, args):
+        """Accumulators -> the stage's gradients (the mean over the data shards) and loss, in
+        the layouts of the stage's views of the state."""
+        (g_layers, g_rest, _), (layers, rest) = args
+        outs = (jax.tree_util.tree_map(lambda x: x.sharding, layers),
+                jax.tree_util.tree_map(lambda x: x.sharding, rest),
+                NamedSharding(self.subs[s], P()))
+        n = max(self.shards, 1)
+        return jax.jit(lambda acc: jax.tree_util.tree_map(lambda g: g.sum(0) / n, acc),
+                       out_shardings=outs)
+
+    # ---- one step ----------------------------------------------------------------------------
+    def loss_and_grads(self, params, batch, watch=None):
+        """``(loss, grads)`` of ``params`` (the whole-mesh state layout) on ``batch``, the
+        schedule issued stage by stage; ``watch(program, args, outputs)``, when given, is called
+        after each stage program is issued (``MpmdStep.measure_peak``)."""
+        sch, model = self.sch, self.model
+        p, last = sch.stages, sch.stages - 1
+        specs = self.specs(params)
+        st = jax.tree_util.tree_map(lambda sp: NamedSharding(self.mesh, sp), specs)
+        params = jax.device_put(params, st)
+        R._check_rows(batch, sch.microbatches, {a: self.sizes[a] for a in self.data})
+        micro = _microbatches(batch, sch.microbatches, self.mesh, self.data, self.programs)
+        layers, rest = model.split(params)
+        views = [(jax.tree_util.tree_map(functools.partial(self._view, s=s), layers),
+                  jax.tree_util.tree_map(functools.partial(self._view, s=s), rest))
+                 for s in range(p)]
+        micros = [jax.tree_util.tree_map(functools.partial(self._view, s=s), micro)
+                  for s in range(p)]
+        acc = [self._program("zeros", s, views[s])() for s in range(p)]
+        inbox_f, inbox_b, stash = {}, {}, {}
+        act = None
+        for s, a in S.dispatch_order(sch):
+            lp, rp = views[s]
+            mb = micros[s]
+            m = np.int32(a.mb)
+            if a.kind == "F":
+                x_in = inbox_f.pop((a.mb, s), None)
+                if s == last:                     # the backward recomputes it all
+                    stash[(a.mb, s)] = x_in
+                    continue
+                if x_in is None:                  # stage 0 embeds: a placeholder input
+                    x_in = act if act is not None else self._placeholder(views, micros)
+                    act = x_in
+                args = (lp, rp, x_in, mb, m)
+                program = self._program("fwd", s, args)
+                y = program(*args)
+                if watch:
+                    watch(program, args, y, (micro, acc, stash, inbox_f, inbox_b))
+                stash[(a.mb, s)] = x_in
+                inbox_f[(a.mb, s + 1)] = jax.device_put(y, self._act_sharding(s + 1))
+            else:
+                x_in = stash.pop((a.mb, s))
+                dy = inbox_b.pop((a.mb, s), None)
+                if dy is None:
+                    dy = x_in
+                args = (lp, rp, x_in, dy, mb, m, *acc[s])
+                program = self._program("bwd", s, args)
+                if watch:       # the accumulators are donated: run on copies, keep these
+                    dx, *new = program(*args[:6], *jax.tree_util.tree_map(jnp.copy, acc[s]))
+                    watch(program, args, (dx, new), (micro, acc, stash, inbox_f, inbox_b))
+                else:
+                    dx, *new = program(*args)
+                acc[s] = tuple(new)
+                if s > 0:
+                    inbox_b[(a.mb, s - 1)] = jax.device_put(dx, self._act_sharding(s - 1))
+        reduced = [self._program("reduce", s, (acc[s], views[s]))(acc[s]) for s in range(p)]
+        return self._gather(params, st, reduced)
+
+    def _placeholder(self, views, micros):
+        """Stage 0's input slot (its chunk embeds instead): zeros of an activation's shape."""
+        mb0 = jax.tree_util.tree_map(lambda x: x[0], micros[0])
+        aval = jax.eval_shape(self.model.embed, views[0][1], mb0)
+        return jax.device_put(jnp.zeros(aval.shape, aval.dtype), self._act_sharding(0))
+
+    def _act_sharding(self, s: int):
+        return NamedSharding(self.subs[s], self._rows())
+
+    def _gather(self, params, st, reduced):
+        """The stages' gradients as one whole-mesh gradient in the state's layout, and the
+        loss: layers assembled from their stages' shards; the rest (embedding at stage 0, head
+        at the last) summed on stage 0 and copied to every stage."""
+        model, p = self.model, self.sch.stages
+        layers, rest = model.split(params)
+        l_st, r_st = model.split(st)
+        g_layers = jax.tree_util.tree_map(
+            lambda x, sh, *parts: self._whole(parts, sh, x.shape), layers, l_st,
+            *[r[0] for r in reduced])
+        head = jax.device_put(reduced[-1][1], jax.tree_util.tree_map(lambda x: x.sharding,
+                                                                      reduced[0][1]))
+        summed = _add(reduced[0][1], head)
+        copies = [summed] + [jax.device_put(summed, jax.tree_util.tree_map(
+            lambda x, s=s: NamedSharding(self.subs[s], x.sharding.spec), summed))
+            for s in range(1, p)]
+        g_rest = jax.tree_util.tree_map(
+            lambda x, sh, *parts: self._whole(parts, sh, x.shape), rest, r_st, *copies)
+        loss = jax.device_put(reduced[-1][2], NamedSharding(self.mesh, P()))
+        return loss, model.join(g_layers, g_rest)
+
+    def update(self, state, grads, st, watch=None):
+        """The user's optimizer over the whole mesh, in the state's layouts."""
+        key = ("update", jax.tree_util.tree_structure(state))
+        if key not in self.programs:
+            tx = self.model.tx
+
+            def apply(state, grads):
+                import optax
+
+                updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+                return {"params": optax.apply_updates(state["params"], updates),
+                        "opt_state": opt_state}
+
+            self.programs[key] = jax.jit(apply, out_shardings=st, donate_argnums=(1,))
+        program = self.programs[key]
+        if watch:
+            new = program(state, jax.tree_util.tree_map(jnp.copy, grads))
+            watch(program, (state, grads), new, ())
+            return new
+        return program(state, grads)
+
+
+def _held_bytes(tree) -> dict:
+    """Bytes of the buffers of ``tree``'s arrays, per device, each buffer once (a stage's views
+    share their buffers with the state)."""
+    seen, out = set(), {}
+    for a in jax.tree_util.tree_leaves(tree):
+        if not isinstance(a, jax.Array):
+            continue
+        for sh in a.addressable_shards:
+            key = (sh.device, sh.data.unsafe_buffer_pointer())
+            if key not in seen:
+                seen.add(key)
+                out[sh.device] = out.get(sh.device, 0) + sh.data.nbytes
+    return out
+
+
+@jax.jit
+def _add(a, b):
+    return jax.tree_util.tree_map(jnp.add, a, b)
+
+
+def _microbatches(batch, m: int, mesh, data: tuple, programs: dict):
+    """(B, ...) -> (M, B / M, ...) on the whole mesh, row ``i`` to microbatch ``i % M`` (as the
+    lockstep runtime cuts them), rows over the data axes; one program per batch signature, kept
+    in ``programs``."""
+    key = ("micro", jax.tree_util.tree_structure(batch),
+           tuple((x.shape, x.dtype) for x in jax.tree_util.tree_leaves(batch)))
+    if key not in programs:
+        def cut(x):
+            if not x.ndim:
+                return x
+            return jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1)
+
+        outs = jax.tree_util.tree_map(lambda x: NamedSharding(mesh, P(
+            None, data or None) if x.ndim else P()), batch)
+        programs[key] = jax.jit(lambda b: jax.tree_util.tree_map(cut, b), out_shardings=outs)
+    return programs[key](batch)
