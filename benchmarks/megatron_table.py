@@ -62,7 +62,10 @@ PAPER = [
 DEFAULT_ROWS = 8          # through 310.1B; --all adds the last two
 SUB_PLAN_LIMIT_S = 1.0
 PLAN_LIMIT_S = 10.0
-HAND = dict(tensor=None, rows_per_shard=(1,), schedules=("1f1b",), virtual=(1, 2))
+# megatron_3d as the strategy runs it: asynchronously (MPMD) with one chunk per stage, as
+# Megatron-LM does; its interleaved chunks on the lockstep runtime (mpmd.supports)
+HAND = dict(tensor=None, rows_per_shard=(1,), schedules=("1f1b",), virtual=(1, 2),
+            runtimes=("mpmd",))
 AUTO = dict(tensor=None, rows_per_shard=(1, 2), schedules=S.SCHEDULES, virtual=(1, 2, 4))
 OPEN_TENSOR = (4, 8)
 HEADER = ("row", "gpus", "paper t p d", "batch", "paper TFLOP/s",
@@ -118,7 +121,8 @@ def _pipe_cells(choice, flops: float, gpus: int, paper: float, mesh: bool = Fals
         return ("-", "-", "no plan fits" + (" (mesh)" if mesh else ""))
     p = choice.plan
     tf = flops / p.step_time_s / gpus / 1e12
-    what = f"{p.schedule} V={p.virtual_stages}, M={p.microbatches}, {p.bubble_fraction:.0%}"
+    what = (f"{p.schedule} V={p.virtual_stages}, M={p.microbatches}, {p.bubble_fraction:.0%}, "
+            f"{p.runtime}")
     if mesh:
         what = f"{_common.mesh_str(choice.sizes)}: {what}"
     return (tf, tf / paper, what)

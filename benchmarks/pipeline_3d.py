@@ -41,6 +41,7 @@ from autopar.pipeline import model as PM
 from autopar.pipeline import planning as PL
 from autopar.pipeline import schedules as S
 from autopar.pipeline import search
+from autopar.pipeline.record import RUNTIMES
 
 ROWS = 1536
 SUB_PLAN_LIMIT_S = 1.0
@@ -87,7 +88,8 @@ def choices_on(model, params, batch, sizes: dict, hw, budget: float, grid: dict,
         if key not in costs:
             costs[key] = PL.stage_costs(model, params, batch, rows // m, sizes, "stage", hw,
                                         limit_s, strategy)
-        out += [search.evaluate(model, params, costs[key], sizes, hw, budget, name, v, m)
+        out += [search.evaluate(model, params, costs[key], sizes, hw, budget, name, v, m,
+                                runtimes=grid.get("runtimes", RUNTIMES))
                 for name in grid["schedules"] for v in grid["virtual"]]
     return [c for c in out if c is not None]
 

@@ -15,9 +15,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable
 
+from autopar.pipeline import mpmd
 from autopar.pipeline import planning as PL
 from autopar.pipeline import schedules as S
-from autopar.pipeline.record import PipelinePlan
+from autopar.pipeline.record import RUNTIMES, PipelinePlan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,17 +69,26 @@ def microbatch_counts(rows: int, sizes: dict, rows_per_shard: Iterable[int],
 
 
 def evaluate(model, params, costs: PL.Costs, sizes: dict, hw, budget: float, schedule: str,
-             virtual: int, microbatches: int, axis: str = "stage") -> Choice | None:
+             virtual: int, microbatches: int, axis: str = "stage",
+             runtimes=RUNTIMES) -> Choice | None:
     """One candidate priced: ``plan`` with equal chunks when the layers split so, else
-    ``None``; ``unequal`` the DP's best split when it differs (``virtual_stages=1`` only);
-    ``None`` when neither exists."""
+    ``None``, on the faster of ``runtimes`` that runs it (that fits ``budget``, where one
+    does; where none of them can, the lockstep runtime); ``unequal`` the DP's best split when
+    it differs (``virtual_stages=1`` only, on the lockstep runtime); ``None`` when neither
+    exists."""
     p = sizes[axis]
     if virtual > 1 and (model.num_layers % (p * virtual) or microbatches % p
                         or S.check(schedule, p, virtual, microbatches) == "eager_1f1b"):
         return None
     plan = None
     if model.num_layers % (p * virtual) == 0:
-        plan = PL.price(model, params, costs, sizes, axis, hw, schedule, virtual, microbatches)
+        sch = S.build(schedule, p, virtual, microbatches)
+        usable = [rt for rt in runtimes if rt == "lockstep" or not mpmd.supports(
+            sch, model.num_layers, fsdp=bool(costs.fsdp))] or ["lockstep"]
+        priced = [PL.price(model, params, costs, sizes, axis, hw, schedule, virtual,
+                           microbatches, runtime=rt) for rt in usable]
+        fits = [c for c in priced if max(c.stage_memory_bytes) <= budget] or priced
+        plan = min(fits, key=lambda c: c.step_time_s, default=None)
     unequal = None
     if virtual == 1:
         free = PL.layer_split(model, params, costs, sizes, axis, hw, schedule, microbatches,

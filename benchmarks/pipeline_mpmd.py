@@ -1,0 +1,156 @@
+"""The two pipeline runtimes side by side on CPU devices: lockstep (one SPMD program of ticks)
+against MPMD (each stage its own programs, issued asynchronously), predicted and measured.
+
+A scanned GPT is pipelined over 2 and 4 CPU devices (``{"stage": P}``) under 1F1B, eager 1F1B
+and GPipe at two microbatch counts. For each configuration both runtimes run the same schedule
+on the same state and batch:
+
+* **predicted**: ``autopar.plan(..., pipeline={schedule, microbatches, runtime})`` on the cpu
+  profile, the planner's own figures (stage costs from its sub-plans; the lockstep tick loop,
+  or the asynchronous timeline with the profile's ``pipeline_issue_s`` per action);
+* **measured**: the step's median wall time over interleaved rounds (lockstep, MPMD, lockstep,
+  ...), both warmed up first, in one process;
+* **issue**: the MPMD controller's host time per action (the issuing loop's wall time, without
+  waiting for the devices, over its actions), which calibrates the cpu profile's
+  ``pipeline_issue_s``.
+
+The emulated devices share the host's 2 cores, so a stage idling in the lockstep runtime frees a
+core for another stage: the bubble the asynchronous runtime removes is not idle hardware here,
+and this machine cannot show its gain, only its costs (issuing every action from Python, a
+program launch per action, copies between submeshes). The comparison that matters, the
+bubble on devices of their own, is a prediction (``benchmarks/megatron_table.py``) until a GPU
+run measures it.
+
+    python benchmarks/pipeline_mpmd.py           # 12 configurations (~4 min on 2 cores)
+    python benchmarks/pipeline_mpmd.py --quick   # one small configuration
+
+Writes ``benchmarks/results/pipeline_mpmd.md`` and ``pipeline_mpmd.csv``.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import _common
+import jax
+import numpy as np
+
+import autopar
+from autopar.models import gpt
+from autopar.pipeline import model as PM
+from autopar.pipeline import planning as PL
+
+RUNTIMES = ("lockstep", "mpmd")
+
+
+def _mesh(p: int):
+    return jax.sharding.Mesh(np.array(jax.devices()[:p]), ("stage",))
+
+
+def _issue_s(run, state, batch) -> float:
+    """Host seconds per action of the MPMD issuing loop (not waiting for the devices)."""
+    st, bt = run.in_shardings_of(state, batch)
+    state, batch = jax.device_put(state, st), jax.device_put(batch, bt)
+    jax.block_until_ready((state, batch))
+    per = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        out = run.runner.loss_and_grads(state["params"], batch)
+        per.append(time.perf_counter() - t0)
+        jax.block_until_ready(out)
+    actions = 2 * run.runner.sch.microbatches * run.runner.sch.stages
+    return statistics.median(per) / actions
+
+
+def main() -> None:
+    args = _common.parser(__doc__).parse_args()
+    if args.quick:
+        cfg = gpt.GPTConfig(vocab=64, seq=16, d_model=32, heads=4, d_ff=64, layers=4, scan=True)
+        configs, rows_n, rounds = [(2, "1f1b", 2)], 8, 2
+    else:
+        cfg = gpt.GPTConfig(vocab=256, seq=64, d_model=128, heads=4, d_ff=512, layers=8,
+                            scan=True)
+        configs = [(p, name, m) for p in (2, 4) for name in ("1f1b", "eager_1f1b", "gpipe")
+                   for m in (p, 4 * p)]
+        rows_n, rounds = 32, 9
+    step, init = PM.gpt_train_step(cfg)
+    state, batch = init(jax.random.PRNGKey(0), rows_n), gpt.make_batch(cfg, rows_n)
+    rows, t_start = [], time.perf_counter()
+    for p, name, m in configs:
+        mesh = {"stage": p}
+        runs, plans = {}, {}
+        for rt in RUNTIMES:
+            plans[rt] = autopar.plan(step, state, batch, mesh=mesh, hardware="cpu",
+                                     pipeline={"schedule": name, "microbatches": m,
+                                               "virtual_stages": 1, "layer_ranges": "equal",
+                                               "runtime": rt}, time_limit_s=5.0)
+            runs[rt] = PL.executable(plans[rt], step, _mesh(p))
+            jax.block_until_ready(runs[rt](state, batch))          # build and warm up
+        times = {rt: [] for rt in RUNTIMES}
+        for _ in range(rounds):
+            for rt in RUNTIMES:
+                t0 = time.perf_counter()
+                jax.block_until_ready(runs[rt](state, batch))
+                times[rt].append(time.perf_counter() - t0)
+        issue = _issue_s(runs["mpmd"], state, batch)
+        for rt in RUNTIMES:
+            pp = plans[rt].pipeline
+            meas = statistics.median(times[rt])
+            rows.append(dict(stages=p, schedule=name, microbatches=m, runtime=rt,
+                             predicted_ms=pp.step_time_s * 1e3, measured_ms=meas * 1e3,
+                             pred_over_meas=pp.step_time_s / meas,
+                             predicted_bubble=pp.bubble_fraction,
+                             issue_ms=issue * 1e3 if rt == "mpmd" else float("nan")))
+        print(f"P={p} {name} M={m}: " + ", ".join(
+            f"{r['runtime']} pred {r['predicted_ms']:.1f} ms meas {r['measured_ms']:.1f} ms"
+            for r in rows[-2:]), flush=True)
+    _write(args, cfg, rows, rounds, time.perf_counter() - t_start)
+
+
+def _write(args, cfg, rows, rounds, wall_s) -> None:
+    header = ["stages", "schedule", "microbatches", "runtime", "predicted_ms", "measured_ms",
+              "pred_over_meas", "predicted_bubble", "issue_ms"]
+    _common.write_csv(_common.out_dir(args) / "pipeline_mpmd.csv", header,
+                      [[r[h] for h in header] for r in rows])
+    pairs = []
+    for i in range(0, len(rows), 2):
+        lock, mp = rows[i], rows[i + 1]
+        pairs.append([lock["stages"], lock["schedule"], lock["microbatches"],
+                      mp["predicted_ms"] / lock["predicted_ms"],
+                      mp["measured_ms"] / lock["measured_ms"], mp["issue_ms"]])
+    issue = statistics.median(r["issue_ms"] for r in rows if r["runtime"] == "mpmd")
+    errors = {rt: statistics.median(abs(r["pred_over_meas"] - 1) for r in rows
+                                    if r["runtime"] == rt) for rt in RUNTIMES}
+    text = "\n".join([
+        "# Pipeline runtimes on CPU devices: lockstep against MPMD",
+        "",
+        _common.environment(),
+        "",
+        f"`python benchmarks/pipeline_mpmd.py{' --quick' if args.quick else ''}`: GPT "
+        f"d_model={cfg.d_model}, layers={cfg.layers}, seq={cfg.seq}, "
+        f"{rows[0]['stages'] and ''}batch as in the script, {{stage: P}} on P CPU devices, "
+        f"medians of {rounds} interleaved rounds; {wall_s:.0f} s.",
+        "",
+        _common.md_table(["P", "schedule", "M", "runtime", "predicted ms", "measured ms",
+                          "pred / meas", "predicted bubble", "issue ms / action"],
+                         [[r[h] for h in header] for r in rows]),
+        "",
+        "MPMD against lockstep, same configuration (below 1: MPMD faster):",
+        "",
+        _common.md_table(["P", "schedule", "M", "predicted MPMD / lockstep",
+                          "measured MPMD / lockstep", "issue ms / action"], pairs),
+        "",
+        f"Median |predicted / measured - 1|: lockstep {errors['lockstep']:.2f}, MPMD "
+        f"{errors['mpmd']:.2f}. Median issuing cost {issue:.2f} ms an action (the cpu "
+        f"profile's pipeline_issue_s).",
+        "",
+        "On 2 shared cores a lockstep stage's idle time is another stage's compute time, so the "
+        "bubble MPMD removes is not idle hardware here; these rows measure what MPMD costs "
+        "(issuing, launches, copies between submeshes) and whether the planner prices it.",
+        "",
+    ])
+    _common.write_md(args, "pipeline_mpmd.md", text)
+
+
+if __name__ == "__main__":
+    main()
