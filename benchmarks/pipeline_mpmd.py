@@ -12,7 +12,13 @@ on the same state and batch:
   ...), both warmed up first, in one process;
 * **issue**: the MPMD controller's host time per action (the issuing loop's wall time, without
   waiting for the devices, over its actions), which calibrates the cpu profile's
-  ``pipeline_issue_s``.
+  ``pipeline_issue_s``;
+* **bubble** of the MPMD step, measured inside the real step: ``jax.profiler`` traces of three
+  steps, read by ``autopar.pipeline.measured.measure_mpmd`` (per device the union of its stage
+  programs' executed instructions against the step's makespan). Its prediction is
+  ``schedules.price_async`` over the stage programs' times run alone
+  (``MpmdStep.action_times``) and the measured issuing cost, hops between stages taken as
+  free (a CPU copy of one microbatch's activation).
 
 The emulated devices share the host's 2 cores, so a stage idling in the lockstep runtime frees a
 core for another stage: the bubble the asynchronous runtime removes is not idle hardware here,
@@ -21,7 +27,7 @@ program launch per action, copies between submeshes). The comparison that matter
 bubble on devices of their own, is a prediction (``benchmarks/megatron_table.py``) until a GPU
 run measures it.
 
-    python benchmarks/pipeline_mpmd.py           # 12 configurations (~4 min on 2 cores)
+    python benchmarks/pipeline_mpmd.py           # 12 configurations (~6 min on 2 cores)
     python benchmarks/pipeline_mpmd.py --quick   # one small configuration
 
 Writes ``benchmarks/results/pipeline_mpmd.md`` and ``pipeline_mpmd.csv``.
@@ -37,8 +43,10 @@ import numpy as np
 
 import autopar
 from autopar.models import gpt
+from autopar.pipeline import measured
 from autopar.pipeline import model as PM
 from autopar.pipeline import planning as PL
+from autopar.pipeline import schedules as S
 
 RUNTIMES = ("lockstep", "mpmd")
 
@@ -66,16 +74,19 @@ def main() -> None:
     args = _common.parser(__doc__).parse_args()
     if args.quick:
         cfg = gpt.GPTConfig(vocab=64, seq=16, d_model=32, heads=4, d_ff=64, layers=4, scan=True)
-        configs, rows_n, rounds = [(2, "1f1b", 2)], 8, 2
+        configs, rounds = [(2, "1f1b", 2)], 2
+        traced = {(2, "1f1b", 2)}
     else:
         cfg = gpt.GPTConfig(vocab=256, seq=64, d_model=128, heads=4, d_ff=512, layers=8,
                             scan=True)
         configs = [(p, name, m) for p in (2, 4) for name in ("1f1b", "eager_1f1b", "gpipe")
                    for m in (p, 4 * p)]
-        rows_n, rounds = 32, 9
+        rounds = 9
+    traced = {(2, "1f1b", 8), (2, "gpipe", 8), (4, "1f1b", 16), (4, "eager_1f1b", 16),
+              (2, "1f1b", 2)}
     step, init = PM.gpt_train_step(cfg)
-    state, batch = init(jax.random.PRNGKey(0), rows_n), gpt.make_batch(cfg, rows_n)
-    rows, t_start = [], time.perf_counter()
+    state, batch = init(jax.random.PRNGKey(0), rows_n(args)), gpt.make_batch(cfg, rows_n(args))
+    rows, bubbles, t_start = [], [], time.perf_counter()
     for p, name, m in configs:
         mesh = {"stage": p}
         runs, plans = {}, {}
@@ -101,13 +112,32 @@ def main() -> None:
                              pred_over_meas=pp.step_time_s / meas,
                              predicted_bubble=pp.bubble_fraction,
                              issue_ms=issue * 1e3 if rt == "mpmd" else float("nan")))
+        if (p, name, m) in traced:
+            bubbles.append(_bubble(runs["mpmd"], state, batch, p, name, m, issue))
         print(f"P={p} {name} M={m}: " + ", ".join(
             f"{r['runtime']} pred {r['predicted_ms']:.1f} ms meas {r['measured_ms']:.1f} ms"
             for r in rows[-2:]), flush=True)
-    _write(args, cfg, rows, rounds, time.perf_counter() - t_start)
+    _write(args, cfg, rows, bubbles, rounds, time.perf_counter() - t_start)
 
 
-def _write(args, cfg, rows, rounds, wall_s) -> None:
+def _bubble(run, state, batch, p: int, name: str, m: int, issue: float) -> list:
+    """[P, schedule, M, predicted bubble, measured bubble, predicted makespan ms, measured
+    makespan ms]: the measured from a trace, the predicted from the programs timed alone."""
+    sch = S.build(name, p, 1, m)
+    times = run.action_times(state, batch)
+    last = sch.chunks - 1
+    pred = S.price_async(sch, lambda a: 0.0 if a.kind == "F" and a.chunk == last
+                         else times[(a.kind, sch.stage_of(a.chunk))], issue_s=issue)
+    meas = measured.measure_mpmd(run, state, batch)
+    return [p, name, m, pred.bubble_fraction, meas.bubble_fraction,
+            pred.makespan_s * 1e3, meas.loop_s[0] * 1e3]
+
+
+def rows_n(args) -> int:
+    return 8 if args.quick else 32
+
+
+def _write(args, cfg, rows, bubbles, rounds, wall_s) -> None:
     header = ["stages", "schedule", "microbatches", "runtime", "predicted_ms", "measured_ms",
               "pred_over_meas", "predicted_bubble", "issue_ms"]
     _common.write_csv(_common.out_dir(args) / "pipeline_mpmd.csv", header,
@@ -128,7 +158,7 @@ def _write(args, cfg, rows, rounds, wall_s) -> None:
         "",
         f"`python benchmarks/pipeline_mpmd.py{' --quick' if args.quick else ''}`: GPT "
         f"d_model={cfg.d_model}, layers={cfg.layers}, seq={cfg.seq}, "
-        f"{rows[0]['stages'] and ''}batch as in the script, {{stage: P}} on P CPU devices, "
+        f"batch {rows_n(args)}, {{stage: P}} on P CPU devices, "
         f"medians of {rounds} interleaved rounds; {wall_s:.0f} s.",
         "",
         _common.md_table(["P", "schedule", "M", "runtime", "predicted ms", "measured ms",
@@ -139,6 +169,18 @@ def _write(args, cfg, rows, rounds, wall_s) -> None:
         "",
         _common.md_table(["P", "schedule", "M", "predicted MPMD / lockstep",
                           "measured MPMD / lockstep", "issue ms / action"], pairs),
+        "",
+        "The MPMD step's bubble inside the real step (three traced steps, medians) against "
+        "the asynchronous timeline over its programs timed alone:",
+        "",
+        _common.md_table(["P", "schedule", "M", "predicted bubble", "measured bubble",
+                          "predicted makespan ms", "measured makespan ms"], bubbles),
+        "",
+        f"Bubble |predicted - measured|: median "
+        f"{statistics.median(abs(b[3] - b[4]) for b in bubbles):.3f}, at most "
+        f"{max(abs(b[3] - b[4]) for b in bubbles):.3f}. The measured busy time is the union of "
+        "executed instructions, without the gaps between them that a program timed alone "
+        "includes, so the measured bubble reads high by those gaps.",
         "",
         f"Median |predicted / measured - 1|: lockstep {errors['lockstep']:.2f}, MPMD "
         f"{errors['mpmd']:.2f}. Median issuing cost {issue:.2f} ms an action (the cpu "

@@ -24,6 +24,7 @@ CASES = {
     "verify_matrix.py": ("verify_matrix.md", "verify_matrix.csv"),
     "pipeline_cpu.py": ("pipeline_cpu.md", "pipeline_cpu.csv"),
     "pipeline_fsdp.py": ("pipeline_fsdp.md", "pipeline_fsdp.csv"),
+    "pipeline_mpmd.py": ("pipeline_mpmd.md", "pipeline_mpmd.csv"),
     "hbm_depth.py": ("hbm_depth.md", "hbm_depth.csv"),
     "zoo.py": ("zoo.md", "zoo.csv"),
     "recompute.py": ("recompute.md",),

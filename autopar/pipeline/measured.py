@@ -241,3 +241,98 @@ def measure(compiled, args, mesh, axis: str = "stage", runs: int = 3,
 
     measured = trace(compiled, mesh, run, axis, log_dir)
     return dataclasses.replace(measured, step_s=statistics.median(walls))
+
+
+# ---- the MPMD runtime -------------------------------------------------------------------------
+MPMD_PREFIX = "jit_autopar_mpmd_"      # the module names of autopar.pipeline.mpmd's programs
+STEP_MARK = "autopar_mpmd_step"
+
+
+def _mpmd_kind(module: str) -> str | None:
+    """"forward" / "backward" for an MPMD stage program's module, else None."""
+    if not module.startswith(MPMD_PREFIX):
+        return None
+    kind = module[len(MPMD_PREFIX):].split("_")[0]
+    return kind if kind in ("forward", "backward") else None
+
+
+def read_mpmd(log_dir) -> tuple[list, list]:
+    """(the events of the MPMD stage programs' instructions, as (device, kind, start, end);
+    the host's step windows, as (start, end)) in the newest trace under ``log_dir``."""
+    from jax.profiler import ProfileData
+
+    files = sorted(pathlib.Path(log_dir).rglob("*.xplane.pb"), key=lambda p: p.stat().st_mtime)
+    if not files:
+        raise AutoparError(f"no *.xplane.pb under {log_dir}: was jax.profiler.trace run there?")
+    events, steps = [], []
+    for plane in ProfileData.from_file(str(files[-1])).planes:
+        for line in plane.lines:
+            for e in line.events:
+                start, end = e.start_ns * 1e-9, (e.start_ns + e.duration_ns) * 1e-9
+                if e.name == STEP_MARK:
+                    steps.append((start, end))
+                    continue
+                st = dict(e.stats)
+                kind = _mpmd_kind(str(st.get("hlo_module", "")))
+                if kind and "hlo_op" in st and "device_ordinal" in st:
+                    events.append((int(st["device_ordinal"]), kind, start, end))
+    return events, sorted(steps)
+
+
+def summarise_mpmd(events, steps, stage_of: dict) -> MeasuredPipeline:
+    """Per step window: per device the union of its stage programs' instructions (busy, and
+    its forward and backward parts) and the window's makespan (first to last instruction of
+    any stage program); a stage of several devices: their mean; bubble
+    ``1 - sum busy / (P makespan)`` (the planner's definition), medians over the steps."""
+    p = max(stage_of.values()) + 1
+    rows, bubbles = [], []
+    for a, b in steps:
+        inside = [e for e in events if a <= e[2] and e[3] <= b]
+        if not inside:
+            continue
+        span = max(e[3] for e in inside) - min(e[2] for e in inside)
+        table, count = np.zeros((p, 4)), np.zeros((p, 1))
+        for d in {e[0] for e in inside}:
+            if d not in stage_of:
+                continue
+            mine = [(e[2], e[3], e[1]) for e in inside if e[0] == d]
+            parts = {k: [(s, t) for s, t, kind in mine if kind == k]
+                     for k in ("forward", "backward")}
+            table[stage_of[d]] += (span, union_s(parts["forward"] + parts["backward"]),
+                                   union_s(parts["forward"]), union_s(parts["backward"]))
+            count[stage_of[d]] += 1
+        if (count == 0).any():
+            raise AutoparError(f"a traced MPMD step has no stage-program events on stage(s) "
+                               f"{[s for s in range(p) if not count[s, 0]]}; trace the step "
+                               f"after it is warm (MpmdStep builds its programs on its first "
+                               f"call)")
+        table /= count
+        rows.append(table)
+        bubbles.append(1 - table[:, 1].sum() / (p * span))
+    if not rows:
+        raise AutoparError("the trace has no MPMD step windows with stage-program events; "
+                           "measure with autopar.pipeline.measured.measure_mpmd")
+    med = np.median(np.stack(rows), axis=0)
+    return MeasuredPipeline(*(tuple(float(x) for x in med[:, i]) for i in range(4)),
+                            float(np.median(bubbles)), len(rows))
+
+
+def measure_mpmd(step, state, batch, axis: str = "stage", runs: int = 3,
+                 log_dir=None) -> MeasuredPipeline:
+    """An MPMD pipelined step (``autopar.pipeline.mpmd.build_step``) traced over ``runs``
+    steps after an untraced warm-up: per stage its busy time (the union of its forward and
+    backward programs' instructions on its devices), the step's makespan and the bubble, as
+    ``measure`` gives them for the lockstep step; ``step_s`` the traced steps' median wall
+    time."""
+    jax.block_until_ready(step(state, batch))
+    walls = []
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(log_dir or tmp):
+            for _ in range(runs):
+                t0 = time.perf_counter()
+                with jax.profiler.TraceAnnotation(STEP_MARK):
+                    jax.block_until_ready(step(state, batch))
+                walls.append(time.perf_counter() - t0)
+        events, steps = read_mpmd(log_dir or tmp)
+    measured = summarise_mpmd(events, steps, stages_of(step.mesh, axis))
+    return dataclasses.replace(measured, step_s=statistics.median(walls))

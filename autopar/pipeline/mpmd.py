@@ -39,6 +39,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import statistics
+import time
 
 import jax
 import jax.numpy as jnp
@@ -146,6 +148,35 @@ class MpmdStep(R.PipelinedStep):
         return peak[0]
 
 
+    def action_times(self, state, batch, runs: int = 5) -> dict:
+        """``{("F" or "B", stage): seconds}``: each stage's forward and backward program run
+        alone (the devices otherwise idle, each call waited for), the median of ``runs``
+        calls, on the arguments one step gives them. The inputs of
+        ``schedules.price_async`` when it predicts a measured step (``benchmarks``)."""
+        st, bt = self.in_shardings_of(state, batch)
+        state, batch = jax.device_put(state, st), jax.device_put(batch, bt)
+        out: dict = {}
+
+        def watch(program, args, outs, held):
+            kind = "F" if len(args) == 5 else "B"
+            key = (kind, self.runner.stage_of(program))
+            if key in out:
+                return
+            jax.block_until_ready(outs)
+            times = []
+            for _ in range(runs):
+                call = args if kind == "F" else (
+                    *args[:6], *jax.tree_util.tree_map(jnp.copy, args[6:]))
+                jax.block_until_ready(call)
+                t0 = time.perf_counter()
+                jax.block_until_ready(program(*call))
+                times.append(time.perf_counter() - t0)
+            out[key] = statistics.median(times)
+
+        jax.block_until_ready(self.runner.loss_and_grads(state["params"], batch, watch=watch))
+        return out
+
+
 @dataclasses.dataclass(frozen=True)
 class Issued:
     """An MPMD step whose programs are built: what ``compare`` times in place of a jax
@@ -172,6 +203,7 @@ class _Runner:
         self.subs = [Mesh(np.take(mesh.devices, s, axis=at), names)
                      for s in range(sch.stages)]
         self.programs: dict = {}
+        self._stage_of: dict = {}       # id(program) -> its stage
 
     def specs(self, tree):
         return R.state_specs(self.model, tree, self.axis, self.tensor_axis, self.sch.stages,
@@ -219,7 +251,11 @@ class _Runner:
                tuple((x.shape, x.dtype) for x in jax.tree_util.tree_leaves(args)))
         if key not in self.programs:
             self.programs[key] = getattr(self, f"_build_{kind}")(s, args)
+            self._stage_of[id(self.programs[key])] = s
         return self.programs[key]
+
+    def stage_of(self, program) -> int:
+        return self._stage_of[id(program)]
 
     def _shard_map(self, body, s: int, in_specs, out_specs):
         if not self.data:       # no data axes: the body runs on the whole stage as it is
@@ -249,8 +285,8 @@ class _Runner:
             return chunk(layers, rest, x_in, micro, m)[0]
 
         rows = self._rows()
-        mapped = self._shard_map(body, s, (P(), P(), rows, self._micro_specs(args[3]), P()),
-                                 rows)
+        mapped = self._shard_map(_named(body, f"forward_{s}"), s,
+                                 (P(), P(), rows, self._micro_specs(args[3]), P()), rows)
         return jax.jit(mapped)
 
     def _build_bwd(self, s: int, args):
@@ -268,7 +304,8 @@ class _Runner:
 
         rows = acc = self._rows()
         mapped = self._shard_map(
-            body, s, (P(), P(), rows, rows, self._micro_specs(args[4]), P(), acc, acc, acc),
+            _named(body, f"backward_{s}"), s,
+            (P(), P(), rows, rows, self._micro_specs(args[4]), P(), acc, acc, acc),
             (rows, acc, acc, acc))
         return jax.jit(mapped, donate_argnums=(6, 7, 8))
 
@@ -409,6 +446,13 @@ class _Runner:
             watch(program, (state, grads), new, ())
             return new
         return program(state, grads)
+
+
+def _named(fn, what: str):
+    """``fn`` named so its program's module is ``jit_autopar_mpmd_<what>``, which
+    ``autopar.pipeline.measured.measure_mpmd`` finds in a profiler trace."""
+    fn.__name__ = fn.__qualname__ = f"autopar_mpmd_{what}"
+    return fn
 
 
 def _held_bytes(tree) -> dict:
