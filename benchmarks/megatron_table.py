@@ -77,11 +77,13 @@ HEADER = ("row", "gpus", "paper t p d", "batch", "paper TFLOP/s",
 NOTES = """\
 Reading the table:
 
-* megatron_3d's plain 1F1B pays the lockstep runtime's penalty (every hop between stages is a
-  tick; ``autopar.pipeline.schedules``): a 38% bubble at p = 4 and 53% at p = 16, where
-  Megatron-LM's asynchronous runtime has the textbook (p - 1) / M, 5% and 10%. At 145.6B its
-  best is interleaved 1F1B (V = 2, 15%). Auto buys the time back with eager 1F1B, two
-  sequences per microbatch and the ILP's layouts, at the cost of memory.
+* megatron_3d runs as Megatron-LM runs it: 1F1B issued asynchronously, each stage its own
+  programs (``autopar.pipeline.mpmd``). On the lockstep runtime (one SPMD program, every hop
+  between stages a tick) its plain 1F1B had 38% and 53% bubbles at p = 4 and 16 and reached
+  0.53-0.94x of the paper. The predicted bubbles here exceed the textbook (p - 1) / M: the
+  last stage's forward is free (its backward recomputes it), the embedding and head make the
+  end stages longer, and every hop and issued action costs time. Auto adds eager 1F1B, two
+  sequences per microbatch and the ILP's layouts inside a stage.
 * megatron_3d splits the embedding and the output layer over the vocabulary, as Megatron-LM
   does. Kept whole (before that was fixed) they put its best candidates at 80.6 GiB (145.6B)
   and 94.5 GiB (310.1B): no plan fitted 80 GiB.
