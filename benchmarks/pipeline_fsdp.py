@@ -48,7 +48,8 @@ def run_mesh(cfg, mesh: dict, runs: int) -> list[tuple]:
     made = {}
     for fsdp in (False, True):
         plan = autopar.plan(step, state, batch, mesh=mesh, hardware="cpu", pipeline={
-            "schedule": "1f1b", "microbatches": 4, "virtual_stages": 1, "fsdp": fsdp})
+            "schedule": "1f1b", "microbatches": 4, "virtual_stages": 1, "fsdp": fsdp,
+            "runtime": "lockstep"})     # FSDP runs lockstep; one program, XLA's memory
         run = PL.executable(plan, step, _mesh(mesh))
         placed = jax.device_put((state, batch), run.in_shardings_of(state, batch))
         compiled = run.jitted(*placed).lower(*placed).compile()

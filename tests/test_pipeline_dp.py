@@ -124,8 +124,15 @@ def test_layer_split_in_the_planner():
                      free.ranges)
     assert moved.step_time_s < equal.step_time_s and moved.layer_ranges == ((0, 5), (5, 8))
     assert moved.stage_memory_bytes[0] > moved.stage_memory_bytes[1]
-    choice = search.evaluate(model, state["params"], costs, sizes, hw, 1e12, "gpipe", 1, 8)
+    choice = search.evaluate(model, state["params"], costs, sizes, hw, 1e12, "gpipe", 1, 8,
+                             runtimes=("lockstep",))
     assert choice.plan == equal and choice.unequal == moved
+    # with both runtimes the equal chunks' plan is the faster of the two (unequal: lockstep)
+    both = search.evaluate(model, state["params"], costs, sizes, hw, 1e12, "gpipe", 1, 8)
+    async_ = PL.price(model, state["params"], costs, sizes, "stage", hw, "gpipe", 1, 8,
+                      runtime="mpmd")
+    assert both.plan == min((equal, async_), key=lambda c: c.step_time_s)
+    assert both.unequal == moved
 
 
 def test_search_meshes_cover_the_devices():
