@@ -10,11 +10,13 @@ from autopar.api import autoparallel, plan
 from autopar.compare import compare
 from autopar.errors import AutoparError, BudgetError, PlanError, ShardingError
 from autopar.pipeline import megatron_3d as _megatron_3d  # noqa: F401  (registers the strategy)
+from autopar.pipeline.user import value_and_grad
 from autopar.plan import Plan
 from autopar.verify import verify
 
 __all__ = ["AutoparError", "BudgetError", "Plan", "PlanError", "ShardingError", "autoparallel",
-           "checkpoint", "compare", "distributed", "plan", "strategies", "verify"]
+           "checkpoint", "compare", "distributed", "plan", "strategies", "value_and_grad",
+           "verify"]
 
 
 def __getattr__(name: str):

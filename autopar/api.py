@@ -562,8 +562,17 @@ class _Pipelined:
         return self._last
 
     def __call__(self, *args, **kwargs):
+        """One pipelined step. An unrolled model's state in its own layout (the first call's,
+        typically) is converted to the stacked layout the step runs on and returns
+        (``stack_state``; ``unstack_state`` converts back)."""
+        from autopar.pipeline.model import staged_model_of
+        from autopar.pipeline.unrolled import stacked_state
+
         _no_kwargs(self, kwargs)
         _no_graph_objects(args, "autoparallel")
+        if len(args) == 2:
+            stacking = staged_model_of(self.fn, args).stacking
+            args = (stacked_state(stacking, args[0], abstract=False), args[1])
         return self._step(args, run=True)(*args)
 
     def lower(self, *args, **kwargs):
@@ -588,7 +597,10 @@ class _Pipelined:
         from autopar.pipeline.model import staged_model_of
 
         stacking = staged_model_of(self.fn).stacking
-        return state if stacking is None else stacking.unstack_state(state)
+        if stacking is None or stacking.layout(state.get("params") if isinstance(
+                state, dict) else None) != "stacked":
+            return state
+        return stacking.unstack_state(state)
 
     def _step(self, args, run: bool):
         """The pipelined step of ``args``' signature, planned on its first use."""

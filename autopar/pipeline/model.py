@@ -47,6 +47,10 @@ class StagedModel:
     # An unrolled model's ``autopar.pipeline.unrolled.Stacking``: how its numbered layers
     # stack; the pipelined step runs on the stacked layout. None: the params are stacked.
     stacking: Any = None
+    # The user's own step after its ``autopar.value_and_grad`` (``autopar.pipeline.user``):
+    # ``post(state, batch, loss, grads) -> (state, loss)``, run where the runtimes otherwise run
+    # ``tx``'s update. None: a declared step, updated by ``tx``.
+    post: Any = None
 
     def _path(self) -> tuple[str, ...]:
         return self.layers_path or (self.layers_key,)
@@ -91,19 +95,27 @@ def tensor_dim(tensor_dims: Mapping[str, int], keys) -> int | None:
     return tensor_dims.get("/".join(keys[-3:]), tensor_dims.get("/".join(keys[-2:])))
 
 
-def staged_model_of(step: Callable) -> StagedModel:
-    """The ``StagedModel`` a step declares, or an ``AutoparError`` naming how to get one."""
+def staged_model_of(step: Callable, args=None) -> StagedModel:
+    """The ``StagedModel`` a step declares, or, given its ``args`` ``(state, batch)``, the one cut
+    from its ``autopar.value_and_grad`` call (``autopar.pipeline.user``); else an
+    ``AutoparError`` naming how to get one."""
     model = getattr(step, ATTRIBUTE, None)
+    if model is None and args is not None:
+        from autopar.pipeline import user
+
+        model = user.staged(step, *args)
     if model is None:
         name = getattr(step, "__name__", type(step).__name__)
         raise AutoparError(
-            f"pipeline= needs a step that declares its layers, and {name} does not: build it "
+            f"pipeline= needs a step that declares its layers, and {name} does not: call "
+            f"the loss as autopar.value_and_grad(loss_fn)(state['params'], batch) in place of "
+            f"jax.value_and_grad (the step is then cut at that call), build it "
             f"from its loss with autopar.pipeline.derive.train_step(loss_fn, tx, params) "
             f"(stages cut from the loss's traced program, for a model that loops over "
             f"numbered layers), with autopar.pipeline.model.gpt_train_step(cfg) for "
             f"autopar's GPT, or attach a StagedModel with "
-            f"autopar.pipeline.model.declare(step, model); a step's own jax.grad and optimizer "
-            f"are not cut into stages")
+            f"autopar.pipeline.model.declare(step, model); a plain jax.grad or "
+            f"jax.value_and_grad is not cut into stages")
     return model
 
 

@@ -117,7 +117,7 @@ class MpmdStep(R.PipelinedStep):
         st, bt = self.in_shardings_of(state, batch)
         state, batch = jax.device_put(state, st), jax.device_put(batch, bt)
         loss, grads = self.runner.loss_and_grads(state["params"], batch)
-        return self.runner.update(state, grads, st), loss
+        return self.runner.update(state, grads, st, batch=batch, loss=loss)
 
 
     def issued(self, state, batch):
@@ -143,7 +143,7 @@ class MpmdStep(R.PipelinedStep):
             peak[0] = max(peak[0], max(_held_bytes((state, args, outs, held)).values()) + temp)
 
         loss, grads = self.runner.loss_and_grads(state["params"], batch, watch=watch)
-        new = self.runner.update(state, grads, st, watch=watch)
+        new = self.runner.update(state, grads, st, watch=watch, batch=batch, loss=loss)
         jax.block_until_ready(new)
         return peak[0]
 
@@ -426,26 +426,31 @@ class _Runner:
         loss = jax.device_put(reduced[-1][2], NamedSharding(self.mesh, P()))
         return loss, model.join(g_layers, g_rest)
 
-    def update(self, state, grads, st, watch=None):
-        """The user's optimizer over the whole mesh, in the state's layouts."""
-        key = ("update", jax.tree_util.tree_structure(state))
+    def update(self, state, grads, st, watch=None, batch=None, loss=None):
+        """``(new state, loss)``: the user's optimizer over the whole mesh, in the state's
+        layouts (the model's ``post``, the rest of the user's own step, where it has one)."""
+        post = self.model.post
+        key = ("update", jax.tree_util.tree_structure((state, batch)))
         if key not in self.programs:
             tx = self.model.tx
 
-            def apply(state, grads):
+            def apply(state, grads, batch, loss):
+                if post is not None:
+                    return post(state, batch, loss, grads)
                 import optax
 
                 updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
                 return {"params": optax.apply_updates(state["params"], updates),
-                        "opt_state": opt_state}
+                        "opt_state": opt_state}, loss
 
-            self.programs[key] = jax.jit(apply, out_shardings=st, donate_argnums=(1,))
+            self.programs[key] = jax.jit(apply, out_shardings=(st, NamedSharding(self.mesh, P())),
+                                         donate_argnums=(1,))
         program = self.programs[key]
         if watch:
-            new = program(state, jax.tree_util.tree_map(jnp.copy, grads))
-            watch(program, (state, grads), new, ())
+            new = program(state, jax.tree_util.tree_map(jnp.copy, grads), batch, loss)
+            watch(program, (state, grads, batch, loss), new, ())
             return new
-        return program(state, grads)
+        return program(state, grads, batch, loss)
 
 
 def _named(fn, what: str):

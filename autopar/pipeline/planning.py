@@ -798,7 +798,7 @@ def plan(fn, args, mesh, *, hardware=None, memory_budget=None, pipeline="auto",
         raise AutoparError(f"pipeline= does not combine with {given} yet: the stages' layouts "
                            f"are the pipeline's own and the pipelined step donates nothing; "
                            f"drop {given} or drop pipeline=")
-    model = staged_model_of(fn)
+    model = staged_model_of(fn, args)
     state, batch = stacked_args(fn, args)
     sizes = axis_sizes(mesh)
     hw = hardware_for(hardware, mesh)
@@ -829,7 +829,7 @@ def stacked_args(fn, args, *, run: bool = False):
 
     if len(args) != 2:
         raise AutoparError(f"a pipelined step takes (state, batch); got {len(args)} arguments")
-    stacking = staged_model_of(fn).stacking
+    stacking = staged_model_of(fn, args).stacking
     if run:
         require_stacked(stacking, args[0])
         return args

@@ -271,6 +271,8 @@ def build_step(model: StagedModel, mesh, schedule: S.Schedule, axis: str = "stag
     def step(state, batch):
         params = state["params"]
         loss, g = loss_and_grads(params, batch)
+        if model.post is not None:      # the user's own step after its value_and_grad
+            return model.post(state, batch, loss, g)
         updates, opt_state = model.tx.update(g, state["opt_state"], params)
         return {"params": optax.apply_updates(params, updates), "opt_state": opt_state}, loss
 

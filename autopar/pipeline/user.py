@@ -1,0 +1,178 @@
+"""The user's own training step, pipelined: ``autopar.value_and_grad`` in place of
+``jax.value_and_grad`` is the one marker it asks for.
+
+    def step(state, batch):
+        loss, grads = autopar.value_and_grad(loss_fn)(state["params"], batch)
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates),
+                "opt_state": opt_state}, loss
+
+    run = autopar.autoparallel(step, mesh={"stage": 2, "data": 2, "model": 2},
+                               pipeline="auto")
+
+Outside a pipeline the marker is ``jax.value_and_grad`` (the step runs, plans and traces as
+written). With ``pipeline=``, the step is traced once (``jax.make_jaxpr``) and cut at the marked
+call:
+
+1. the loss the marker was given is cut into embedding, layers and head
+   (``autopar.pipeline.derive.staged``: numbered layers or one ``lax.scan`` over stacked ones);
+2. what the step does with the loss and gradients (the user's optax code, metrics) is the rest
+   of the traced program after the marked call, replayed as it was traced (``post``). The
+   pipeline runtimes run it where they ran the declared step's optimizer: in the lockstep
+   step's one program, or as the MPMD runtime's one program over the whole mesh.
+
+The state must be a dict holding the parameters under ``"params"`` and the marked call must
+take ``(state["params"], batch)`` as the step received them (the pipeline splits exactly those);
+the step must return ``(state, loss)``. An unrolled model's state runs in its stacked layout
+(``step.stack_state``), its ``post`` replayed on the user's layout inside the same program
+(``unrolled.stacked_step``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.extend import core as jcore
+
+from autopar.errors import AutoparError
+
+MARK = "autopar_value_and_grad_"
+# token -> the loss a marked call differentiates; the token is in the marked program's name, so
+# a traced step names its loss even where jax reuses a cached trace of it
+_losses: dict[int, Callable] = {}
+_tokens: dict[int, int] = {}
+
+
+def value_and_grad(fun: Callable, argnums: int = 0, has_aux: bool = False) -> Callable:
+    """``jax.value_and_grad(fun)``, marked so that a pipelined ``autoparallel`` finds the loss
+    in the user's step (module docstring). ``argnums`` must be 0 and ``has_aux`` False: the
+    pipeline differentiates the parameters, the first argument."""
+    if argnums != 0 or has_aux:
+        raise AutoparError(f"autopar.value_and_grad(fun, argnums={argnums!r}, "
+                           f"has_aux={has_aux!r}): the pipeline differentiates the loss with "
+                           f"respect to its first argument (the parameters) and takes no aux "
+                           f"output; use argnums=0, has_aux=False, or jax.value_and_grad "
+                           f"outside a pipelined step")
+    token = _tokens.setdefault(id(fun), len(_tokens))
+    _losses[token] = fun
+    vg = jax.value_and_grad(fun)
+
+    def marked(*args):
+        return vg(*args)
+
+    marked.__name__ = marked.__qualname__ = f"{MARK}{token}"
+    return jax.jit(marked)
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """A user's step cut at its marked call: ``loss_fn`` and ``post(state, batch, loss,
+    grads) -> the step's outputs``."""
+
+    loss_fn: Callable
+    post: Callable
+
+
+def split(step: Callable, state, batch) -> Split | None:
+    """The user's ``step`` traced at ``(state, batch)`` and cut at its ``autopar.value_and_grad``
+    call; ``None`` when it has none. An ``AutoparError`` for a marked call the pipeline cannot
+    take (module docstring)."""
+    abstract = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (state, batch))
+    closed, out_shape = jax.make_jaxpr(step, return_shape=True)(*abstract)
+    jaxpr = closed.jaxpr
+    at = [i for i, e in enumerate(jaxpr.eqns) if _token(e) is not None]
+    if not at:
+        if _nested(jaxpr):
+            raise AutoparError("autopar.value_and_grad was called inside another "
+                               "transformation of the step (a jit, scan or cond around it); "
+                               "call it at the step's top level")
+        return None
+    if len(at) > 1:
+        raise AutoparError(f"the step calls autopar.value_and_grad {len(at)} times; a pipelined "
+                           f"step differentiates one loss")
+    eqn = jaxpr.eqns[at[0]]
+    if not isinstance(state, dict) or "params" not in state:
+        raise AutoparError(f"a pipelined step's state must be a dict with the parameters under "
+                           f"'params'; got {type(state).__name__}"
+                           + (f" with keys {sorted(state)}" if isinstance(state, dict) else ""))
+    flat, _ = jax.tree_util.tree_flatten_with_path(abstract)
+    where = {id(v): jax.tree_util.keystr(p) for v, (p, _) in zip(jaxpr.invars, flat)}
+    want = [v for v, (p, _) in zip(jaxpr.invars, flat)
+            if jax.tree_util.keystr(p).startswith("[0]['params']")]
+    want += jaxpr.invars[len(jax.tree_util.tree_leaves(state)):]
+    got = list(eqn.invars)
+    if len(got) != len(want) or any(a is not b for a, b in zip(got, want)):
+        seen = ", ".join(where.get(id(v), "a value the step computed") for v in got[:3])
+        raise AutoparError(f"autopar.value_and_grad(loss)(...) must be called on "
+                           f"(state['params'], batch) as the step received them (the pipeline "
+                           f"splits exactly those); its arguments here start with {seen}")
+    info = jaxpr.debug_info
+    if info is not None and info.arg_names is not None:   # names for the added inputs too
+        try:
+            info = info._replace(arg_names=(*info.arg_names, *(
+                f"value_and_grad output {i}" for i in range(len(eqn.outvars)))))
+        except AttributeError:      # another jax's DebugInfo: go without names
+            info = None
+    post_fn = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jcore.Jaxpr(
+        jaxpr.constvars, [*jaxpr.invars, *eqn.outvars],
+        jaxpr.outvars, [e for i, e in enumerate(jaxpr.eqns) if i != at[0]], jaxpr.effects,
+        debug_info=info), closed.consts))
+    out_tree = jax.tree_util.tree_structure(out_shape)
+    if out_tree.num_leaves < 1 or not (isinstance(out_shape, tuple) and len(out_shape) == 2):
+        raise AutoparError("a pipelined step must return (state, loss)")
+
+    def post(state, batch, loss, grads):
+        leaves = [*jax.tree_util.tree_leaves((state, batch)), loss,
+                  *jax.tree_util.tree_leaves(grads)]
+        outs = post_fn(*leaves)
+        return jax.tree_util.tree_unflatten(out_tree, outs)
+
+    return Split(_losses[_token(eqn)], post)
+
+
+def _token(eqn) -> int | None:
+    """The loss token of a marked call's equation, else None."""
+    name = str(eqn.params.get("name", ""))
+    if eqn.primitive.name in ("pjit", "jit") and name.startswith(MARK):
+        return int(name[len(MARK):])
+    return None
+
+
+def _nested(jaxpr) -> bool:
+    """Whether a marked call sits inside another equation's sub-program."""
+    for e in jaxpr.eqns:
+        for v in e.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                inner = getattr(sub, "jaxpr", sub)
+                if isinstance(inner, jcore.Jaxpr) and (
+                        any(_token(x) is not None for x in inner.eqns) or _nested(inner)):
+                    return True
+    return False
+
+
+def staged(step: Callable, state, batch) -> Any | None:
+    """The ``StagedModel`` of a user's step marked with ``autopar.value_and_grad``: its loss cut
+    into stages (``derive.staged``), the rest of the step as its ``post``; declared on ``step``
+    for later calls. ``None`` when the step has no marked call."""
+    from autopar.pipeline.derive import staged as derive_staged
+    from autopar.pipeline.model import declare
+
+    cut = split(step, state, batch)
+    if cut is None:
+        return None
+    model = derive_staged(cut.loss_fn, None, state["params"])
+    post = cut.post
+    if model.stacking is not None:      # the runtime's stacked layout, the step's own inside
+        stacking = model.stacking
+
+        def post(state, batch, loss, grads, _post=cut.post):
+            new, out_loss = _post(stacking.unstack_state(state), batch, loss,
+                                  stacking.unstack(grads))
+            return stacking.stack_state(new), out_loss
+
+    model = dataclasses.replace(model, post=post)
+    declare(step, model)
+    return model
