@@ -124,7 +124,7 @@ def _bubble(run, state, batch, p: int, name: str, m: int, issue: float) -> list:
     """[P, schedule, M, predicted bubble, measured bubble, predicted makespan ms, measured
     makespan ms]: the measured from a trace, the predicted from the programs timed alone."""
     sch = S.build(name, p, 1, m)
-    times = run.action_times(state, batch)
+    times = run.action_times(state, batch, runs=5 if m > 2 else 3)
     last = sch.chunks - 1
     pred = S.price_async(sch, lambda a: 0.0 if a.kind == "F" and a.chunk == last
                          else times[(a.kind, sch.stage_of(a.chunk))], issue_s=issue)

@@ -103,7 +103,8 @@ def test_async_buffers_count_stash_and_inboxes():
 
 
 # ---- the runtime ------------------------------------------------------------------------------
-@pytest.mark.parametrize("shape,name", [(MESH_A, "1f1b"), (MESH_B, "eager_1f1b")])
+# 1F1B on MESH_A: test_mpmd_gradients_and_sgd_update_are_exact; GPIPE on MESH_B: the plan below
+@pytest.mark.parametrize("shape,name", [(MESH_B, "eager_1f1b")])
 def test_mpmd_step_equals_unsharded(setup, shape, name):
     step, state, batch, ref_state, ref_loss = setup
     run = mpmd.build_step(PM.staged_model_of(step), _mesh(shape),
@@ -112,7 +113,7 @@ def test_mpmd_step_equals_unsharded(setup, shape, name):
     _same_step(new, loss, ref_state, ref_loss)
     # the state comes back in the lockstep runtime's layout: a second step takes it as it is
     assert new["params"]["layers"]["mlp"]["fc1"]["kernel"].sharding.spec[0] == "stage"
-    if shape is MESH_A:
+    if shape is MESH_B:
         lock = R.build_step(PM.staged_model_of(step), _mesh(shape),
                             S.build(name, shape["stage"], 1, 4))
         again, lock_again = run(new, batch), lock(new, batch)

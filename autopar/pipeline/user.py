@@ -79,8 +79,7 @@ def split(step: Callable, state, batch) -> Split | None:
     """The user's ``step`` traced at ``(state, batch)`` and cut at its ``autopar.value_and_grad``
     call; ``None`` when it has none. An ``AutoparError`` for a marked call the pipeline cannot
     take (module docstring)."""
-    abstract = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (state, batch))
+    abstract = jax.eval_shape(lambda args: args, (state, batch))
     closed, out_shape = jax.make_jaxpr(step, return_shape=True)(*abstract)
     jaxpr = closed.jaxpr
     at = [i for i, e in enumerate(jaxpr.eqns) if _token(e) is not None]
