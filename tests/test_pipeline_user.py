@@ -113,6 +113,7 @@ def test_transformers_llama_step_takes_its_own_layout_first():
 
 def test_plan_of_the_users_step():
     step, state, batch, _ = _user_step(scan=True)
+    step = jax.jit(step)                # a jitted step (which takes no attributes) plans too
     plan = autopar.plan(step, state, batch, mesh=MESH, hardware="cpu",
                         pipeline={"schedule": "gpipe", "microbatches": 2})
     assert plan.pipeline is not None and plan.pipeline.stages == 2

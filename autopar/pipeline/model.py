@@ -100,10 +100,12 @@ def staged_model_of(step: Callable, args=None) -> StagedModel:
     from its ``autopar.value_and_grad`` call (``autopar.pipeline.user``); else an
     ``AutoparError`` naming how to get one."""
     model = getattr(step, ATTRIBUTE, None)
-    if model is None and args is not None:
+    if model is None:
         from autopar.pipeline import user
 
-        model = user.staged(step, *args)
+        model = user.declared(step)
+        if model is None and args is not None:
+            model = user.staged(step, *args)
     if model is None:
         name = getattr(step, "__name__", type(step).__name__)
         raise AutoparError(

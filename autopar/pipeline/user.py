@@ -81,6 +81,7 @@ def split(step: Callable, state, batch) -> Split | None:
     take (module docstring)."""
     abstract = jax.eval_shape(lambda args: args, (state, batch))
     closed, out_shape = jax.make_jaxpr(step, return_shape=True)(*abstract)
+    closed = _unwrapped(closed)
     jaxpr = closed.jaxpr
     at = [i for i, e in enumerate(jaxpr.eqns) if _token(e) is not None]
     if not at:
@@ -132,6 +133,16 @@ def split(step: Callable, state, batch) -> Split | None:
     return Split(_losses[_token(eqn)], post)
 
 
+def _unwrapped(closed):
+    """A jitted step's own program: the body of a ``jit`` that is the whole traced step."""
+    while (len(closed.jaxpr.eqns) == 1 and _token(closed.jaxpr.eqns[0]) is None
+           and closed.jaxpr.eqns[0].primitive.name in ("pjit", "jit")
+           and list(closed.jaxpr.eqns[0].invars) == list(closed.jaxpr.invars)
+           and list(closed.jaxpr.eqns[0].outvars) == list(closed.jaxpr.outvars)):
+        closed = closed.jaxpr.eqns[0].params["jaxpr"]
+    return closed
+
+
 def _token(eqn) -> int | None:
     """The loss token of a marked call's equation, else None."""
     name = str(eqn.params.get("name", ""))
@@ -173,5 +184,17 @@ def staged(step: Callable, state, batch) -> Any | None:
             return stacking.stack_state(new), out_loss
 
     model = dataclasses.replace(model, post=post)
-    declare(step, model)
+    try:
+        declare(step, model)
+    except (AttributeError, TypeError):   # a step that takes no attributes (a jax.jit object)
+        _declared[id(step)] = (step, model)
     return model
+
+
+_declared: dict[int, tuple] = {}        # id(step) -> (step, model) for such steps
+
+
+def declared(step: Callable):
+    """The model ``staged`` cut for ``step`` where the step took no attribute, else None."""
+    hit = _declared.get(id(step))
+    return hit[1] if hit is not None and hit[0] is step else None
