@@ -48,6 +48,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from autopar import validate
 from autopar.errors import AutoparError
 from autopar.pipeline import runtime as R
 from autopar.pipeline import schedules as S
@@ -114,11 +115,14 @@ class MpmdStep(R.PipelinedStep):
         from autopar.pipeline.unrolled import require_stacked
 
         require_stacked(self.stacking, state)
-        st, bt = self.in_shardings_of(state, batch)
-        state, batch = jax.device_put(state, st), jax.device_put(batch, bt)
+        st, state, batch = self._placed(state, batch)
         loss, grads = self.runner.loss_and_grads(state["params"], batch)
         return self.runner.update(state, grads, st, batch=batch, loss=loss)
 
+    def _placed(self, state, batch):
+        """(the state's shardings, state and batch placed in the step's layouts)."""
+        st, bt = self.in_shardings_of(state, batch)
+        return st, jax.device_put(state, st), jax.device_put(batch, bt)
 
     def issued(self, state, batch):
         """This step with every program built (it runs once on ``state`` and ``batch``), as
@@ -130,11 +134,11 @@ class MpmdStep(R.PipelinedStep):
 
     def measure_peak(self, state, batch) -> float:
         """The most bytes one device holds during a step, measured: the step runs one action
-        at a time, and after each the buffers jax holds on each device (``jax.live_arrays``,
-        each buffer once) plus the temporaries XLA's buffer assignment gives the program that
-        ran (``memory_analysis``). Slow: for ``compare`` and tests, not for training."""
-        st, bt = self.in_shardings_of(state, batch)
-        state, batch = jax.device_put(state, st), jax.device_put(batch, bt)
+        at a time, and after each the buffers the step holds on each device (the state, the
+        stages' stashes, inboxes and accumulators, the program's arguments and results, each
+        buffer once) plus the temporaries XLA's buffer assignment gives the program that ran
+        (``memory_analysis``). Slow: for ``compare`` and tests, not for training."""
+        st, state, batch = self._placed(state, batch)
         peak = [0.0]
 
         def watch(program, args, outs, held):
@@ -147,19 +151,18 @@ class MpmdStep(R.PipelinedStep):
         jax.block_until_ready(new)
         return peak[0]
 
-
     def action_times(self, state, batch, runs: int = 5) -> dict:
         """``{("F" or "B", stage): seconds}``: each stage's forward and backward program run
         alone (the devices otherwise idle, each call waited for), the median of ``runs``
         calls, on the arguments one step gives them. The inputs of
         ``schedules.price_async`` when it predicts a measured step (``benchmarks``)."""
-        st, bt = self.in_shardings_of(state, batch)
-        state, batch = jax.device_put(state, st), jax.device_put(batch, bt)
+        _, state, batch = self._placed(state, batch)
         out: dict = {}
 
         def watch(program, args, outs, held):
-            kind = "F" if len(args) == 5 else "B"
-            key = (kind, self.runner.stage_of(program))
+            what, stage = self.runner.made(program)
+            kind = "F" if what == "fwd" else "B"
+            key = (kind, stage)
             if key in out:
                 return
             jax.block_until_ready(outs)
@@ -203,7 +206,7 @@ class _Runner:
         self.subs = [Mesh(np.take(mesh.devices, s, axis=at), names)
                      for s in range(sch.stages)]
         self.programs: dict = {}
-        self._stage_of: dict = {}       # id(program) -> its stage
+        self._made: dict = {}           # id(program) -> (kind, stage)
 
     def specs(self, tree):
         return R.state_specs(self.model, tree, self.axis, self.tensor_axis, self.sch.stages,
@@ -247,15 +250,15 @@ class _Runner:
             lambda x: P(None, self.data or None) if x.ndim >= 2 else P(), micro)
 
     def _program(self, kind: str, s: int, args):
-        key = (kind, s, jax.tree_util.tree_structure(args),
-               tuple((x.shape, x.dtype) for x in jax.tree_util.tree_leaves(args)))
+        key = (kind, s, validate.signature(args, jax.tree_util.tree_leaves(args)))
         if key not in self.programs:
             self.programs[key] = getattr(self, f"_build_{kind}")(s, args)
-            self._stage_of[id(self.programs[key])] = s
+            self._made[id(self.programs[key])] = (kind, s)
         return self.programs[key]
 
-    def stage_of(self, program) -> int:
-        return self._stage_of[id(program)]
+    def made(self, program) -> tuple[str, int]:
+        """``(kind, stage)`` of a program ``_program`` built (kind: "fwd", "bwd", ...)."""
+        return self._made[id(program)]
 
     def _shard_map(self, body, s: int, in_specs, out_specs):
         if not self.data:       # no data axes: the body runs on the whole stage as it is
@@ -263,9 +266,9 @@ class _Runner:
         return jax.shard_map(body, mesh=self.subs[s], in_specs=in_specs, out_specs=out_specs,
                              axis_names=frozenset(self.data), check_vma=False)
 
-    def _chunk(self, s: int, mb: int | None):
-        """``f(layers, rest, x_in, micro) -> (y, loss)`` of stage ``s``'s chunk on microbatch
-        ``mb`` of the local rows ``micro`` (M, b, ...)."""
+    def _chunk(self, s: int):
+        """``f(layers, rest, x_in, micro, m) -> (y, loss)`` of stage ``s``'s chunk on
+        microbatch ``m`` of the local rows ``micro`` (M, b, ...)."""
         model, last = self.model, s == self.sch.stages - 1
 
         def f(layers, rest, x_in, micro, m):
@@ -279,7 +282,7 @@ class _Runner:
         return f
 
     def _build_fwd(self, s: int, args):
-        chunk = self._chunk(s, None)
+        chunk = self._chunk(s)
 
         def body(layers, rest, x_in, micro, m):
             return chunk(layers, rest, x_in, micro, m)[0]
@@ -290,7 +293,7 @@ class _Runner:
         return jax.jit(mapped)
 
     def _build_bwd(self, s: int, args):
-        chunk = self._chunk(s, None)
+        chunk = self._chunk(s)
         last, m_count = s == self.sch.stages - 1, self.sch.microbatches
 
         def body(layers, rest, x_in, dy, micro, m, g_layers, g_rest, loss):
@@ -430,7 +433,8 @@ class _Runner:
         """``(new state, loss)``: the user's optimizer over the whole mesh, in the state's
         layouts (the model's ``post``, the rest of the user's own step, where it has one)."""
         post = self.model.post
-        key = ("update", jax.tree_util.tree_structure((state, batch)))
+        key = ("update", validate.signature((state, batch),
+                                            jax.tree_util.tree_leaves((state, batch))))
         if key not in self.programs:
             tx = self.model.tx
 
@@ -484,8 +488,7 @@ def _microbatches(batch, m: int, mesh, data: tuple, programs: dict):
     """(B, ...) -> (M, B / M, ...) on the whole mesh, row ``i`` to microbatch ``i % M`` (as the
     lockstep runtime cuts them), rows over the data axes; one program per batch signature, kept
     in ``programs``."""
-    key = ("micro", jax.tree_util.tree_structure(batch),
-           tuple((x.shape, x.dtype) for x in jax.tree_util.tree_leaves(batch)))
+    key = ("micro", validate.signature(batch, jax.tree_util.tree_leaves(batch)))
     if key not in programs:
         def cut(x):
             if not x.ndim:
