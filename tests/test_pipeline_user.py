@@ -80,7 +80,8 @@ def test_transformers_llama_step_takes_its_own_layout_first():
     """transformers' Flax Llama (numbered layers, unrolled) trained as its users write it, with
     a global-norm clip before AdamW: the first call takes the user's layout, the step returns
     the stacked one, and ``unstack_state`` gives the user's layout back with the unsharded
-    step's numbers; the clip sees every stage's gradients (MPMD runtime)."""
+    step's numbers; the clip sees every stage's gradients (MPMD runtime, ZB-H1: Llama's
+    layer backward split into its input and weight halves)."""
     pytest.importorskip("transformers", reason="the dev extra installs transformers 4.x")
     from autopar.models import hf
 
@@ -103,9 +104,9 @@ def test_transformers_llama_step_takes_its_own_layout_first():
     batch = hf.make_batch("llama", cfg, 8, seq=8)
     ref_state, ref_loss = jax.jit(step)(state, batch)
     run = autopar.autoparallel(step, mesh=jax.make_mesh((2, 4), ("stage", "data")), pipeline={
-        "schedule": "1f1b", "microbatches": 2, "runtime": "mpmd"})
+        "schedule": "zb_h1", "microbatches": 2})
     new, loss = run(state, batch)
-    assert run.plan.pipeline.runtime == "mpmd"
+    assert (run.plan.pipeline.runtime, run.plan.pipeline.schedule) == ("mpmd", "zb_h1")
     mine = run.unstack_state(new)
     assert jax.tree_util.tree_structure(mine) == jax.tree_util.tree_structure(ref_state)
     _same(mine, loss, ref_state, ref_loss)

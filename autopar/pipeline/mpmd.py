@@ -27,7 +27,13 @@ state), here:
     every gradient (a global-norm clip) see them all;
   * the last stage's forward only keeps its input: its backward recomputes the chunk (and the
     loss) from it under ``jax.vjp``, as every backward does, so that forward has nothing to do
-    (``planning`` prices it at zero).
+    (``planning`` prices it at zero);
+  * a zero-bubble schedule (``schedules.SPLIT``) runs each backward as two programs
+    (``autopar.pipeline.split``): ``B`` recomputes the chunk, keeps what each layer's ``jax.vjp``
+    saves, and runs only the equations of the input gradient (the embedding's and head's
+    gradients too); it returns the cotangent for the stage before and the layers' frontiers.
+    ``W`` runs the remaining equations on the frontiers, the layers' weight gradients, when
+    the schedule says.
 
 Runs one chunk per stage (``virtual_stages=1``), equal layer ranges and no FSDP inside stages:
 the state's layout gives stage ``s`` exactly layers ``[s L / P, (s + 1) L / P)`` then. Single
@@ -52,7 +58,12 @@ from autopar import validate
 from autopar.errors import AutoparError
 from autopar.pipeline import runtime as R
 from autopar.pipeline import schedules as S
+from autopar.pipeline import split as SP
 from autopar.pipeline.model import StagedModel
+
+# per program kind, the arguments it donates (the stage's gradient and loss accumulators)
+DONATED = {"bwd": (6, 7, 8), "bin": (6, 7), "wgrad": (2,)}
+KINDS = {"fwd": "F", "bwd": "B", "bin": "B", "wgrad": "W"}
 
 
 def supports(schedule: S.Schedule, layers: int, ranges=None, fsdp: bool = False) -> str:
@@ -152,24 +163,23 @@ class MpmdStep(R.PipelinedStep):
         return peak[0]
 
     def action_times(self, state, batch, runs: int = 5) -> dict:
-        """``{("F" or "B", stage): seconds}``: each stage's forward and backward program run
-        alone (the devices otherwise idle, each call waited for), the median of ``runs``
-        calls, on the arguments one step gives them. The inputs of
-        ``schedules.price_async`` when it predicts a measured step (``benchmarks``)."""
+        """``{("F", "B" or "W", stage): seconds}``: each stage's forward and backward programs
+        (a split schedule's input and weight halves as B and W) run alone (the devices
+        otherwise idle, each call waited for), the median of ``runs`` calls, on the arguments
+        one step gives them. The inputs of ``schedules.price_async`` when it predicts a
+        measured step (``benchmarks``)."""
         _, state, batch = self._placed(state, batch)
         out: dict = {}
 
         def watch(program, args, outs, held):
             what, stage = self.runner.made(program)
-            kind = "F" if what == "fwd" else "B"
-            key = (kind, stage)
+            key = (KINDS[what], stage)
             if key in out:
                 return
             jax.block_until_ready(outs)
             times = []
             for _ in range(runs):
-                call = args if kind == "F" else (
-                    *args[:6], *jax.tree_util.tree_map(jnp.copy, args[6:]))
+                call = _copied(args, DONATED.get(what, ()))
                 jax.block_until_ready(call)
                 t0 = time.perf_counter()
                 jax.block_until_ready(program(*call))
@@ -207,6 +217,7 @@ class _Runner:
                      for s in range(sch.stages)]
         self.programs: dict = {}
         self._made: dict = {}           # id(program) -> (kind, stage)
+        self._splits: dict = {}         # a split schedule's layer splits (_layer_split)
 
     def specs(self, tree):
         return R.state_specs(self.model, tree, self.axis, self.tensor_axis, self.sch.stages,
@@ -310,7 +321,68 @@ class _Runner:
             _named(body, f"backward_{s}"), s,
             (P(), P(), rows, rows, self._micro_specs(args[4]), P(), acc, acc, acc),
             (rows, acc, acc, acc))
-        return jax.jit(mapped, donate_argnums=(6, 7, 8))
+        return jax.jit(mapped, donate_argnums=DONATED["bwd"])
+
+    def _layer_split(self, s: int, layers, x) -> SP.LayerSplit:
+        """Stage ``s``'s layer backward cut into its halves at one layer of ``layers`` and the
+        activation ``x`` (traced inside the input-gradient program, so the weight-gradient
+        program that follows reads the same frontier)."""
+        one = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
+                                     layers)
+        key = (s, validate.signature((one, x), jax.tree_util.tree_leaves((one, x))))
+        if key not in self._splits:
+            self._splits[key] = SP.split_layer(self.model.layer, one, x)
+        self._splits[s] = self._splits[key]
+        return self._splits[key]
+
+    def _build_bin(self, s: int, args):
+        """A split schedule's ``B``: the chunk recomputed, each layer's input gradient (and the
+        embedding's and head's whole gradients); returns the cotangent of the chunk's input,
+        the layers' frontiers (a leading dim per data shard) and the accumulators."""
+        model, last, m_count = self.model, s == self.sch.stages - 1, self.sch.microbatches
+
+        def body(layers, rest, x_in, dy, micro, m, g_rest, loss):
+            batch = jax.tree_util.tree_map(lambda x: x[m], micro)
+            if s == 0:
+                x, embed_vjp = jax.vjp(lambda r: model.embed(r, batch), rest)
+            else:
+                x = x_in
+            sp = self._layer_split(s, layers, x)
+            y, saved = jax.lax.scan(lambda h, p: sp.forward(p, h), x, layers)
+            dr = jax.tree_util.tree_map(jnp.zeros_like, rest)
+            mb_loss = jnp.zeros((), jnp.float32)
+            if last:
+                mb_loss, head_vjp = jax.vjp(
+                    lambda r, h: model.head_loss(r, h, batch).astype(jnp.float32), rest, y)
+                dr, dy = head_vjp(jnp.float32(1.0 / m_count))
+            dx, front = jax.lax.scan(lambda d, pf: sp.input_grad(pf[0], pf[1], d),
+                                     dy.astype(y.dtype), (layers, saved), reverse=True)
+            if s == 0:
+                dr = jax.tree_util.tree_map(jnp.add, dr, embed_vjp(dx)[0])
+            g_rest = jax.tree_util.tree_map(lambda g, d: g + d[None], g_rest, dr)
+            return (dx, [f[None] for f in front], g_rest,
+                    loss + (mb_loss / m_count)[None])
+
+        rows = acc = self._rows()
+        mapped = self._shard_map(
+            _named(body, f"backward_input_{s}"), s,
+            (P(), P(), rows, rows, self._micro_specs(args[4]), P(), acc, acc),
+            (rows, acc, acc, acc))
+        return jax.jit(mapped, donate_argnums=DONATED["bin"])
+
+    def _build_wgrad(self, s: int, args):
+        """A split schedule's ``W``: the layers' weight gradients from their frontiers (the
+        equations ``_build_bin`` left), added to the stage's accumulator."""
+        sp = self._splits[s]
+
+        def body(layers, front, g_layers):
+            dp = jax.lax.scan(lambda c, pf: (c, sp.weight_grad(pf[0], pf[1])), None,
+                              (layers, [f[0] for f in front]))[1]
+            return jax.tree_util.tree_map(lambda g, d: g + d[None], g_layers, dp)
+
+        acc = self._rows()
+        mapped = self._shard_map(_named(body, f"backward_weight_{s}"), s, (P(), acc, acc), acc)
+        return jax.jit(mapped, donate_argnums=DONATED["wgrad"])
 
     def _build_zeros(self, s: int, args):
         """Stage ``s``'s accumulators: per data shard (a leading dim split over the data
@@ -360,7 +432,9 @@ class _Runner:
         micros = [jax.tree_util.tree_map(functools.partial(self._view, s=s), micro)
                   for s in range(p)]
         acc = [self._program("zeros", s, views[s])() for s in range(p)]
-        inbox_f, inbox_b, stash = {}, {}, {}
+        inbox_f, inbox_b, stash, fronts = {}, {}, {}, {}
+        held = (micro, acc, stash, inbox_f, inbox_b, fronts)
+        split = sch.name in S.SPLIT
         act = None
         for s, a in S.dispatch_order(sch):
             lp, rp = views[s]
@@ -374,30 +448,40 @@ class _Runner:
                 if x_in is None:                  # stage 0 embeds: a placeholder input
                     x_in = act if act is not None else self._placeholder(views, micros)
                     act = x_in
-                args = (lp, rp, x_in, mb, m)
-                program = self._program("fwd", s, args)
-                y = program(*args)
-                if watch:
-                    watch(program, args, y, (micro, acc, stash, inbox_f, inbox_b))
+                y = self._run("fwd", s, (lp, rp, x_in, mb, m), watch, held)
                 stash[(a.mb, s)] = x_in
                 inbox_f[(a.mb, s + 1)] = jax.device_put(y, self._act_sharding(s + 1))
+            elif a.kind == "W":
+                g_layers = self._run("wgrad", s, (lp, fronts.pop((a.mb, s)), acc[s][0]),
+                                     watch, held)
+                acc[s] = (g_layers, *acc[s][1:])
             else:
                 x_in = stash.pop((a.mb, s))
                 dy = inbox_b.pop((a.mb, s), None)
                 if dy is None:
                     dy = x_in
-                args = (lp, rp, x_in, dy, mb, m, *acc[s])
-                program = self._program("bwd", s, args)
-                if watch:       # the accumulators are donated: run on copies, keep these
-                    dx, *new = program(*args[:6], *jax.tree_util.tree_map(jnp.copy, acc[s]))
-                    watch(program, args, (dx, new), (micro, acc, stash, inbox_f, inbox_b))
+                if split:
+                    dx, fronts[(a.mb, s)], *new = self._run(
+                        "bin", s, (lp, rp, x_in, dy, mb, m, *acc[s][1:]), watch, held)
+                    acc[s] = (acc[s][0], *new)
                 else:
-                    dx, *new = program(*args)
-                acc[s] = tuple(new)
+                    dx, *new = self._run("bwd", s, (lp, rp, x_in, dy, mb, m, *acc[s]),
+                                         watch, held)
+                    acc[s] = tuple(new)
                 if s > 0:
                     inbox_b[(a.mb, s - 1)] = jax.device_put(dx, self._act_sharding(s - 1))
         reduced = [self._program("reduce", s, (acc[s], views[s]))(acc[s]) for s in range(p)]
         return self._gather(params, st, reduced)
+
+    def _run(self, kind: str, s: int, args, watch, held):
+        """Stage ``s``'s ``kind`` program on ``args``; with ``watch``, on copies of the
+        arguments it donates (the caller keeps these), then ``watch`` sees it."""
+        program = self._program(kind, s, args)
+        if not watch:
+            return program(*args)
+        outs = program(*_copied(args, DONATED.get(kind, ())))
+        watch(program, args, outs, held)
+        return outs
 
     def _placeholder(self, views, micros):
         """Stage 0's input slot (its chunk embeds instead): zeros of an activation's shape."""
@@ -477,6 +561,12 @@ def _held_bytes(tree) -> dict:
                 seen.add(key)
                 out[sh.device] = out.get(sh.device, 0) + sh.data.nbytes
     return out
+
+
+def _copied(args, donated) -> tuple:
+    """``args`` with copies at the positions ``donated``, so a call may consume them."""
+    return tuple(jax.tree_util.tree_map(jnp.copy, a) if i in donated else a
+                 for i, a in enumerate(args))
 
 
 @jax.jit

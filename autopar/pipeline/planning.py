@@ -61,6 +61,7 @@ from autopar.pipeline.model import StagedModel, key_names
 from autopar.pipeline.mpmd import supports as mpmd_supports
 from autopar.pipeline.record import RUNTIMES, PipelinePlan
 from autopar.pipeline.runtime import TENSOR_AXIS, data_axes, equal_ranges, rows_split
+from autopar.pipeline.split import split_layer
 from autopar.strategies.roles import path_keys
 
 OPTIONS = ("axis", "stages", "microbatches", "schedule", "virtual_stages", "layer_ranges",
@@ -128,6 +129,14 @@ def parse(pipeline, sizes: dict, model: StagedModel, rows: int) -> Pins:
     if pins.schedule is not None or pins.microbatches is not None:
         S.check(pins.schedule or "1f1b", stages, pins.virtual_stages or 1,
                 pins.microbatches or stages * (pins.virtual_stages or 1))
+    if pins.schedule is not None and S.check(pins.schedule, stages, 1, stages) in S.SPLIT:
+        why = ("the lockstep runtime does not run it" if runtime == "lockstep" else
+               mpmd_supports(S.build("zb_h1", stages, 1, stages), model.num_layers,
+                             fsdp=bool(fsdp)))
+        if why:
+            raise AutoparError(f"pipeline schedule={pins.schedule!r} splits each backward into "
+                               f"input and weight halves and runs on the MPMD runtime only "
+                               f"({why}); choose one of {S.SCHEDULES}")
     if pins.microbatches is not None:
         _check_rows(rows, pins.microbatches, sizes, axis)
     v = pins.virtual_stages
@@ -193,6 +202,11 @@ class Costs:
     # (state, gathered, unsharded) bytes of ``fsdp_bytes``, computed once by ``with_fsdp``
     layer_bytes: float = 0.0
     sharded_bytes: tuple = ()
+    # a split schedule's layer backward (``autopar.pipeline.split``): the weight half's share of
+    # ``layer_b`` by FLOPs, and the bytes of one layer's frontier per device (held from a
+    # ``B`` to its ``W``); None where the layer's backward could not be split
+    weight_fraction: float | None = None
+    frontier_bytes: float = 0.0
 
 
 def with_fsdp(costs: Costs, model: StagedModel, params, sizes: dict, axes: tuple) -> Costs:
@@ -258,10 +272,36 @@ def stage_costs(model: StagedModel, params, batch, rows: int, sizes: dict, axis:
     hb = plan(head_b, (rest, x, mb), strategy=pin_rest)
     plans = (lf, lb, ef, eb, hf, hb, ends)
     act = x.size * x.dtype.itemsize
+    tensor = sizes.get(TENSOR_AXIS, 1)
+    halves = layer_halves(model, layer, x)
     return Costs(*(p.cost.step_time_s for p in plans[:6]), lb.cost.peak_memory_bytes, act,
                  sum(p.solver.solve_s + p.solver.build_s for p in plans),
-                 residual_bytes(model.layer, layer, x) / sizes.get(TENSOR_AXIS, 1),
-                 layer_layouts, rest_layouts)
+                 residual_bytes(model.layer, layer, x) / tensor,
+                 layer_layouts, rest_layouts,
+                 weight_fraction=halves and halves.weight_fraction,
+                 frontier_bytes=halves.frontier_bytes / tensor if halves else 0.0)
+
+
+def layer_halves(model: StagedModel, layer, x):
+    """The layer's backward split for zero-bubble schedules (``autopar.pipeline.split``) at
+    one layer's parameters and a microbatch's activation, or None where it cannot be cut
+    (split schedules are then not candidates: ``runs_on``)."""
+    try:
+        return split_layer(model.layer, layer, x)
+    except Exception:       # noqa: BLE001 - any layer jax traces; only the split is lost
+        return None
+
+
+def runs_on(runtime: str, sch: S.Schedule, layers: int, costs: Costs | None = None) -> bool:
+    """Whether ``runtime`` runs ``sch``: the lockstep runtime every schedule but the split
+    ones; the MPMD runtime what ``mpmd.supports`` allows, a split schedule only where the
+    layer's backward was split (``costs.weight_fraction``)."""
+    split = sch.name in S.SPLIT
+    if runtime == "lockstep":
+        return not split
+    fsdp = bool(costs.fsdp) if costs is not None else False
+    return not mpmd_supports(sch, layers, fsdp=fsdp) and not (
+        split and costs is not None and costs.weight_fraction is None)
 
 
 # Sub-plans per microbatch size: the six actions' and the one of both backward ends (layouts).
@@ -360,16 +400,28 @@ def price(model: StagedModel, params, costs: Costs, sizes: dict, axis: str, hw,
 
     per_layer = fsdp_layer_s(model, params, costs, sizes, axis, hw)
 
+    split = sch.name in S.SPLIT
+    if split and not runs_on(runtime, sch, model.num_layers, costs):
+        raise AutoparError(f"schedule {sch.name!r} runs on the MPMD runtime only, and only "
+                           f"where the layer's backward splits into input and weight halves "
+                           f"(runtime={runtime!r}, split: {costs.weight_fraction is not None})")
+    w = costs.weight_fraction or 0.0
+
     def duration(a: S.Action) -> float:
+        if a.kind == "W":                   # the weight half of the layers' backward
+            return length[a.chunk] * per_layer["B"] * w
         ends = ((costs.embed_f if a.kind == "F" else costs.embed_b) * (a.chunk == 0)
                 + (costs.head_f if a.kind == "F" else costs.head_b) * (a.chunk == k - 1))
-        return length[a.chunk] * per_layer[a.kind] + ends
+        share = 1.0 - w if split and a.kind == "B" else 1.0
+        return length[a.chunk] * per_layer[a.kind] * share + ends
 
     layer_bytes, rest_bytes = _param_bytes(model, params, sizes, costs)
     on = [[length[c] for c in range(s, k, p)] for s in range(p)]     # chunk lengths of stage s
+    fronts = (0,) * p
     if runtime == "mpmd":
         timeline = mpmd_timeline(sch, sizes, axis, hw, duration, costs.act_bytes)
         slots = S.held_async(timeline, k, p)
+        fronts = S.frontiers_async(timeline, p)
         pad = 0.0
     else:
         timeline = loop_timeline(model, params, sizes, axis, hw, sch, ranges, duration,
@@ -378,8 +430,11 @@ def price(model: StagedModel, params, costs: Costs, sizes: dict, axis: str, hw,
         pad = _layout_overheads(cost_models.CostModel(hw, sizes), ranges, p, layer_bytes, axis,
                                 model.num_layers)[1]
     whole = model.num_layers % p != 0        # the runtime keeps the stack whole on each stage
+    # a split schedule's frontiers, each of a whole chunk's layers, on top of the buffers (a
+    # bound: the most of each held at once, which need not be at the same moment)
     memory = tuple(stage_bytes(model.num_layers if whole else sum(n), max(n), layer_bytes,
-                               rest_bytes, slot, costs) + pad for n, slot in zip(on, slots))
+                               rest_bytes, slot, costs) + pad + front * max(n) *
+                   costs.frontier_bytes for n, slot, front in zip(on, slots, fronts))
     return PipelinePlan(axis, p, ranges, microbatches, sch.name, virtual,
                         timeline.bubble_fraction, timeline.busy_s, memory, S.in_flight(sch),
                         timeline.makespan_s + after_loop_s(model, params, sizes, axis, hw,
@@ -665,9 +720,10 @@ def candidates(pins: Pins, model: StagedModel, rows: int, sizes: dict):
     vs = [pins.virtual_stages] if pins.virtual_stages else [1] if pins.runtime == "mpmd" else [
         v for v in (1, 2, 4)
         if (v == 1 and pins.layer_ranges == "auto") or model.num_layers % (p * v) == 0]
-    names = [S.check(pins.schedule, p, 1, p)] if pins.schedule else list(S.SCHEDULES)
+    names = [S.check(pins.schedule, p, 1, p)] if pins.schedule else list(
+        S.SCHEDULES if pins.runtime == "lockstep" else S.ALL)
     out = [(n, v, m) for n in names for v in vs for m in ms
-           if not (v > 1 and (m % p or n == "eager_1f1b"))]
+           if not (v > 1 and (m % p or n == "eager_1f1b" or n in S.SPLIT))]
     if not out:
         raise AutoparError(f"no pipeline of {p} stages fits a batch of {rows} rows on "
                            f"{shards} data shards and {model.num_layers} layers: the batch "
@@ -752,11 +808,10 @@ def _layer_choices(model, params, costs: Costs, sizes: dict, axis: str, hw, name
     if model.num_layers % (sizes[axis] * v) == 0:
         for runtime in runtimes:
             sch = S.build(name, sizes[axis], v, m)
-            if runtime == "lockstep" or not mpmd_supports(sch, model.num_layers,
-                                                         fsdp=bool(costs.fsdp)):
+            if runs_on(runtime, sch, model.num_layers, costs):
                 out.append(price(model, params, costs, sizes, axis, hw, name, v, m,
                                  runtime=runtime))
-    if v == 1 and split:
+    if v == 1 and split and name not in S.SPLIT:
         free = (layer_split(model, params, costs, sizes, axis, hw, name, m, budget, equal=False)
                 or layer_split(model, params, costs, sizes, axis, hw, name, m, math.inf,
                                equal=False))

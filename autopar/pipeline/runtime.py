@@ -246,6 +246,11 @@ def build_step(model: StagedModel, mesh, schedule: S.Schedule, axis: str = "stag
     the layers' parameters and Adam moments sharded over the data axes too (module
     docstring)."""
     _check(model, mesh, schedule, axis, ranges)
+    if schedule.name in S.SPLIT:
+        raise AutoparError(f"schedule {schedule.name!r} splits each backward into input and "
+                           f"weight halves, which the lockstep runtime's ticks do not run; "
+                           f"build it with autopar.pipeline.mpmd.build_step (runtime='mpmd' "
+                           f"in pipeline=), or choose one of {S.SCHEDULES}")
     lay = ChunkLayout.of(model.num_layers, schedule, ranges)
     tensor_axis = tensor_axis if tensor_axis in mesh.axis_names else None
     sizes = dict(zip(mesh.axis_names, mesh.devices.shape))

@@ -4,7 +4,10 @@ Notation: ``P`` stages (the devices along the pipeline axis), ``V`` virtual stag
 ``K = P * V`` chunks of consecutive layers; chunk ``k`` runs on stage ``k % P`` as its virtual
 stage ``v = k // P``. ``M`` microbatches. An action is ``F(m, k)`` (chunk ``k``'s forward ops on
 microbatch ``m``) or ``B(m, k)`` (its backward ops). Dependencies: ``F(m, k)`` after
-``F(m, k-1)``; ``B(m, k)`` after ``F(m, k)`` and ``B(m, k+1)``.
+``F(m, k-1)``; ``B(m, k)`` after ``F(m, k)`` and ``B(m, k+1)``. Zero-bubble schedules split
+the backward: ``B(m, k)`` is then only the gradient with respect to the chunk's input, and
+``W(m, k)``, after ``B(m, k)``, the gradient with respect to its weights
+(``autopar.pipeline.split``).
 
 Each stage follows a fixed *order* of its actions (the schedule):
 
@@ -15,7 +18,13 @@ Each stage follows a fixed *order* of its actions (the schedule):
               1F1B, ``2 (P - s - 1) + (V - 1) P`` warm-up forwards, ``M`` a multiple of ``P``);
   ``eager_1f1b``  1F1B with ``2 (P - s - 1)`` warm-up forwards (Megatron-LM's interleaved
               warm-up at ``V = 1``): at most ``2 (P - s) - 1`` microbatches in flight, but no
-              ramp penalty in lockstep (below).
+              ramp penalty in lockstep (below);
+  ``zb_h1``   zero-bubble H1 (Qi et al., ICLR 2024), ``V = 1``: 1F1B's warm-up, then stage ``s``
+              defers its first ``s`` weight gradients, so each ``B`` reaches the stage before it
+              sooner, and runs the deferred ``W`` s in 1F1B's cool-down, where it would idle.
+              1F1B's memory on stage 0; stage ``s`` also holds ``s`` frontiers (what ``W``
+              reads). Bubble ``(P - 1)(t_F + t_B - t_W)`` in place of 1F1B's
+              ``(P - 1)(t_F + t_B + t_W)``; run by the MPMD runtime only (``SPLIT``).
 
 Execution is *lockstep*, as one SPMD program runs it: in every tick each stage walks its order and
 runs at most one forward and at most one backward, each only once its inputs arrived in an earlier
@@ -52,12 +61,15 @@ from collections.abc import Callable, Mapping, Sequence
 from autopar.errors import AutoparError
 
 SCHEDULES = ("gpipe", "1f1b", "eager_1f1b")
-ALIASES = {"interleaved": "1f1b", "circular": "gpipe", "1F1B": "1f1b", "GPipe": "gpipe"}
+SPLIT = ("zb_h1",)                  # schedules whose backward is split into B and W
+ALL = SCHEDULES + SPLIT
+ALIASES = {"interleaved": "1f1b", "circular": "gpipe", "1F1B": "1f1b", "GPipe": "gpipe",
+           "zb-h1": "zb_h1", "ZB-H1": "zb_h1", "zero_bubble": "zb_h1"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Action:
-    """``kind`` ``"F"`` or ``"B"`` of microbatch ``mb`` through chunk ``chunk``."""
+    """``kind`` ``"F"``, ``"B"`` or ``"W"`` of microbatch ``mb`` through chunk ``chunk``."""
 
     kind: str
     mb: int
@@ -96,9 +108,9 @@ class Schedule:
 def check(name: str, stages: int, virtual: int, microbatches: int) -> str:
     """The canonical schedule name; an ``AutoparError`` naming the fix for a bad combination."""
     canon = ALIASES.get(name, name)
-    if canon not in SCHEDULES:
+    if canon not in ALL:
         raise AutoparError(f"pipeline schedule {name!r} is unknown; use one of "
-                           f"{SCHEDULES + tuple(ALIASES)}")
+                           f"{ALL + tuple(ALIASES)}")
     for what, n in (("stages", stages), ("virtual_stages", virtual),
                     ("microbatches", microbatches)):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -108,6 +120,9 @@ def check(name: str, stages: int, virtual: int, microbatches: int) -> str:
                            f"the virtual stages in groups of stages={stages}, so microbatches="
                            f"{microbatches} must be a multiple of {stages}; use microbatches="
                            f"{-(-microbatches // stages) * stages}")
+    if canon in SPLIT and virtual > 1:
+        raise AutoparError(f"pipeline schedule {canon!r} runs one chunk per stage; use "
+                           f"virtual_stages=1")
     return canon
 
 
@@ -132,6 +147,8 @@ def _chunk_sequence(s: int, stages: int, virtual: int, microbatches: int, backwa
 def _order(name: str, s: int, stages: int, virtual: int, microbatches: int) -> list[Action]:
     fwd = [Action("F", m, k) for m, k in _chunk_sequence(s, stages, virtual, microbatches, False)]
     bwd = [Action("B", m, k) for m, k in _chunk_sequence(s, stages, virtual, microbatches, True)]
+    if name == "zb_h1":
+        return _zb_h1(fwd, bwd, s, stages)
     if name == "gpipe":
         return fwd + bwd
     n = len(fwd)
@@ -144,6 +161,26 @@ def _order(name: str, s: int, stages: int, virtual: int, microbatches: int) -> l
     for i in range(n - warm):
         out += [fwd[warm + i], bwd[i]]
     return out + bwd[n - warm:]
+
+
+def _zb_h1(fwd: list[Action], bwd: list[Action], s: int, stages: int) -> list[Action]:
+    """Stage ``s``'s ZB-H1 order: ``P - s - 1`` forwards; ``s`` rounds of a forward and an input
+    gradient, their weight gradients deferred; then forward, input gradient, the oldest
+    deferred weight gradient; the cool-down's input and weight gradients; the ``s`` left."""
+    weights = [Action("W", a.mb, a.chunk) for a in bwd]
+    n, f, b, w = len(fwd), min(stages - s - 1, len(fwd)), 0, 0
+    out = fwd[:f]
+    for _ in range(s):
+        if f < n:
+            out += [fwd[f], bwd[b]]
+            f, b = f + 1, b + 1
+    while f < n:
+        out += [fwd[f], bwd[b], weights[w]]
+        f, b, w = f + 1, b + 1, w + 1
+    while b < n:
+        out += [bwd[b], weights[w]]
+        b, w = b + 1, w + 1
+    return out + weights[w:]
 
 
 def build(name: str, stages: int, virtual: int = 1, microbatches: int = 1) -> Schedule:
@@ -173,6 +210,8 @@ def _ready(a: Action, done: Mapping[Action, int], t: int, here: set, chunks: int
 
     if a.kind == "F":
         return a.chunk == 0 or arrived(Action("F", a.mb, a.chunk - 1))
+    if a.kind == "W":
+        return arrived(Action("B", a.mb, a.chunk))
     if not arrived(Action("F", a.mb, a.chunk)):
         return False
     return a.chunk == chunks - 1 or arrived(Action("B", a.mb, a.chunk + 1))
@@ -257,9 +296,11 @@ def price(schedule: Schedule, duration: Callable[[Action], float],
 
 # ---- asynchronous (MPMD) execution --------------------------------------------------------------
 def _deps(a: Action, chunks: int) -> tuple[Action, ...]:
-    """The actions ``a`` waits for: ``F(m, k-1)``; ``F(m, k)`` and ``B(m, k+1)``."""
+    """The actions ``a`` waits for: ``F(m, k-1)``; ``F(m, k)`` and ``B(m, k+1)``; ``B(m, k)``."""
     if a.kind == "F":
         return () if a.chunk == 0 else (Action("F", a.mb, a.chunk - 1),)
+    if a.kind == "W":
+        return (Action("B", a.mb, a.chunk),)
     nxt = () if a.chunk == chunks - 1 else (Action("B", a.mb, a.chunk + 1),)
     return (Action("F", a.mb, a.chunk), *nxt)
 
@@ -336,6 +377,18 @@ def held_async(timeline: Timeline, chunks: int, stages: int) -> tuple[int, ...]:
                 intervals.append((s, span[d][2], t0))
     return tuple(_most_held([(t0, t1) for st, t0, t1 in intervals if st == s])
                  for s in range(stages))
+
+
+def frontiers_async(timeline: Timeline, stages: int) -> tuple[int, ...]:
+    """Per stage, the most weight-gradient frontiers (``autopar.pipeline.split``) held at once
+    in a split schedule's ``timeline``: each from its ``B``'s end until its ``W`` ends; zeros
+    for a schedule without ``W``."""
+    span = {a: (s, t0, t1) for s, t0, t1, a in timeline.spans}
+    held = [[] for _ in range(stages)]
+    for a, (s, _, t1) in span.items():
+        if a.kind == "W":
+            held[s].append((span[Action("B", a.mb, a.chunk)][2], t1))
+    return tuple(_most_held(h) for h in held)
 
 
 # ---- buffers ----------------------------------------------------------------------------------
@@ -423,13 +476,14 @@ def ideal_bubble(name: str, stages: int, virtual: int, microbatches: int) -> flo
 
 
 def gantt(timeline: Timeline, ax=None, title: str = ""):
-    """A Gantt chart of ``timeline`` (matplotlib): one row per stage, forwards light and
-    backwards dark, each bar labelled with its microbatch; idle time is the bubble."""
+    """A Gantt chart of ``timeline`` (matplotlib): one row per stage, forwards light,
+    backwards dark (a split backward's weight half darkest), each bar labelled with its
+    microbatch; idle time is the bubble."""
     import matplotlib.pyplot as plt
 
     if ax is None:
         _, ax = plt.subplots(figsize=(10, 0.6 * len(timeline.busy_s) + 1))
-    colours = {"F": "#9ecae1", "B": "#3182bd"}
+    colours = {"F": "#9ecae1", "B": "#3182bd", "W": "#08519c"}
     for s, start, end, a in timeline.spans:
         ax.barh(s, end - start, left=start, color=colours[a.kind], edgecolor="white")
         ax.text((start + end) / 2, s, str(a.mb), ha="center", va="center", fontsize=7)

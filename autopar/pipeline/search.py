@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable
 
-from autopar.pipeline import mpmd
 from autopar.pipeline import planning as PL
 from autopar.pipeline import schedules as S
 from autopar.pipeline.record import RUNTIMES, PipelinePlan
@@ -78,19 +77,19 @@ def evaluate(model, params, costs: PL.Costs, sizes: dict, hw, budget: float, sch
     exists."""
     p = sizes[axis]
     if virtual > 1 and (model.num_layers % (p * virtual) or microbatches % p
-                        or S.check(schedule, p, virtual, microbatches) == "eager_1f1b"):
+                        or S.ALIASES.get(schedule, schedule) in ("eager_1f1b", *S.SPLIT)):
         return None
     plan = None
     if model.num_layers % (p * virtual) == 0:
         sch = S.build(schedule, p, virtual, microbatches)
-        usable = [rt for rt in runtimes if rt == "lockstep" or not mpmd.supports(
-            sch, model.num_layers, fsdp=bool(costs.fsdp))] or ["lockstep"]
+        usable = ([rt for rt in runtimes if PL.runs_on(rt, sch, model.num_layers, costs)]
+                  or ["lockstep"] * (schedule not in S.SPLIT))
         priced = [PL.price(model, params, costs, sizes, axis, hw, schedule, virtual,
                            microbatches, runtime=rt) for rt in usable]
         fits = [c for c in priced if max(c.stage_memory_bytes) <= budget] or priced
         plan = min(fits, key=lambda c: c.step_time_s, default=None)
     unequal = None
-    if virtual == 1:
+    if virtual == 1 and schedule not in S.SPLIT:
         free = PL.layer_split(model, params, costs, sizes, axis, hw, schedule, microbatches,
                               budget, equal=False)
         if free is not None and (plan is None or free.ranges != plan.layer_ranges):

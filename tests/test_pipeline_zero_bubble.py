@@ -1,0 +1,235 @@
+"""Zero-bubble pipelines: a layer's backward split into its input and weight halves
+(``autopar.pipeline.split``), the ZB-H1 schedule, its run on the MPMD runtime and its choice by
+the planner."""
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from numerics import assert_params, assert_scaled
+
+import autopar
+from autopar.errors import AutoparError
+from autopar.models import gpt
+from autopar.pipeline import model as PM
+from autopar.pipeline import mpmd
+from autopar.pipeline import planning as PL
+from autopar.pipeline import runtime as R
+from autopar.pipeline import schedules as S
+from autopar.pipeline import split as SP
+
+CFG = gpt.GPTConfig(vocab=64, seq=8, d_model=32, heads=4, d_ff=64, layers=4, scan=True)
+LR = 1e-3
+MESH_A = {"stage": 2, "data": 2, "model": 2}
+MESH_B = {"stage": 4, "data": 2}
+
+
+@pytest.fixture(scope="module")
+def setup():
+    step, init = PM.gpt_train_step(CFG, LR)
+    state, batch = init(jax.random.PRNGKey(0), 8), gpt.make_batch(CFG, 8)
+    ref_state, ref_loss = jax.jit(step)(state, batch)
+    return step, state, batch, ref_state, ref_loss
+
+
+def _mesh(shape: dict):
+    return jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(*shape.values()), tuple(shape))
+
+
+# ---- the split --------------------------------------------------------------------------------
+def _equinox_layer():
+    eqx = pytest.importorskip("equinox")
+
+    class Block(eqx.Module):         # a pre-norm residual MLP, as Equinox's docs write modules
+        norm: eqx.nn.LayerNorm
+        up: eqx.nn.Linear
+        down: eqx.nn.Linear
+
+        def __init__(self, d, key):
+            k1, k2 = jax.random.split(key)
+            self.norm = eqx.nn.LayerNorm(d)
+            self.up, self.down = eqx.nn.Linear(d, 4 * d, key=k1), eqx.nn.Linear(4 * d, d, key=k2)
+
+        def __call__(self, x):
+            return x + self.down(jax.nn.gelu(self.up(self.norm(x))))
+
+    block = Block(16, jax.random.PRNGKey(3))
+    params, static = eqx.partition(block, eqx.is_array)
+
+    def layer(p, h):
+        return jax.vmap(jax.vmap(eqx.combine(p, static)))(h)
+
+    return layer, params, (4, 8, 16)
+
+
+def _nnx_layer():
+    from flax import nnx
+
+    class Block(nnx.Module):         # attention and an MLP, as the Flax NNX docs build them
+        def __init__(self, d, rngs):
+            self.ln = nnx.LayerNorm(d, rngs=rngs)
+            self.attn = nnx.MultiHeadAttention(num_heads=2, in_features=d, decode=False,
+                                               rngs=rngs)
+            self.fc = nnx.Linear(d, 2 * d, rngs=rngs)
+            self.out = nnx.Linear(2 * d, d, rngs=rngs)
+
+        def __call__(self, x):
+            x = x + self.attn(self.ln(x))
+            return x + self.out(nnx.relu(self.fc(x)))
+
+    graphdef, params = nnx.split(Block(16, nnx.Rngs(0)))
+
+    def layer(p, h):
+        return nnx.merge(graphdef, p)(h)
+
+    return layer, params, (4, 8, 16)
+
+
+@pytest.mark.parametrize("make", [_equinox_layer, _nnx_layer], ids=["equinox", "nnx"])
+def test_the_halves_are_the_layers_vjp(make):
+    """Forward, input half then weight half give exactly what ``jax.vjp`` gives, jitted, on
+    layers written with Equinox and Flax NNX (this project's GPT layer: the runtime's tests);
+    the halves' FLOPs add up to the backward's (nothing recomputed, nothing lost) and the
+    weight half has some of them; the frontier holds no parameter."""
+    layer, p, shape = make()
+    h = jax.random.normal(jax.random.PRNGKey(1), shape)
+    dy = jax.random.normal(jax.random.PRNGKey(2), shape)
+    sp = SP.split_layer(layer, p, h)
+
+    @jax.jit
+    def halves(p, h, dy):
+        y, saved = sp.forward(p, h)
+        dh, front = sp.input_grad(p, saved, dy)
+        return y, dh, sp.weight_grad(p, front)
+
+    y, dh, dp = halves(p, h, dy)
+    ry, vjp = jax.vjp(layer, p, h)
+    rdp, rdh = vjp(dy)
+    np.testing.assert_allclose(y, ry, rtol=1e-6, atol=1e-6)
+    assert_scaled(dh, rdh, rel=1e-6)
+    # a key bias's gradient is zero in exact arithmetic (softmax ignores a shift): rounding
+    # noise on the scale of the step's largest gradient, not its own
+    top = max(float(jnp.abs(g).max()) for g in jax.tree_util.tree_leaves(rdp))
+    assert_scaled(dp, rdp, rel=1e-6, atol=1e-6 * top)
+    backward = jax.make_jaxpr(lambda p, h, dy: jax.vjp(layer, p, h)[1](dy))(p, h, dy)
+    forward = jax.make_jaxpr(layer)(p, h)
+    whole = SP._flops(backward.jaxpr.eqns) - SP._flops(forward.jaxpr.eqns)
+    assert sp.flops[1] + sp.flops[2] == pytest.approx(whole)
+    assert 0.1 < sp.weight_fraction < 0.5
+    weights = {(a.shape, a.dtype) for a in jax.tree_util.tree_leaves(p) if a.ndim == 2}
+    assert not weights & {(f.shape, f.dtype) for f in sp.frontier}
+
+
+# ---- the schedule -----------------------------------------------------------------------------
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16), (3, 7), (8, 32)])
+def test_zb_h1_timeline(p, m):
+    """Equal F, B and W, free hops: ZB-H1 takes 3 M + P - 1 (its bubble (P - 1)(t_F + t_B -
+    t_W)), 1F1B with the backward whole 3 (M + P - 1); each stage runs every action once, a
+    ``W`` after its ``B``, and stage ``s`` defers ``s`` weight gradients."""
+    sch = S.build("zb_h1", p, 1, m)
+    unit = S.price_async(sch, lambda a: 1.0)
+    assert unit.makespan_s == pytest.approx(3 * m + p - 1)
+    whole = S.price_async(S.build("1f1b", p, 1, m), lambda a: 1.0 if a.kind == "F" else 2.0)
+    assert whole.makespan_s == pytest.approx(3 * (m + p - 1))
+    assert unit.bubble_fraction < whole.bubble_fraction
+    for s, order in enumerate(S.orders("zb_h1", p, 1, m)):
+        assert sorted((a.kind, a.mb) for a in order) == sorted(
+            (k, i) for k in "FBW" for i in range(m))
+        first_w = next(i for i, a in enumerate(order) if a.kind == "W")
+        assert sum(a.kind == "B" for a in order[:first_w]) == min(s, m - 1) + 1
+        for i, a in enumerate(order):
+            if a.kind == "W":
+                assert S.Action("B", a.mb, a.chunk) in order[:i]
+    assert S.frontiers_async(unit, p) == tuple(min(s, m - 1) + 1 for s in range(p))
+    assert S.frontiers_async(whole, p) == (0,) * p
+
+
+def test_split_schedules_are_refused_where_they_cannot_run(setup):
+    step, state, batch, *_ = setup
+    model = PM.staged_model_of(step)
+    with pytest.raises(AutoparError, match="use virtual_stages=1"):
+        S.build("zb_h1", 2, 2, 4)
+    with pytest.raises(AutoparError, match="lockstep runtime's ticks do not run"):
+        R.build_step(model, _mesh(MESH_A), S.build("zb_h1", 2, 1, 4))
+    with pytest.raises(AutoparError, match="MPMD runtime only.*lockstep runtime does not"):
+        autopar.plan(step, state, batch, mesh=MESH_A,
+                     pipeline={"schedule": "zb_h1", "runtime": "lockstep"})
+
+
+# ---- the runtime ------------------------------------------------------------------------------
+def test_zb_h1_gradients_and_sgd_update_are_exact(setup):
+    step, state, batch, _, _ = setup
+    model = dataclasses.replace(PM.staged_model_of(step), tx=optax.sgd(0.5))
+    run = mpmd.build_step(model, _mesh(MESH_B), S.build("zb_h1", 4, 1, 4))
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(model.loss))(state["params"], batch)
+    st, bt = run.in_shardings_of(state, batch)
+    loss, grads = run.loss_and_grads(jax.device_put(state, st)["params"],
+                                     jax.device_put(batch, bt))
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+    assert_scaled(grads, ref_grads, rel=1e-5)
+    times = run.action_times(state, batch, runs=1)
+    assert {k for k, _ in times} == {"F", "B", "W"}
+
+
+def test_a_zb_h1_plan_runs_round_trips_and_predicts_its_peak(setup):
+    """Pinned on {stage: 2, data: 2, model: 2} (the tensor axis inside each stage), the plan
+    records the schedule, survives JSON, runs under ``autoparallel`` with the unsharded step's
+    numbers (loss, Adam's moments, parameters), and its predicted peak (the stash, inboxes and
+    the frontiers held from each B to its W) matches the peak measured one action at a time."""
+    step, state, batch, ref_state, ref_loss = setup
+    plan = autopar.plan(step, state, batch, mesh=MESH_A, hardware="cpu",
+                        pipeline={"schedule": "zb_h1", "microbatches": 4})
+    pp = plan.pipeline
+    assert (pp.schedule, pp.runtime) == ("zb_h1", "mpmd")
+    back = autopar.Plan.from_json(plan.to_json())
+    assert back.pipeline == pp and json.loads(plan.to_json())["pipeline"]["schedule"] == "zb_h1"
+    run = autopar.autoparallel(step, mesh=_mesh(MESH_A), plan=back)
+    new, loss = run(state, batch)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+    adam, ref_adam = new["opt_state"][0], ref_state["opt_state"][0]
+    assert_scaled(adam.mu, ref_adam.mu, rel=1e-5)
+    assert_scaled(adam.nu, ref_adam.nu, rel=2e-5)
+    assert_params(new["params"], ref_state["params"], LR, grads=ref_adam.mu)
+    measured = PL.executable(plan, step, _mesh(MESH_A)).measure_peak(state, batch)
+    ratio = max(pp.stage_memory_bytes) / measured
+    print(f"zb_h1 predicted/measured peak {ratio:.3f}")
+    assert 0.8 <= ratio <= 1.2, ratio
+
+
+# ---- the planner ------------------------------------------------------------------------------
+def test_planner_trades_zb_h1s_frontiers_for_its_bubble():
+    """On H100s with layers of real size the planner picks ZB-H1 over 1F1B on the MPMD runtime
+    (a smaller bubble, a faster step), paying the frontiers in memory; under a budget between
+    the two peaks it keeps 1F1B."""
+    cfg = gpt.GPTConfig(vocab=32000, seq=1024, d_model=2048, heads=16, d_ff=8192, layers=8,
+                        scan=True)
+    step, init = PM.gpt_train_step(cfg, LR)
+    state = jax.eval_shape(lambda: init(jax.random.PRNGKey(0), 32))
+    batch = jax.eval_shape(lambda: gpt.make_batch(cfg, 32))
+    zb = autopar.plan(step, state, batch, mesh=MESH_B, hardware="h100",
+                      pipeline={"microbatches": 16, "runtime": "mpmd"}).pipeline
+    one = autopar.plan(step, state, batch, mesh=MESH_B, hardware="h100",
+                       pipeline={"microbatches": 16, "schedule": "1f1b"}).pipeline
+    assert zb.schedule == "zb_h1", zb.why
+    assert one.runtime == "mpmd"
+    assert zb.step_time_s < one.step_time_s and zb.bubble_fraction < one.bubble_fraction
+    assert max(zb.stage_memory_bytes) > max(one.stage_memory_bytes)
+    budget = (max(zb.stage_memory_bytes) + max(one.stage_memory_bytes)) / 2
+    lean = autopar.plan(step, state, batch, mesh=MESH_B, hardware="h100", memory_budget=budget,
+                        pipeline={"microbatches": 16, "runtime": "mpmd"}).pipeline
+    assert lean.schedule != "zb_h1" and max(lean.stage_memory_bytes) <= budget
+
+
+def test_unsplittable_layers_leave_zb_out():
+    """A layer whose backward the split cannot trace gives no split costs, and the split
+    schedules are then not run on either runtime."""
+    costs = PL.Costs(layer_f=1.0, layer_b=2.0, embed_f=0, embed_b=0, head_f=0, head_b=0,
+                     layer_peak_bytes=0, act_bytes=1.0, solve_s=0)
+    sch = S.build("zb_h1", 2, 1, 4)
+    assert not PL.runs_on("mpmd", sch, 4, costs) and not PL.runs_on("lockstep", sch, 4, costs)
+    assert PL.runs_on("mpmd", sch, 4, dataclasses.replace(costs, weight_fraction=0.3))
+    assert PL.layer_halves(PM.gpt_staged(CFG), {"bad": jnp.zeros(3)}, jnp.zeros((2, 8, 32))) \
+        is None
