@@ -66,7 +66,7 @@ PLAN_LIMIT_S = 10.0
 # Megatron-LM does; its interleaved chunks on the lockstep runtime (mpmd.supports)
 HAND = dict(tensor=None, rows_per_shard=(1,), schedules=("1f1b",), virtual=(1, 2),
             runtimes=("mpmd",))
-AUTO = dict(tensor=None, rows_per_shard=(1, 2), schedules=S.SCHEDULES, virtual=(1, 2, 4))
+AUTO = dict(tensor=None, rows_per_shard=(1, 2), schedules=S.ALL, virtual=(1, 2, 4))
 OPEN_TENSOR = (4, 8)
 HEADER = ("row", "gpus", "paper t p d", "batch", "paper TFLOP/s",
           "megatron_3d TFLOP/s", "megatron_3d / paper", "megatron_3d schedule, M, bubble",

@@ -46,7 +46,7 @@ from autopar.pipeline.record import RUNTIMES
 ROWS = 1536
 SUB_PLAN_LIMIT_S = 1.0
 HAND = dict(tensor=(4, 8), rows_per_shard=(1,), schedules=("1f1b",), virtual=(1, 2))
-AUTO = dict(tensor=(4, 8), rows_per_shard=(1, 2), schedules=S.SCHEDULES, virtual=(1, 2, 4))
+AUTO = dict(tensor=(4, 8), rows_per_shard=(1, 2), schedules=S.ALL, virtual=(1, 2, 4))
 RUNS = [("39B", 256, "a100"), ("76B", 512, "h100"), ("175B", 1024, "a100"),
         ("175B", 1024, "h100")]
 HEADER = ("model", "gpus", "hardware", "side", "mesh", "schedule", "virtual", "microbatches",

@@ -66,8 +66,7 @@ def _issue_s(run, state, batch) -> float:
         out = run.runner.loss_and_grads(state["params"], batch)
         per.append(time.perf_counter() - t0)
         jax.block_until_ready(out)
-    actions = 2 * run.runner.sch.microbatches * run.runner.sch.stages
-    return statistics.median(per) / actions
+    return statistics.median(per) / len(S.dispatch_order(run.runner.sch))
 
 
 def main() -> None:
