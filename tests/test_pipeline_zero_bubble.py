@@ -88,12 +88,19 @@ def _nnx_layer():
     return layer, params, (4, 8, 16)
 
 
-@pytest.mark.parametrize("make", [_equinox_layer, _nnx_layer], ids=["equinox", "nnx"])
+def _remat_layer():
+    layer, params, shape = _equinox_layer()
+    return jax.checkpoint(layer), params, shape
+
+
+@pytest.mark.parametrize("make", [_equinox_layer, _nnx_layer, _remat_layer],
+                         ids=["equinox", "nnx", "remat"])
 def test_the_halves_are_the_layers_vjp(make):
     """Forward, input half then weight half give exactly what ``jax.vjp`` gives, jitted, on
-    layers written with Equinox and Flax NNX (this project's GPT layer: the runtime's tests);
-    the halves' FLOPs add up to the backward's (nothing recomputed, nothing lost) and the
-    weight half has some of them; the frontier holds no parameter."""
+    layers written with Equinox and Flax NNX (this project's GPT layer: the runtime's tests),
+    and on a remat'd one (the split opens the remat); the halves' FLOPs add up to the
+    backward's (nothing recomputed twice, nothing lost) and the weight half has some of them;
+    the frontier holds no parameter."""
     layer, p, shape = make()
     h = jax.random.normal(jax.random.PRNGKey(1), shape)
     dy = jax.random.normal(jax.random.PRNGKey(2), shape)

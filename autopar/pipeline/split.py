@@ -17,8 +17,10 @@ at that line, from its jaxpr, with no knowledge of the layer:
 
 A stage holds a microbatch's frontier from its ``B`` to its ``W``; ``frontier`` gives its arrays'
 shapes, and ``flops`` the dot FLOPs of the forward and of each half (the planner splits a priced
-backward by them). An equation both halves need goes to ``B``. A call the jaxpr does not open
-(a nested ``jit`` or a custom VJP inside the layer) stays whole in the half that needs it: the
+backward by them). An equation both halves need goes to ``B``. A user's remat and nested jits
+are opened first (their bodies inlined), so a remat'd layer splits too: its ``B`` recomputes the
+layer and its frontier is what ``W`` reads of the recomputed values. A call the split does not
+open (a custom VJP, a jit closing over constants) stays whole in the half that needs it: the
 split is then coarser, never wrong.
 """
 from __future__ import annotations
@@ -79,7 +81,7 @@ def split_layer(layer_fn: Callable, p, h) -> LayerSplit:
         return dh, dp
 
     closed = jax.make_jaxpr(bwd)(p, saved, y)
-    jaxpr = closed.jaxpr
+    jaxpr = _opened(closed.jaxpr)
     n_p, n_dh = p_tree.num_leaves, len(jax.tree_util.tree_leaves(h))
     b_eqns = _slice(jaxpr.eqns, jaxpr.outvars[:n_dh], frozenset())
     w_eqns = _slice(jaxpr.eqns, jaxpr.outvars[n_dh:], frozenset(map(id, b_eqns)))
@@ -117,6 +119,48 @@ def split_layer(layer_fn: Callable, p, h) -> LayerSplit:
     shapes = tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in frontier)
     flops = (_flops(fwd_closed.jaxpr.eqns), _flops(b_eqns), _flops(w_eqns))
     return LayerSplit(forward, input_grad, weight_grad, shapes, flops)
+
+
+# calls whose body the split opens: a user's remat (its transposed body holds the layer's whole
+# backward) and nested jits (jax.nn's helpers, a user's own), when they close over no constants
+_OPEN = ("remat2", "checkpoint", "jit", "pjit", "closed_call")
+
+
+def _opened(jaxpr):
+    """``jaxpr`` with the calls of ``_OPEN`` inlined (recursively), so the split sees their
+    equations. Same values: a remat's only effect inside one backward is on XLA's buffers."""
+    sub: dict = {}
+    eqns: list = []
+
+    def read(v):
+        while isinstance(v, jcore.Var) and v in sub:
+            v = sub[v]
+        return v
+
+    def body(e):
+        inner = e.params.get("jaxpr")
+        if isinstance(inner, jcore.ClosedJaxpr) and not inner.consts:
+            inner = inner.jaxpr
+        if e.primitive.name in _OPEN and isinstance(inner, jcore.Jaxpr) \
+                and not inner.constvars:
+            return inner
+        return None
+
+    def walk(items):
+        for e in items:
+            inner = body(e)
+            if inner is None:
+                eqns.append(e.replace(invars=[read(v) for v in e.invars]))
+                continue
+            for iv, ov in zip(inner.invars, e.invars):
+                sub[iv] = read(ov)
+            walk(inner.eqns)
+            for iv, ov in zip(inner.outvars, e.outvars):
+                sub[ov] = read(iv)
+
+    walk(jaxpr.eqns)
+    return jcore.Jaxpr(jaxpr.constvars, jaxpr.invars, [read(v) for v in jaxpr.outvars], eqns,
+                       jaxpr.effects, debug_info=jaxpr.debug_info)
 
 
 def _info(jaxpr, half: str, n_in: int, n_out: int):
