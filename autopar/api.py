@@ -8,7 +8,7 @@ import dataclasses
 import functools
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -165,11 +165,19 @@ def _plan_open_mesh(fn, args, mesh, *, hardware, strategy, donate_argnums, time_
                    shapes[0])
     call = arguments.prepare(args)
     graph, trace_s = _trace_call(fn, call, validate.donate_argnums(donate_argnums))
+    if not isinstance(mesh, Mapping) and _has_experts(graph):   # a count or a device list
+        hw, shapes = mesh_search.checked(mesh, hardware, mesh_search.EXPERT_AXES)
     left = max(validate.time_limit(time_limit_s) - trace_s, 0.0)
     return mesh_search.plan_over_shapes(
         shapes, lambda sizes, t: plan_graph(graph, sizes, hardware=hw, strategy=strategy,
                                             time_limit_s=t + trace_s, trace_s=trace_s,
                                             **options), left)
+
+
+def _has_experts(graph: ir.Graph) -> bool:
+    """Whether the step has a mixture of experts' stacked expert weights (an expert dim among
+    its parameters' logical names): an open mesh then gets an expert axis too."""
+    return any(a.kind == "param" and "expert" in a.names for a in strategies.annotate(graph))
 
 
 def _plan_open_pipeline(fn, args, mesh, *, hardware, strategy, donate_argnums, time_limit_s,

@@ -17,8 +17,11 @@ the fastest plan that fits the memory budget wins (a pipelined step is traced pe
 ``Plan.mesh`` is the shape it chose; ``Plan.mesh_candidates`` every shape tried, with its
 predicted step and peak or why it has no plan, and the summary shows them.
 
-Not searched here: an expert axis (an MoE step plans the axes it is given). ``compare`` and
-``megatron_3d`` take a mesh of fixed shape.
+A count or a device list opens an ``expert`` axis too (between ``data`` and ``model``:
+``EXPERT_AXES``) when the step has a mixture of experts' stacked expert weights, so the planner
+picks the expert-parallel degree with the others; a dict opens the axes it names. A pipeline's
+open mesh (``stage``, ``data``, ``model``) has no expert axis. ``compare`` and ``megatron_3d``
+take a mesh of fixed shape.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ from autopar.errors import AutoparError, BudgetError, PlanError, ShardingError
 from autopar.plan import MeshCandidate, Plan
 
 OPEN_AXES = ("data", "model")
+EXPERT_AXES = ("data", "expert", "model")     # what a count opens for a mixture of experts
 
 
 @dataclasses.dataclass(frozen=True)

@@ -55,6 +55,20 @@ def test_plan_chooses_the_fastest_shape_and_says_which_it_tried():
     assert again.mesh_candidates == cands
 
 
+def test_a_count_opens_an_expert_axis_for_a_mixture_of_experts():
+    """A step with stacked expert weights gets {data, expert, model} shapes from a count (the
+    expert-parallel degree is searched with the others); the dense LM above gets no expert
+    axis."""
+    from autopar.models import moe
+
+    fn, state, batch = moe.abstract(moe.MoEConfig(layers=1), 8)
+    plan = autopar.plan(fn, state, batch, mesh=4, hardware="h100", time_limit_s=2)
+    tried = sorted(c.mesh for c in plan.mesh_candidates)
+    assert tried == sorted(_shapes(("data", "expert", "model"), 4))
+    assert any(dict(m)["expert"] > 1 for m in tried) and "expert" in dict(plan.mesh)
+    assert all("expert" not in dict(c.mesh) for c in _searched()[2].mesh_candidates)
+
+
 def test_a_tampered_candidate_is_refused():
     _, _, plan = _searched()
     d = json.loads(plan.to_json())
