@@ -9,6 +9,8 @@ final parameters to ``--out``/params.npz.
 
 ``agree``: processes that trace different steps, or hold different plans, get an AutoparError
 from the plan check; each writes what it got to ``--out``/agree.<process>.json.
+
+``pipelined``: each process drives its own stage of an MPMD pipeline (``pipelined``).
 """
 from __future__ import annotations
 
@@ -113,6 +115,40 @@ def agree(a) -> None:
         json.dump(got, f)
 
 
+PIPE_CFG = gpt.GPTConfig(vocab=64, seq=8, d_model=32, heads=4, d_ff=64, layers=4, scan=True)
+PIPE_SCHEDULES = ("1f1b", "zb_h1")
+
+
+def pipelined(a) -> None:
+    """An MPMD pipeline over {stage: 2, data: 4}, process p's devices being stage p: each
+    process issues its own stage's programs, the hops between them are collectives. One step
+    under each of ``PIPE_SCHEDULES``; process 0 writes the loss, parameters and Adam's first
+    moment to ``--out``/pipelined.npz."""
+    from jax.experimental import multihost_utils
+    from jax.sharding import Mesh
+
+    from autopar.pipeline import model as PM
+    from autopar.pipeline import mpmd
+    from autopar.pipeline import schedules as S
+
+    distributed.initialize(timeout_s=60)
+    step, init = PM.gpt_train_step(PIPE_CFG, 1e-3)
+    state = jax.tree_util.tree_map(np.asarray, init(jax.random.PRNGKey(0), 8))
+    batch = jax.tree_util.tree_map(np.asarray, gpt.make_batch(PIPE_CFG, 8))
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("stage", "data"))
+    out = {}
+    for name in PIPE_SCHEDULES:
+        run = mpmd.build_step(PM.staged_model_of(step), mesh, S.build(name, 2, 1, 2))
+        new, loss = run(state, batch)
+        whole = multihost_utils.process_allgather(
+            {"params": new["params"], "mu": new["opt_state"][0].mu}, tiled=True)
+        out[f"{name}/loss"] = np.asarray(loss.addressable_data(0))
+        for path, x in jax.tree_util.tree_leaves_with_path(whole):
+            out[f"{name}/{jax.tree_util.keystr(path)}"] = np.asarray(x)
+    if jax.process_index() == 0:
+        np.savez(os.path.join(a.out, "pipelined.npz"), **out)
+
+
 def _error_of(fn) -> str | None:
     try:
         fn()
@@ -144,14 +180,14 @@ def _global_arrays(batch) -> list[bool]:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=("train", "agree"))
+    p.add_argument("mode", choices=("train", "agree", "pipelined"))
     p.add_argument("--ckpt")
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--save-every", type=int, default=2)
     p.add_argument("--kill-at", type=int, default=3)
     a = p.parse_args()
-    train(a) if a.mode == "train" else agree(a)
+    {"train": train, "agree": agree, "pipelined": pipelined}[a.mode](a)
 
 
 if __name__ == "__main__":

@@ -35,10 +35,15 @@ state), here:
     ``W`` runs the remaining equations on the frontiers, the layers' weight gradients, when
     the schedule says.
 
+Under ``jax.distributed`` (multi-controller) every process walks the same dispatch order and
+issues the programs of the stages that have a device of its own; a hop between stages of
+different processes is a collective-permute over the two submeshes stacked, which both
+processes issue at the same point of the order (so the collectives pair up), and the rest's
+gradients and the loss are summed over the stages by one program over the whole mesh that
+every process runs, as the optimizer is. Within one process a hop is a ``jax.device_put``.
+
 Runs one chunk per stage (``virtual_stages=1``), equal layer ranges and no FSDP inside stages:
-the state's layout gives stage ``s`` exactly layers ``[s L / P, (s + 1) L / P)`` then. Single
-controller only: every device must be addressable from this process (``jax.distributed``'s
-multi-controller, each process issuing its own stages' actions, is not built).
+the state's layout gives stage ``s`` exactly layers ``[s L / P, (s + 1) L / P)`` then.
 """
 from __future__ import annotations
 
@@ -91,10 +96,6 @@ def build_step(model: StagedModel, mesh, schedule: S.Schedule, axis: str = "stag
         raise AutoparError(f"the MPMD pipeline runtime cannot run this pipeline ({why}); use "
                            f"runtime='lockstep' in pipeline= (or build it with "
                            f"autopar.pipeline.runtime.build_step)")
-    if not all(d.process_index == jax.process_index() for d in mesh.devices.flat):
-        raise AutoparError("the MPMD pipeline runtime issues every stage from one process, and "
-                           "this mesh has devices of other processes; use runtime='lockstep' "
-                           "under jax.distributed")
     tensor_axis = tensor_axis if tensor_axis in mesh.axis_names else None
     sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
     runner = _Runner(model, mesh, schedule, axis, tensor_axis, sizes, layouts)
@@ -215,8 +216,13 @@ class _Runner:
         at = mesh.axis_names.index(axis)
         self.subs = [Mesh(np.take(mesh.devices, s, axis=at), names)
                      for s in range(sch.stages)]
+        me = jax.process_index()
+        # the stages this process issues: those with a device of its own (every stage when one
+        # process drives the mesh); a hop between stages of other processes is a collective
+        self.mine = [any(d.process_index == me for d in sub.devices.flat) for sub in self.subs]
         self.programs: dict = {}
         self._made: dict = {}           # id(program) -> (kind, stage)
+        self._zeros: dict = {}          # a hop's placeholder shards, per device and shape
         self._splits: dict = {}         # a split schedule's layer splits (_layer_split)
 
     def specs(self, tree):
@@ -406,12 +412,18 @@ class _Runner:
         """Accumulators -> the stage's gradients (the mean over the data shards) and loss, in
         the layouts of the stage's views of the state."""
         (g_layers, g_rest, _), (layers, rest) = args
+        sub = self.subs[s]
         outs = (jax.tree_util.tree_map(lambda x: x.sharding, layers),
-                jax.tree_util.tree_map(lambda x: x.sharding, rest),
-                NamedSharding(self.subs[s], P()))
+                jax.tree_util.tree_map(lambda x: NamedSharding(sub, P(None, *x.sharding.spec)),
+                                       rest),
+                NamedSharding(sub, P()))
         n = max(self.shards, 1)
-        return jax.jit(lambda acc: jax.tree_util.tree_map(lambda g: g.sum(0) / n, acc),
-                       out_shardings=outs)
+
+        def reduce(acc):
+            g_layers, g_rest, loss = jax.tree_util.tree_map(lambda g: g.sum(0) / n, acc)
+            return g_layers, jax.tree_util.tree_map(lambda g: g[None], g_rest), loss[None]
+
+        return jax.jit(reduce, out_shardings=(outs[0], outs[1], NamedSharding(sub, P(None))))
 
     # ---- one step ----------------------------------------------------------------------------
     def loss_and_grads(self, params, batch, watch=None):
@@ -426,52 +438,99 @@ class _Runner:
         R._check_rows(batch, sch.microbatches, {a: self.sizes[a] for a in self.data})
         micro = _microbatches(batch, sch.microbatches, self.mesh, self.data, self.programs)
         layers, rest = model.split(params)
+        mine = self.mine
         views = [(jax.tree_util.tree_map(functools.partial(self._view, s=s), layers),
                   jax.tree_util.tree_map(functools.partial(self._view, s=s), rest))
-                 for s in range(p)]
+                 if mine[s] else None for s in range(p)]
         micros = [jax.tree_util.tree_map(functools.partial(self._view, s=s), micro)
-                  for s in range(p)]
-        acc = [self._program("zeros", s, views[s])() for s in range(p)]
+                  if mine[s] else None for s in range(p)]
+        acc = [self._program("zeros", s, views[s])() if mine[s] else None for s in range(p)]
+        aval = jax.eval_shape(  # one microbatch's activation, as a stage's submesh holds it
+            model.embed, jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(
+                x.shape, x.dtype), rest), jax.tree_util.tree_map(
+                lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), micro))
         inbox_f, inbox_b, stash, fronts = {}, {}, {}, {}
         held = (micro, acc, stash, inbox_f, inbox_b, fronts)
         split = sch.name in S.SPLIT
         act = None
         for s, a in S.dispatch_order(sch):
-            lp, rp = views[s]
-            mb = micros[s]
-            m = np.int32(a.mb)
-            if a.kind == "F":
-                x_in = inbox_f.pop((a.mb, s), None)
-                if s == last:                     # the backward recomputes it all
+            if a.kind == "F" and s < last and (mine[s] or mine[s + 1]):
+                y = None
+                if mine[s]:
+                    x_in = inbox_f.pop((a.mb, s), None)
+                    if x_in is None:              # stage 0 embeds: a placeholder input
+                        x_in = act if act is not None else jax.device_put(
+                            jnp.zeros(aval.shape, aval.dtype), self._act_sharding(0))
+                        act = x_in
+                    y = self._run("fwd", s, (*views[s], x_in, micros[s], np.int32(a.mb)),
+                                  watch, held)
                     stash[(a.mb, s)] = x_in
-                    continue
-                if x_in is None:                  # stage 0 embeds: a placeholder input
-                    x_in = act if act is not None else self._placeholder(views, micros)
-                    act = x_in
-                y = self._run("fwd", s, (lp, rp, x_in, mb, m), watch, held)
-                stash[(a.mb, s)] = x_in
-                inbox_f[(a.mb, s + 1)] = jax.device_put(y, self._act_sharding(s + 1))
-            elif a.kind == "W":
-                g_layers = self._run("wgrad", s, (lp, fronts.pop((a.mb, s)), acc[s][0]),
-                                     watch, held)
+                got = self._hop(y, s, s + 1, aval)
+                if mine[s + 1]:
+                    inbox_f[(a.mb, s + 1)] = got
+            elif a.kind == "F" and s == last and mine[s]:   # the backward recomputes it all
+                stash[(a.mb, s)] = inbox_f.pop((a.mb, s), None)
+            elif a.kind == "W" and mine[s]:
+                g_layers = self._run("wgrad", s, (views[s][0], fronts.pop((a.mb, s)),
+                                                  acc[s][0]), watch, held)
                 acc[s] = (g_layers, *acc[s][1:])
-            else:
-                x_in = stash.pop((a.mb, s))
-                dy = inbox_b.pop((a.mb, s), None)
-                if dy is None:
-                    dy = x_in
-                if split:
-                    dx, fronts[(a.mb, s)], *new = self._run(
-                        "bin", s, (lp, rp, x_in, dy, mb, m, *acc[s][1:]), watch, held)
-                    acc[s] = (acc[s][0], *new)
-                else:
-                    dx, *new = self._run("bwd", s, (lp, rp, x_in, dy, mb, m, *acc[s]),
-                                         watch, held)
-                    acc[s] = tuple(new)
+            elif a.kind == "B" and (mine[s] or (s > 0 and mine[s - 1])):
+                dx = None
+                if mine[s]:
+                    x_in = stash.pop((a.mb, s))
+                    dy = inbox_b.pop((a.mb, s), None)
+                    if dy is None:
+                        dy = x_in
+                    args = (*views[s], x_in, dy, micros[s], np.int32(a.mb))
+                    if split:
+                        dx, fronts[(a.mb, s)], *new = self._run(
+                            "bin", s, (*args, *acc[s][1:]), watch, held)
+                        acc[s] = (acc[s][0], *new)
+                    else:
+                        dx, *new = self._run("bwd", s, (*args, *acc[s]), watch, held)
+                        acc[s] = tuple(new)
                 if s > 0:
-                    inbox_b[(a.mb, s - 1)] = jax.device_put(dx, self._act_sharding(s - 1))
-        reduced = [self._program("reduce", s, (acc[s], views[s]))(acc[s]) for s in range(p)]
+                    got = self._hop(dx, s, s - 1, aval)
+                    if mine[s - 1]:
+                        inbox_b[(a.mb, s - 1)] = got
+        reduced = [self._program("reduce", s, (acc[s], views[s]))(acc[s]) if mine[s] else None
+                   for s in range(p)]
         return self._gather(params, st, reduced)
+
+    def _hop(self, x, s: int, t: int, aval):
+        """Stage ``s``'s activation or cotangent ``x`` (None where this process does not run
+        stage ``s``) as an array on stage ``t``'s submesh. Within one process: a
+        ``jax.device_put``. Across processes (``jax.distributed``): a collective-permute over
+        the two submeshes stacked, which every process with a device in either issues at the
+        same point of the schedule; the devices of ``t`` put in zeros of the shard's shape."""
+        src, dst = self.subs[s], self.subs[t]
+        me = jax.process_index()
+        if all(d.process_index == me for sub in (src, dst) for d in sub.devices.flat):
+            return jax.device_put(x, self._act_sharding(t))
+        names = tuple(src.axis_names)
+        pair = Mesh(np.stack([src.devices, dst.devices]), ("hop", *names))
+        spec = P("hop", self.data or None)
+        sharding = NamedSharding(pair, spec)
+        shape = (2, *aval.shape)
+        key = ("hop", s, t, shape, str(aval.dtype))
+        if key not in self.programs:
+            self.programs[key] = jax.jit(jax.shard_map(
+                lambda v: jax.lax.ppermute(v, "hop", [(0, 1)]), mesh=pair, in_specs=spec,
+                out_specs=spec, check_vma=False), out_shardings=sharding)
+        local = sharding.shard_shape(shape)
+        shards = [] if x is None else [sh.data[None] for sh in x.addressable_shards]
+        for d in dst.devices.flat:
+            if d.process_index == me:
+                zkey = (d, local, str(aval.dtype))
+                if zkey not in self._zeros:
+                    self._zeros[zkey] = jax.device_put(np.zeros(local, aval.dtype), d)
+                shards.append(self._zeros[zkey])
+        moved = self.programs[key](jax.make_array_from_single_device_arrays(shape, sharding,
+                                                                            shards))
+        mine = [sh.data[0] for sh in moved.addressable_shards if sh.index[0] == slice(1, 2)]
+        if not mine:
+            return None
+        return jax.make_array_from_single_device_arrays(aval.shape, self._act_sharding(t), mine)
 
     def _run(self, kind: str, s: int, args, watch, held):
         """Stage ``s``'s ``kind`` program on ``args``; with ``watch``, on copies of the
@@ -483,34 +542,34 @@ class _Runner:
         watch(program, args, outs, held)
         return outs
 
-    def _placeholder(self, views, micros):
-        """Stage 0's input slot (its chunk embeds instead): zeros of an activation's shape."""
-        mb0 = jax.tree_util.tree_map(lambda x: x[0], micros[0])
-        aval = jax.eval_shape(self.model.embed, views[0][1], mb0)
-        return jax.device_put(jnp.zeros(aval.shape, aval.dtype), self._act_sharding(0))
-
     def _act_sharding(self, s: int):
         return NamedSharding(self.subs[s], self._rows())
 
     def _gather(self, params, st, reduced):
         """The stages' gradients as one whole-mesh gradient in the state's layout, and the
-        loss: layers assembled from their stages' shards; the rest (embedding at stage 0, head
-        at the last) summed on stage 0 and copied to every stage."""
+        loss: layers assembled from their stages' shards (no copy); the rest (embedding at stage
+        0, head at the last, zeros between) and the loss stacked over the stage axis and summed
+        over it by one program over the whole mesh, which every process runs."""
         model, p = self.model, self.sch.stages
         layers, rest = model.split(params)
         l_st, r_st = model.split(st)
+        here = [r for r in reduced if r is not None]
         g_layers = jax.tree_util.tree_map(
             lambda x, sh, *parts: self._whole(parts, sh, x.shape), layers, l_st,
-            *[r[0] for r in reduced])
-        head = jax.device_put(reduced[-1][1], jax.tree_util.tree_map(lambda x: x.sharding,
-                                                                      reduced[0][1]))
-        summed = _add(reduced[0][1], head)
-        copies = [summed] + [jax.device_put(summed, jax.tree_util.tree_map(
-            lambda x, s=s: NamedSharding(self.subs[s], x.sharding.spec), summed))
-            for s in range(1, p)]
-        g_rest = jax.tree_util.tree_map(
-            lambda x, sh, *parts: self._whole(parts, sh, x.shape), rest, r_st, *copies)
-        loss = jax.device_put(reduced[-1][2], NamedSharding(self.mesh, P()))
+            *[r[0] for r in here])
+
+        def stacked(x, sh, *parts):
+            return self._whole(parts, NamedSharding(self.mesh, P(self.axis, *sh.spec)),
+                               (p, *x.shape))
+
+        per_stage = jax.tree_util.tree_map(stacked, rest, r_st, *[r[1] for r in here])
+        losses = self._whole([r[2] for r in here], NamedSharding(self.mesh, P(self.axis)), (p,))
+        key = ("gather", validate.signature(per_stage, jax.tree_util.tree_leaves(per_stage)))
+        if key not in self.programs:
+            self.programs[key] = jax.jit(
+                lambda g, ls: (jax.tree_util.tree_map(lambda x: x.sum(0), g), ls.sum()),
+                out_shardings=(r_st, NamedSharding(self.mesh, P())))
+        g_rest, loss = self.programs[key](per_stage, losses)
         return loss, model.join(g_layers, g_rest)
 
     def update(self, state, grads, st, watch=None, batch=None, loss=None):
@@ -567,11 +626,6 @@ def _copied(args, donated) -> tuple:
     """``args`` with copies at the positions ``donated``, so a call may consume them."""
     return tuple(jax.tree_util.tree_map(jnp.copy, a) if i in donated else a
                  for i, a in enumerate(args))
-
-
-@jax.jit
-def _add(a, b):
-    return jax.tree_util.tree_map(jnp.add, a, b)
 
 
 def _microbatches(batch, m: int, mesh, data: tuple, programs: dict):
