@@ -131,6 +131,12 @@ class MpmdStep(R.PipelinedStep):
         loss, grads = self.runner.loss_and_grads(state["params"], batch)
         return self.runner.update(state, grads, st, batch=batch, loss=loss)
 
+    def _one_process(self, what: str) -> None:
+        if not all(self.runner.mine):
+            raise AutoparError(f"MpmdStep.{what} runs every stage's programs one at a time from "
+                               f"this process, and stages of this mesh belong to other "
+                               f"processes; measure on a mesh of this process's devices")
+
     def _placed(self, state, batch):
         """(the state's shardings, state and batch placed in the step's layouts)."""
         st, bt = self.in_shardings_of(state, batch)
@@ -150,6 +156,7 @@ class MpmdStep(R.PipelinedStep):
         stages' stashes, inboxes and accumulators, the program's arguments and results, each
         buffer once) plus the temporaries XLA's buffer assignment gives the program that ran
         (``memory_analysis``). Slow: for ``compare`` and tests, not for training."""
+        self._one_process("measure_peak")
         st, state, batch = self._placed(state, batch)
         peak = [0.0]
 
@@ -169,6 +176,7 @@ class MpmdStep(R.PipelinedStep):
         otherwise idle, each call waited for), the median of ``runs`` calls, on the arguments
         one step gives them. The inputs of ``schedules.price_async`` when it predicts a
         measured step (``benchmarks``)."""
+        self._one_process("action_times")
         _, state, batch = self._placed(state, batch)
         out: dict = {}
 
