@@ -25,6 +25,7 @@ CASES = {
     "pipeline_cpu.py": ("pipeline_cpu.md", "pipeline_cpu.csv"),
     "pipeline_fsdp.py": ("pipeline_fsdp.md", "pipeline_fsdp.csv"),
     "pipeline_mpmd.py": ("pipeline_mpmd.md", "pipeline_mpmd.csv"),
+    "pipeline_zero_bubble.py": ("pipeline_zero_bubble.md", "pipeline_zero_bubble.csv"),
     "hbm_depth.py": ("hbm_depth.md", "hbm_depth.csv"),
     "zoo.py": ("zoo.md", "zoo.csv"),
     "recompute.py": ("recompute.md",),
