@@ -15,7 +15,7 @@ on the same state and batch:
   ``pipeline_issue_s``;
 * **bubble** of the MPMD step, measured inside the real step: ``jax.profiler`` traces of three
   steps, read by ``autopar.pipeline.measured.measure_mpmd`` (per device the union of its stage
-  programs' executed instructions against the step's makespan). Its prediction is
+  programs' launches against the step's makespan). Its prediction is
   ``schedules.price_async`` over the stage programs' times run alone
   (``MpmdStep.action_times``) and the measured issuing cost, hops between stages taken as
   free (a CPU copy of one microbatch's activation).
@@ -178,8 +178,8 @@ def _write(args, cfg, rows, bubbles, rounds, wall_s) -> None:
         f"Bubble |predicted - measured|: median "
         f"{statistics.median(abs(b[3] - b[4]) for b in bubbles):.3f}, at most "
         f"{max(abs(b[3] - b[4]) for b in bubbles):.3f}. The measured busy time is the union of "
-        "executed instructions, without the gaps between them that a program timed alone "
-        "includes, so the measured bubble reads high by those gaps.",
+        "the stage programs' launches on each device (a launch from its first instruction to "
+        "its last, as a program timed alone counts it).",
         "",
         f"Median |predicted / measured - 1|: lockstep {errors['lockstep']:.2f}, MPMD "
         f"{errors['mpmd']:.2f}. Median issuing cost {issue:.2f} ms an action (the cpu "

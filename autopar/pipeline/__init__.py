@@ -9,8 +9,8 @@ layers found and stacked (the layout the pipelined step runs on); ``derive``: a
 ``runtime``: the pipelined step as one ``jax.jit``; ``mpmd``: as many programs, one per stage
 and action, issued asynchronously (one process or one per stage group under
 ``jax.distributed``); ``split``: a layer's backward cut into its input and weight halves for
-zero-bubble schedules. ``planning``: stage costs, a choice priced, ``pipeline=`` searched. ``dp``: the layer-range dynamic program (Alpa's inter-op pass).
-``search``: stage counts x submeshes for clusters planned abstractly. ``record``:
-``PipelinePlan`` and its JSON. ``measured``: a compiled step's per-stage busy time and bubble
-from a ``jax.profiler`` trace.
+zero-bubble schedules. ``planning``: stage costs, a choice priced, ``pipeline=`` searched.
+``dp``: the layer-range dynamic program (Alpa's inter-op pass). ``search``: stage counts x
+submeshes for clusters planned abstractly. ``record``: ``PipelinePlan`` and its JSON.
+``measured``: a compiled step's per-stage busy time and bubble from a ``jax.profiler`` trace.
 """

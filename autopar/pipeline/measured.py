@@ -257,14 +257,16 @@ def _mpmd_kind(module: str) -> str | None:
 
 
 def read_mpmd(log_dir) -> tuple[list, list]:
-    """(the events of the MPMD stage programs' instructions, as (device, kind, start, end);
-    the host's step windows, as (start, end)) in the newest trace under ``log_dir``."""
+    """(the MPMD stage programs' launches, as (device, kind, start, end): each launch from its
+    first instruction's start to its last one's end on that device, gaps between its
+    instructions included, as a program timed alone counts them; the host's step windows, as
+    (start, end)) in the newest trace under ``log_dir``."""
     from jax.profiler import ProfileData
 
     files = sorted(pathlib.Path(log_dir).rglob("*.xplane.pb"), key=lambda p: p.stat().st_mtime)
     if not files:
         raise AutoparError(f"no *.xplane.pb under {log_dir}: was jax.profiler.trace run there?")
-    events, steps = [], []
+    launches, steps = {}, []
     for plane in ProfileData.from_file(str(files[-1])).planes:
         for line in plane.lines:
             for e in line.events:
@@ -275,14 +277,18 @@ def read_mpmd(log_dir) -> tuple[list, list]:
                 st = dict(e.stats)
                 kind = _mpmd_kind(str(st.get("hlo_module", "")))
                 if kind and "hlo_op" in st and "device_ordinal" in st:
-                    events.append((int(st["device_ordinal"]), kind, start, end))
+                    key = (int(st["device_ordinal"]), kind, st.get("run_id"),
+                           str(st["hlo_module"]))
+                    a, b = launches.get(key, (start, end))
+                    launches[key] = (min(a, start), max(b, end))
+    events = [(d, kind, a, b) for (d, kind, _, _), (a, b) in launches.items()]
     return events, sorted(steps)
 
 
 def summarise_mpmd(events, steps, stage_of: dict) -> MeasuredPipeline:
-    """Per step window: per device the union of its stage programs' instructions (busy, and
-    its forward and backward parts) and the window's makespan (first to last instruction of
-    any stage program); a stage of several devices: their mean; bubble
+    """Per step window: per device the union of its stage programs' launches (busy, and its
+    forward and backward parts) and the window's makespan (first to last launch of any stage
+    program); a stage of several devices: their mean; bubble
     ``1 - sum busy / (P makespan)`` (the planner's definition), medians over the steps."""
     p = max(stage_of.values()) + 1
     rows, bubbles = [], []
@@ -321,7 +327,7 @@ def measure_mpmd(step, state, batch, axis: str = "stage", runs: int = 3,
                  log_dir=None) -> MeasuredPipeline:
     """An MPMD pipelined step (``autopar.pipeline.mpmd.build_step``) traced over ``runs``
     steps after an untraced warm-up: per stage its busy time (the union of its forward and
-    backward programs' instructions on its devices), the step's makespan and the bubble, as
+    backward programs' launches on its devices), the step's makespan and the bubble, as
     ``measure`` gives them for the lockstep step; ``step_s`` the traced steps' median wall
     time."""
     jax.block_until_ready(step(state, batch))
