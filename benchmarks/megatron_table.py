@@ -82,8 +82,11 @@ Reading the table:
   between stages a tick) its plain 1F1B had 38% and 53% bubbles at p = 4 and 16 and reached
   0.53-0.94x of the paper. The predicted bubbles here exceed the textbook (p - 1) / M: the
   last stage's forward is free (its backward recomputes it), the embedding and head make the
-  end stages longer, and every hop and issued action costs time. Auto adds eager 1F1B, two
-  sequences per microbatch and the ILP's layouts inside a stage.
+  end stages longer, and every hop and issued action costs time. Auto adds eager 1F1B,
+  ZB-H1 (each layer's backward split into its input and weight halves, the weight halves
+  deferred into 1F1B's idle time: ``autopar.pipeline.split``), two sequences per microbatch
+  and the ILP's layouts inside a stage. ZB-H1 holds each deferred microbatch's frontier (what
+  the weight half reads), so it wins only where that fits beside the rest.
 * megatron_3d splits the embedding and the output layer over the vocabulary, as Megatron-LM
   does. Kept whole (before that was fixed) they put its best candidates at 80.6 GiB (145.6B)
   and 94.5 GiB (310.1B): no plan fitted 80 GiB.
