@@ -417,11 +417,12 @@ def price(model: StagedModel, params, costs: Costs, sizes: dict, axis: str, hw,
 
     layer_bytes, rest_bytes = _param_bytes(model, params, sizes, costs)
     on = [[length[c] for c in range(s, k, p)] for s in range(p)]     # chunk lengths of stage s
-    fronts = (0,) * p
     if runtime == "mpmd":
         timeline = mpmd_timeline(sch, sizes, axis, hw, duration, costs.act_bytes)
-        slots = S.held_async(timeline, k, p)
-        fronts = S.frontiers_async(timeline, p)
+        # a split schedule's frontiers, each of a whole chunk's layers, weighed in activations
+        # and held at the same moments as the stash and inboxes
+        front = max(length) * costs.frontier_bytes / costs.act_bytes if split else 0.0
+        slots = S.held_async(timeline, k, p, front)
         pad = 0.0
     else:
         timeline = loop_timeline(model, params, sizes, axis, hw, sch, ranges, duration,
@@ -430,11 +431,8 @@ def price(model: StagedModel, params, costs: Costs, sizes: dict, axis: str, hw,
         pad = _layout_overheads(cost_models.CostModel(hw, sizes), ranges, p, layer_bytes, axis,
                                 model.num_layers)[1]
     whole = model.num_layers % p != 0        # the runtime keeps the stack whole on each stage
-    # a split schedule's frontiers, each of a whole chunk's layers, on top of the buffers (a
-    # bound: the most of each held at once, which need not be at the same moment)
     memory = tuple(stage_bytes(model.num_layers if whole else sum(n), max(n), layer_bytes,
-                               rest_bytes, slot, costs) + pad + front * max(n) *
-                   costs.frontier_bytes for n, slot, front in zip(on, slots, fronts))
+                               rest_bytes, slot, costs) + pad for n, slot in zip(on, slots))
     return PipelinePlan(axis, p, ranges, microbatches, sch.name, virtual,
                         timeline.bubble_fraction, timeline.busy_s, memory, S.in_flight(sch),
                         timeline.makespan_s + after_loop_s(model, params, sizes, axis, hw,

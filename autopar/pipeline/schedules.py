@@ -362,20 +362,26 @@ def price_async(schedule: Schedule, duration: Callable[[Action], float],
     return Timeline(max(free), tuple(busy), (), moved, tuple(spans), host)
 
 
-def held_async(timeline: Timeline, chunks: int, stages: int) -> tuple[int, ...]:
+def held_async(timeline: Timeline, chunks: int, stages: int,
+               frontier: float = 0.0) -> tuple[float, ...]:
     """Per stage, the most activations an asynchronous runtime holds at once in
     ``timeline``: each chunk input from its forward until its backward ends (the stash), and
     each received activation or cotangent from its producer's end until its consumer starts
-    (the inboxes)."""
+    (the inboxes); in a split schedule also each weight-gradient frontier from its ``B``'s end
+    until its ``W`` ends, counted as ``frontier`` activations (its bytes over an
+    activation's), at the same moments."""
     span = {a: (s, t0, t1) for s, t0, t1, a in timeline.spans}
     intervals = []
-    for a, (s, t0, _) in span.items():
+    for a, (s, t0, t1) in span.items():
         if a.kind == "F":
-            intervals.append((s, t0, span[Action("B", a.mb, a.chunk)][2]))
+            intervals.append((s, t0, span[Action("B", a.mb, a.chunk)][2], 1.0))
+        if a.kind == "W":
+            intervals.append((s, span[Action("B", a.mb, a.chunk)][2], t1, frontier))
         for d in _deps(a, chunks):
-            if span[d][0] != s:
-                intervals.append((s, span[d][2], t0))
-    return tuple(_most_held([(t0, t1) for st, t0, t1 in intervals if st == s])
+            if span[d][0] != s and a.kind != "W":
+                intervals.append((s, span[d][2], t0, 1.0))
+    return tuple(_most_held([(t0, t1) for st, t0, t1, _ in intervals if st == s],
+                            [w for st, _, _, w in intervals if st == s])
                  for s in range(stages))
 
 
@@ -459,13 +465,15 @@ def _peaks(intervals, stages: int) -> tuple[int, ...]:
                  for s in range(stages))
 
 
-def _most_held(spans) -> int:
+def _most_held(spans, weights=None):
     """The most of ``spans`` ([start, end), an end freeing before a start at the same time
-    takes) open at once."""
-    events = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
+    takes) open at once; with ``weights``, the largest sum of the open spans' weights."""
+    weights = [1] * len(spans) if weights is None else weights
+    events = sorted([(a, 1, w) for (a, _), w in zip(spans, weights)]
+                    + [(b, -1, w) for (_, b), w in zip(spans, weights)])
     now = top = 0
-    for _, d in events:
-        now += d
+    for _, d, w in events:
+        now += d * w
         top = max(top, now)
     return top
 
