@@ -22,7 +22,7 @@ the bubble ZB-H1 removes is not idle hardware here, and its measured step shows 
 third program launch per microbatch and stage, the frontier written and read back). The gain on
 devices of their own is a prediction (``benchmarks/megatron_table.py``).
 
-    python benchmarks/pipeline_zero_bubble.py           # 4 configurations (~4 min on 2 cores)
+    python benchmarks/pipeline_zero_bubble.py           # 4 configurations (~3 min on 2 cores)
     python benchmarks/pipeline_zero_bubble.py --quick   # one small configuration
 
 Writes ``benchmarks/results/pipeline_zero_bubble.md`` and ``pipeline_zero_bubble.csv``.
@@ -34,8 +34,7 @@ import time
 
 import _common
 import jax
-import numpy as np
-from pipeline_mpmd import _issue_s
+from pipeline_mpmd import _issue_s, _mesh
 
 import autopar
 from autopar.models import gpt
@@ -45,10 +44,6 @@ from autopar.pipeline import planning as PL
 from autopar.pipeline import schedules as S
 
 SCHEDULES = ("1f1b", "zb_h1")
-
-
-def _mesh(p: int):
-    return jax.sharding.Mesh(np.array(jax.devices()[:p]), ("stage",))
 
 
 def main() -> None:

@@ -8,7 +8,9 @@ import jax
 import numpy as np
 import optax
 import pytest
-from numerics import assert_params, assert_scaled
+from _pipeline_gpt import LR, MESH_A, MESH_B, reference, same_step
+from _pipeline_gpt import mesh as _mesh
+from numerics import assert_scaled
 
 import autopar
 import cost_models
@@ -20,30 +22,10 @@ from autopar.pipeline import planning as PL
 from autopar.pipeline import runtime as R
 from autopar.pipeline import schedules as S
 
-CFG = gpt.GPTConfig(vocab=64, seq=8, d_model=32, heads=4, d_ff=64, layers=4, scan=True)
-LR = 1e-3
-MESH_A = {"stage": 2, "data": 2, "model": 2}
-MESH_B = {"stage": 4, "data": 2}
-
 
 @pytest.fixture(scope="module")
 def setup():
-    step, init = PM.gpt_train_step(CFG, LR)
-    state, batch = init(jax.random.PRNGKey(0), 8), gpt.make_batch(CFG, 8)
-    ref_state, ref_loss = jax.jit(step)(state, batch)
-    return step, state, batch, ref_state, ref_loss
-
-
-def _mesh(shape: dict):
-    return jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(*shape.values()), tuple(shape))
-
-
-def _same_step(new, loss, ref_state, ref_loss):
-    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
-    adam, ref_adam = new["opt_state"][0], ref_state["opt_state"][0]
-    assert_scaled(adam.mu, ref_adam.mu, rel=1e-5)
-    assert_scaled(adam.nu, ref_adam.nu, rel=2e-5)
-    assert_params(new["params"], ref_state["params"], LR, grads=ref_adam.mu)
+    return reference()
 
 
 # ---- the asynchronous timeline ----------------------------------------------------------------
@@ -110,7 +92,7 @@ def test_mpmd_step_equals_unsharded(setup, shape, name):
     run = mpmd.build_step(PM.staged_model_of(step), _mesh(shape),
                           S.build(name, shape["stage"], 1, 4))
     new, loss = run(state, batch)
-    _same_step(new, loss, ref_state, ref_loss)
+    same_step(new, loss, ref_state, ref_loss)
     # the state comes back in the lockstep runtime's layout: a second step takes it as it is
     assert new["params"]["layers"]["mlp"]["fc1"]["kernel"].sharding.spec[0] == "stage"
     if shape is MESH_B:
@@ -120,10 +102,13 @@ def test_mpmd_step_equals_unsharded(setup, shape, name):
         np.testing.assert_allclose(float(again[1]), float(lock_again[1]), rtol=1e-6)
 
 
-def test_mpmd_gradients_and_sgd_update_are_exact(setup):
+@pytest.mark.parametrize("shape,name", [(MESH_A, "1f1b"), (MESH_B, "zb_h1")])
+def test_mpmd_gradients_and_sgd_update_are_exact(setup, shape, name):
+    """1F1B, and ZB-H1 with each backward split into its input and weight programs
+    (tests/test_pipeline_zero_bubble.py)."""
     step, state, batch, _, _ = setup
     model = dataclasses.replace(PM.staged_model_of(step), tx=optax.sgd(0.5))
-    run = mpmd.build_step(model, _mesh(MESH_A), S.build("1f1b", 2, 1, 4))
+    run = mpmd.build_step(model, _mesh(shape), S.build(name, shape["stage"], 1, 4))
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(model.loss))(state["params"], batch)
     st, bt = run.in_shardings_of(state, batch)
     loss, grads = run.loss_and_grads(jax.device_put(state, st)["params"],
@@ -134,6 +119,9 @@ def test_mpmd_gradients_and_sgd_update_are_exact(setup):
     ref_new, _ = jax.jit(adamw_step(model.loss, model.tx))(st, batch)
     new, _ = run(st, batch)
     assert_scaled(new["params"], ref_new["params"], rel=2e-6)
+    if name == "zb_h1":
+        times = run.action_times(state, batch, runs=1)
+        assert {k for k, _ in times} == {"F", "B", "W"}
 
 
 def test_mpmd_refuses_what_it_cannot_run(setup):
@@ -197,7 +185,7 @@ def test_an_mpmd_plan_runs_and_round_trips(setup):
         autopar.Plan.from_json(json.dumps(written))
     run = autopar.autoparallel(step, mesh=_mesh(MESH_B), plan=back)
     new, loss = run(state, batch)
-    _same_step(new, loss, ref_state, ref_loss)
+    same_step(new, loss, ref_state, ref_loss)
 
 
 def test_mpmd_plan_predicts_its_measured_peak(setup):
