@@ -417,12 +417,15 @@ def price(model: StagedModel, params, costs: Costs, sizes: dict, axis: str, hw,
 
     layer_bytes, rest_bytes = _param_bytes(model, params, sizes, costs)
     on = [[length[c] for c in range(s, k, p)] for s in range(p)]     # chunk lengths of stage s
+    working = None
     if runtime == "mpmd":
         timeline = mpmd_timeline(sch, sizes, axis, hw, duration, costs.act_bytes)
         # a split schedule's frontiers, each of a whole chunk's layers, weighed in activations
-        # and held at the same moments as the stash and inboxes
+        # and held at the same moments as the stash and inboxes, and each action's working set
+        # while it runs (``split_working``), in place of one backward's at every moment
         front = max(length) * costs.frontier_bytes / costs.act_bytes if split else 0.0
-        slots = S.held_async(timeline, k, p, front)
+        working = split_working(costs, max(length), model, params, sizes) if split else None
+        slots = S.held_async(timeline, k, p, front, working)
         pad = 0.0
     else:
         timeline = loop_timeline(model, params, sizes, axis, hw, sch, ranges, duration,
@@ -432,7 +435,8 @@ def price(model: StagedModel, params, costs: Costs, sizes: dict, axis: str, hw,
                                 model.num_layers)[1]
     whole = model.num_layers % p != 0        # the runtime keeps the stack whole on each stage
     memory = tuple(stage_bytes(model.num_layers if whole else sum(n), max(n), layer_bytes,
-                               rest_bytes, slot, costs) + pad for n, slot in zip(on, slots))
+                               rest_bytes, slot, costs, backward=working is None) + pad
+                   for n, slot in zip(on, slots))
     return PipelinePlan(axis, p, ranges, microbatches, sch.name, virtual,
                         timeline.bubble_fraction, timeline.busy_s, memory, S.in_flight(sch),
                         timeline.makespan_s + after_loop_s(model, params, sizes, axis, hw,
@@ -635,13 +639,25 @@ def _param_bytes(model: StagedModel, params, sizes: dict,
     return layer, rest_bytes
 
 
+def split_working(costs: Costs, longest: int, model, params, sizes: dict) -> dict:
+    """A split schedule's working sets, in activations, while each action runs: ``B`` the
+    residuals its forward scan stacks and the frontiers it writes (it computes no weight
+    gradient, so no layer's full backward); ``W`` one layer's frontier and gradient (measured
+    on CPU: benchmarks/results/pipeline_zero_bubble.md)."""
+    layer_bytes = _param_bytes(model, params, sizes, costs)[0]
+    b = longest * (costs.residual_bytes * (longest > 1) + costs.frontier_bytes)
+    return {"B": b / costs.act_bytes,
+            "W": (costs.frontier_bytes + layer_bytes) / costs.act_bytes}
+
+
 def stage_bytes(n_layers, longest, layer_bytes: float, rest_bytes: float, slots: int,
-                costs: Costs):
+                costs: Costs, backward: bool = True):
     """Per-device bytes of a stage holding ``n_layers`` layers (numpy arrays broadcast): its
     parameters and Adam state, old and new, the schedule's buffer slots of one microbatch's
     activation, and the working set of its longest chunk's backward: the residuals its forward
     scan stacks (a one-layer chunk runs without a loop) and one layer's backward beyond the
-    parameters and gradients the state counts (module docstring)."""
+    parameters and gradients the state counts (module docstring); ``backward=False``: not
+    that working set (``slots`` holds the actions' own, ``split_working``)."""
     stacked = longest * costs.residual_bytes * (np.asarray(longest) > 1)
     one_layer = max(costs.layer_peak_bytes - 2 * layer_bytes, 0.0)
     if costs.fsdp:
@@ -650,6 +666,8 @@ def stage_bytes(n_layers, longest, layer_bytes: float, rest_bytes: float, slots:
         # it is made): measured on CPU, tests/test_pipeline_plan.py
         stacked = longest * costs.act_bytes * (np.asarray(longest) > 1)
         one_layer = max(costs.layer_peak_bytes - costs.layer_bytes, 0.0)
+    if not backward:
+        stacked = one_layer = 0.0
     return (STATE_COPIES * (layer_bytes * n_layers + rest_bytes)
             + slots * costs.act_bytes + stacked + one_layer)
 

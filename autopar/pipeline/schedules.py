@@ -362,17 +362,20 @@ def price_async(schedule: Schedule, duration: Callable[[Action], float],
     return Timeline(max(free), tuple(busy), (), moved, tuple(spans), host)
 
 
-def held_async(timeline: Timeline, chunks: int, stages: int,
-               frontier: float = 0.0) -> tuple[float, ...]:
+def held_async(timeline: Timeline, chunks: int, stages: int, frontier: float = 0.0,
+               working: Mapping[str, float] | None = None) -> tuple[float, ...]:
     """Per stage, the most activations an asynchronous runtime holds at once in
     ``timeline``: each chunk input from its forward until its backward ends (the stash), and
     each received activation or cotangent from its producer's end until its consumer starts
     (the inboxes); in a split schedule also each weight-gradient frontier from its ``B``'s end
     until its ``W`` ends, counted as ``frontier`` activations (its bytes over an
-    activation's), at the same moments."""
+    activation's), at the same moments; with ``working`` (action kind -> activations), each
+    action's own working set too, while it runs."""
     span = {a: (s, t0, t1) for s, t0, t1, a in timeline.spans}
     intervals = []
     for a, (s, t0, t1) in span.items():
+        if working and working.get(a.kind):
+            intervals.append((s, t0, t1, working[a.kind]))
         if a.kind == "F":
             intervals.append((s, t0, span[Action("B", a.mb, a.chunk)][2], 1.0))
         if a.kind == "W":
