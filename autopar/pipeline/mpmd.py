@@ -232,6 +232,7 @@ class _Runner:
         self._made: dict = {}           # id(program) -> (kind, stage)
         self._zeros: dict = {}          # a hop's placeholder shards, per device and shape
         self._splits: dict = {}         # a split schedule's layer splits (_layer_split)
+        self._traced: dict = {}         # stage -> the split its last traced B program used
 
     def specs(self, tree):
         return R.state_specs(self.model, tree, self.axis, self.tensor_axis, self.sch.stages,
@@ -346,8 +347,8 @@ class _Runner:
         key = (s, validate.signature((one, x), jax.tree_util.tree_leaves((one, x))))
         if key not in self._splits:
             self._splits[key] = SP.split_layer(self.model.layer, one, x)
-        self._splits[s] = self._splits[key]
-        return self._splits[key]
+        self._traced[s] = self._splits[key]
+        return self._traced[s]
 
     def _build_bin(self, s: int, args):
         """A split schedule's ``B``: the chunk recomputed, each layer's input gradient (and the
@@ -387,7 +388,7 @@ class _Runner:
     def _build_wgrad(self, s: int, args):
         """A split schedule's ``W``: the layers' weight gradients from their frontiers (the
         equations ``_build_bin`` left), added to the stage's accumulator."""
-        sp = self._splits[s]
+        sp = self._traced[s]
 
         def body(layers, front, g_layers):
             dp = jax.lax.scan(lambda c, pf: (c, sp.weight_grad(pf[0], pf[1])), None,

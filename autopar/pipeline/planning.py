@@ -129,9 +129,10 @@ def parse(pipeline, sizes: dict, model: StagedModel, rows: int) -> Pins:
     if pins.schedule is not None or pins.microbatches is not None:
         S.check(pins.schedule or "1f1b", stages, pins.virtual_stages or 1,
                 pins.microbatches or stages * (pins.virtual_stages or 1))
-    if pins.schedule is not None and S.check(pins.schedule, stages, 1, stages) in S.SPLIT:
+    name = S.check(pins.schedule, stages, 1, stages) if pins.schedule is not None else None
+    if name in S.SPLIT:
         why = ("the lockstep runtime does not run it" if runtime == "lockstep" else
-               mpmd_supports(S.build("zb_h1", stages, 1, stages), model.num_layers,
+               mpmd_supports(S.build(name, stages, 1, stages), model.num_layers,
                              fsdp=bool(fsdp)))
         if why:
             raise AutoparError(f"pipeline schedule={pins.schedule!r} splits each backward into "
@@ -424,7 +425,7 @@ def price(model: StagedModel, params, costs: Costs, sizes: dict, axis: str, hw,
         # and held at the same moments as the stash and inboxes, and each action's working set
         # while it runs (``split_working``), in place of one backward's at every moment
         front = max(length) * costs.frontier_bytes / costs.act_bytes if split else 0.0
-        working = split_working(costs, max(length), model, params, sizes) if split else None
+        working = split_working(costs, max(length), layer_bytes) if split else None
         slots = S.held_async(timeline, k, p, front, working)
         pad = 0.0
     else:
@@ -639,12 +640,12 @@ def _param_bytes(model: StagedModel, params, sizes: dict,
     return layer, rest_bytes
 
 
-def split_working(costs: Costs, longest: int, model, params, sizes: dict) -> dict:
+def split_working(costs: Costs, longest: int, layer_bytes: float) -> dict:
     """A split schedule's working sets, in activations, while each action runs: ``B`` the
     residuals its forward scan stacks and the frontiers it writes (it computes no weight
     gradient, so no layer's full backward); ``W`` one layer's frontier and gradient (measured
-    on CPU: benchmarks/results/pipeline_zero_bubble.md)."""
-    layer_bytes = _param_bytes(model, params, sizes, costs)[0]
+    on CPU: benchmarks/results/pipeline_zero_bubble.md); ``layer_bytes``: one layer's
+    parameters per device (``_param_bytes``)."""
     b = longest * (costs.residual_bytes * (longest > 1) + costs.frontier_bytes)
     return {"B": b / costs.act_bytes,
             "W": (costs.frontier_bytes + layer_bytes) / costs.act_bytes}

@@ -378,11 +378,10 @@ def held_async(timeline: Timeline, chunks: int, stages: int, frontier: float = 0
             intervals.append((s, t0, t1, working[a.kind]))
         if a.kind == "F":
             intervals.append((s, t0, span[Action("B", a.mb, a.chunk)][2], 1.0))
-        if a.kind == "W":
-            intervals.append((s, span[Action("B", a.mb, a.chunk)][2], t1, frontier))
         for d in _deps(a, chunks):
-            if span[d][0] != s and a.kind != "W":
+            if span[d][0] != s:
                 intervals.append((s, span[d][2], t0, 1.0))
+    intervals += [(s, t0, t1, frontier) for s, t0, t1 in _frontier_spans(span)]
     return tuple(_most_held([(t0, t1) for st, t0, t1, _ in intervals if st == s],
                             [w for st, _, _, w in intervals if st == s])
                  for s in range(stages))
@@ -392,12 +391,16 @@ def frontiers_async(timeline: Timeline, stages: int) -> tuple[int, ...]:
     """Per stage, the most weight-gradient frontiers (``autopar.pipeline.split``) held at once
     in a split schedule's ``timeline``: each from its ``B``'s end until its ``W`` ends; zeros
     for a schedule without ``W``."""
-    span = {a: (s, t0, t1) for s, t0, t1, a in timeline.spans}
-    held = [[] for _ in range(stages)]
-    for a, (s, _, t1) in span.items():
-        if a.kind == "W":
-            held[s].append((span[Action("B", a.mb, a.chunk)][2], t1))
-    return tuple(_most_held(h) for h in held)
+    spans = _frontier_spans({a: (s, t0, t1) for s, t0, t1, a in timeline.spans})
+    return tuple(_most_held([(t0, t1) for st, t0, t1 in spans if st == s])
+                 for s in range(stages))
+
+
+def _frontier_spans(span: Mapping[Action, tuple]) -> list[tuple[int, float, float]]:
+    """(stage, from ``B``'s end, to ``W``'s end) of each frontier; ``span``: action -> (stage,
+    start, end)."""
+    return [(s, span[Action("B", a.mb, a.chunk)][2], t1)
+            for a, (s, _, t1) in span.items() if a.kind == "W"]
 
 
 # ---- buffers ----------------------------------------------------------------------------------
