@@ -450,3 +450,39 @@ def test_budget_advice_is_not_sought_once_the_time_limit_is_spent(decisions):
     with pytest.raises(autopar.BudgetError) as e:
         autopar.plan(step, state, batch, time_limit_s=1e-3, deterministic=True, **kw)
     assert "not sought: the call had spent" not in str(e.value)
+
+
+def test_a_start_over_the_budget_is_repaired_only_while_it_could_win(monkeypatch):
+    """A hand-written start whose copies break the budget is kept unrepaired
+    (``planner._Seed.repair``); ``_never_worse`` runs its cut rounds only while its unrepaired
+    cost is below the best plan that fits (a repair only adds constraints, so only raises the
+    cost), cheapest first, and a repaired start cheaper than the ILP's plan wins."""
+    import autopar.planner as PL
+    from autopar.planner.ilp import Solution
+
+    budget = 100.0
+    repaired = []
+
+    def repair(prob, cm, seed, options, clock):
+        repaired.append(seed.name)
+        step = {"a": 1.5, "b": 2.5}[seed.name]       # the repair raises each start's cost
+        return PL._Seed(seed.name, seed.choice, step, 90.0, "OPTIMAL")
+
+    monkeypatch.setattr(PL, "_repaired", repair)
+    monkeypatch.setattr(PL, "plan_cost", lambda prob, cm, choice: 2.0)   # the ILP's plan
+    sol = Solution((0,), 2.0, 2.0, "OPTIMAL", 0.0, 1, 1)
+    over = dict(peak=120.0, repair=("sub", "allowed", "sol"))
+    seeds = [PL._Seed("descent", (1,), 3.0, 80.0),
+             PL._Seed("b", (2,), 2.2, **over),      # at or above the ILP's 2.0: cannot win
+             PL._Seed("a", (3,), 1.0, **over)]      # below it: repaired (to 1.5), and wins
+    options = PL.PlannerOptions(memory_budget=budget)
+    got, peak, exact, kept = PL._never_worse(None, None, sol, 95.0, seeds, options, None)
+    assert repaired == ["a"]
+    assert got.choice == (3,) and peak == 90.0 and not exact
+    assert "a plan" in got.status and "1.333x slower" in got.status
+    assert [s.name for s in kept if s.repair is None] == ["descent", "a"]
+    # a start whose repair still breaks the budget (None) drops out; the ILP's plan stays
+    repaired.clear()
+    monkeypatch.setattr(PL, "_repaired", lambda *a: repaired.append(a[2].name))
+    got, peak, exact, kept = PL._never_worse(None, None, sol, 95.0, seeds, options, None)
+    assert repaired == ["a"] and got is sol and exact and "a" not in [s.name for s in kept]

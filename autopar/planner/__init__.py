@@ -134,6 +134,9 @@ class _Seed:
     step_s: float                    # plan_cost of it
     peak: float | None               # its estimated peak memory (None: no budget asked for it)
     status: str = ""                 # its solver's status
+    # A hand-written start's unrepaired solve, (its problem, allowed, solution), while its plan
+    # breaks the budget: ``_never_worse`` repairs it with cut rounds only if it could still win.
+    repair: tuple | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
 def _seeds(prob: problem.Problem, cm, allowed, options: PlannerOptions, hint,
@@ -143,7 +146,13 @@ def _seeds(prob: problem.Problem, cm, allowed, options: PlannerOptions, hint,
     layouts pinned, its op filter applied, the same ILP) on this problem. Starts that pin the
     same layouts as an earlier one (fsdp and zero3; ep without experts) are solved once; one
     that does not apply to the step or fits no plan is skipped. Starts are tried while the call
-    is within ``START_BEFORE`` times its time limit (see ``planner.budget``)."""
+    is within ``START_BEFORE`` times its time limit (see ``planner.budget``).
+
+    A start whose plan breaks the memory budget through the resharded copies the solver's
+    memory terms do not see is kept unrepaired (``_Seed.repair``): its cut rounds, which only
+    add constraints and so only raise its cost, run in ``_never_worse`` when its unrepaired
+    cost is still below the best plan that fits (transformers' Llama-7B at one sequence a
+    device: three starts' repairs took 6 of the call's 20-30 s, and none could win)."""
     from autopar.planner import descent
 
     budget = options.memory_budget
@@ -182,17 +191,26 @@ def _seeds(prob: problem.Problem, cm, allowed, options: PlannerOptions, hint,
         try:
             sol = ilp.solve(sub, cm, budget, options.time_limit_s, merged, clock=start_clock,
                             score=_scorer(prob, cm), explain=False)
-            cost = plan_cost(prob, cm, sol.choice)
-            # Cut rounds only add constraints: a start no cheaper than a seed that fits cannot
-            # win by them, and is kept as it is (its layouts stay among the ILP's candidates).
-            rounds = 0 if best is not None and cost >= best.step_s else SEED_CUT_ROUNDS
-            kept, peak, _ = _within_budget(sub, sol, cm, options, merged, start_clock,
-                                           rounds, 0, seek_least=False)
         except PlanError:      # this strategy fits no plan: auto has nothing to beat here
             continue
-        step = cost if kept is sol else plan_cost(prob, cm, kept.choice)   # priced once
-        out.append(_Seed(name, kept.choice, step, peak, kept.status))
+        seed = _seed(prob, cm, name, sol.choice, budget)
+        out.append(dataclasses.replace(
+            seed, status=sol.status, repair=None if _fits(seed, budget) else (sub, merged, sol)))
     return out
+
+
+def _repaired(prob, cm, seed: _Seed, options: PlannerOptions, clock: Clock) -> _Seed | None:
+    """``seed`` after ``SEED_CUT_ROUNDS`` cut rounds (``_within_budget``), as
+    ``plan(strategy=...)`` would start to repair it; None if it still breaks the budget."""
+    sub, merged, sol = seed.repair
+    try:
+        kept, peak, _ = _within_budget(sub, sol, cm, options, merged, clock.for_starts(),
+                                       SEED_CUT_ROUNDS, 0, seek_least=False)
+    except PlanError:
+        return None
+    if peak is None or peak > options.memory_budget:
+        return None
+    return _Seed(seed.name, kept.choice, plan_cost(prob, cm, kept.choice), peak, kept.status)
 
 
 def choice_of(prob: problem.Problem, plan: Plan) -> dict[int, int]:
@@ -402,7 +420,8 @@ def _foldable(graph: Graph, options: PlannerOptions):
 def _make_plan(graph: Graph, mesh: Mapping[str, int], cost_model, options: PlannerOptions,
                trace_s: float, t0: float, folded=None, keep_seeds: list | None = None) -> Plan:
     """One plan of ``graph``; ``keep_seeds``: a list that receives the hand-written starts'
-    own plans (assembled) as they were solved."""
+    own plans (assembled): as solved, then as ``_never_worse`` left them (the ones that could
+    win repaired)."""
     clock = Clock(t0 - trace_s, options.time_limit_s, options.deterministic)
     warn_many_axes(mesh, clock)
     prob = problem.build(graph, mesh, cost_model, clock=clock, host_inputs=options.host_inputs,
@@ -419,10 +438,11 @@ def _make_plan(graph: Graph, mesh: Mapping[str, int], cost_model, options: Plann
         hint, hint_name = _cheapest_alone(prob, allowed, hint), "GREEDY"
     elif options.starts or options.seed_plans:
         seeds = _seeds(prob, cost_model, allowed, options, hint, clock)
-        if keep_seeds is not None:
-            keep_seeds += [_seed_plan(prob, s, cost_model, options) for s in seeds
-                           if s.name not in ("descent", "hint")]
-        start = _cheapest(seeds, options.memory_budget) or seeds[0]
+        _keep(keep_seeds, prob, seeds, cost_model, options)
+        # the cheapest seed that fits; else the cheapest (an unrepaired start's plan is a good
+        # hint even where its copies break the budget: the solve's own cut rounds repair it)
+        start = (_cheapest(seeds, options.memory_budget)
+                 or min(seeds, key=lambda s: s.step_s))
         hint, hint_name = dict(enumerate(start.choice)), start.name.upper()
     build_s = time.perf_counter() - t0
     sol = ilp.solve(prob, cost_model, options.memory_budget, options.time_limit_s, allowed, hint,
@@ -431,7 +451,8 @@ def _make_plan(graph: Graph, mesh: Mapping[str, int], cost_model, options: Plann
                     score=_scorer(prob, cost_model), explain=options.explain_budget)
     sol, peak, least = _within_budget(prob, sol, cost_model, options, allowed, clock,
                                       seek_least=options.explain_budget)
-    sol, peak, exact = _never_worse(prob, cost_model, sol, peak, seeds, options.memory_budget)
+    sol, peak, exact, seeds = _never_worse(prob, cost_model, sol, peak, seeds, options, clock)
+    _keep(keep_seeds, prob, seeds, cost_model, options)
     stats = SolverStats(sol.status, sol.gap if exact and not sol.candidates else None, sol.solve_s,
                         build_s, trace_s, prob.num_decisions, sol.num_vars, sol.num_constraints,
                         sol.candidates)
@@ -443,20 +464,40 @@ def _make_plan(graph: Graph, mesh: Mapping[str, int], cost_model, options: Plann
     return plan
 
 
-def _never_worse(prob, cm, sol, peak, seeds: list[_Seed], budget):
+def _keep(keep_seeds: list | None, prob, seeds: list[_Seed], cm, options) -> None:
+    if keep_seeds is not None:
+        keep_seeds[:] = [_seed_plan(prob, s, cm, options) for s in seeds
+                         if s.name not in ("descent", "hint")]
+
+
+def _never_worse(prob, cm, sol, peak, seeds: list[_Seed], options: PlannerOptions,
+                 clock: Clock):
     """The ILP's plan, or the cheapest seed where one is cheaper by the assembled plan's own
     figures (``plan_cost``): the ILP's objective approximates the combiner's launches by its
     start's levels and works over candidates on large models, so the plans it started from are
-    held against it here. The status says which plan won. Returns (solution, its peak, whether
-    it is the solver's own: a seed's plan has no gap the solver could vouch for)."""
+    held against it here. A start kept unrepaired (``_Seed.repair``) whose cost is below the
+    best plan that fits is repaired now (``_repaired``), cheapest first: repairs only raise a
+    cost, so one at or above the best cannot win. The status says which plan won. Returns
+    (solution, its peak, whether it is the solver's own: a seed's plan has no gap the solver
+    could vouch for, the seeds with those repairs)."""
+    budget = options.memory_budget
     mine = _Seed("ilp", tuple(sol.choice), plan_cost(prob, cm, sol.choice), peak)
+    seeds = list(seeds)
+    for s in sorted((s for s in seeds if s.repair is not None), key=lambda s: s.step_s):
+        best = _cheapest([mine, *seeds], budget)
+        if best is not None and s.step_s >= best.step_s:
+            break
+        seeds.remove(s)
+        fixed = _repaired(prob, cm, s, options, clock)
+        if fixed is not None:
+            seeds.append(fixed)
     best = _cheapest([mine, *seeds], budget)
     if best is None or best is mine or best.step_s >= mine.step_s * (1 - 1e-12):
-        return sol, peak, True
+        return sol, peak, True, seeds
     status = (f"{best.name} plan ({best.status or 'descent'}): the ILP's plan "
               f"({sol.status}) was predicted {mine.step_s / best.step_s:.3f}x slower")
     return dataclasses.replace(sol, choice=best.choice, status=status,
-                               objective_s=best.step_s), best.peak, False
+                               objective_s=best.step_s), best.peak, False, seeds
 
 
 def _within_budget(prob, sol, cost_model, options, allowed, clock, rounds=None,

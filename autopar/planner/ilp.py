@@ -330,8 +330,8 @@ def _distinct(layouts) -> list:
     return list(seen)
 
 
-def _solver(time_limit_s: float, wall_s: float = math.inf, num_vars: int = 0
-            ) -> cp_model.CpSolver:
+def _solver(time_limit_s: float, wall_s: float = math.inf, num_vars: int = 0,
+            repair: bool = False) -> cp_model.CpSolver:
     s = cp_model.CpSolver()
     s.parameters.num_workers = 1
     s.parameters.random_seed = 0
@@ -358,6 +358,10 @@ def _solver(time_limit_s: float, wall_s: float = math.inf, num_vars: int = 0
     # GPT-39B and the search ended at 3x its cost; without presolve the hint is the first
     # solution and the ILP can only improve on it.
     s.parameters.cp_model_presolve = False
+    # A cut round (``repair``) starts from the plan its cut rules out: CP-SAT then searches
+    # near that hint first instead of from scratch (transformers' Llama-7B at one sequence a
+    # device, 7.4k variables, one cut: the same optimum in 6 s instead of 22 s).
+    s.parameters.repair_hint = repair
     return s
 
 
@@ -531,7 +535,7 @@ def _solve_model(p: Problem, allowed, start, run: _Run) -> Solution:
     mdl.hint(start)
     mdl.m.Minimize(sum(c * x for c, x in mdl.obj))
     size = (len(mdl.m.Proto().variables), len(mdl.m.Proto().constraints))
-    solver = _solver(run.time_limit_s, clock.solver_wall_s(), size[0])
+    solver = _solver(run.time_limit_s, clock.solver_wall_s(), size[0], repair=bool(run.cuts))
     t0 = time.perf_counter()
     status = solver.Solve(mdl.m)
     dt = time.perf_counter() - t0
