@@ -108,6 +108,32 @@ def test_copy_cut_counts_the_copies_a_plan_holds_at_its_position():
     assert seen > 0
 
 
+def test_memory_lower_bound_is_below_every_plan_it_allows():
+    """``ilp.memory_lower_bound``: below the constraints' memory (``ilp.memory_of``) of plans
+    drawn at random from the allowed strategies (so skipping a start whose bound breaks the
+    budget never drops one that fits), and above the always-live state alone, which is what
+    it was (the check points' live values count too)."""
+    import cost_models
+    import ir
+    from autopar.planner import ilp, problem
+
+    step, state, batch = mlp.abstract(256, 512, 2, 512)
+    sizes = {"data": 2, "model": 4}
+    prob = problem.build(ir.trace(step, state, batch), sizes,
+                         cost_models.CostModel(cost_models.hardware("h100"), sizes))
+    always = ilp.memory_lower_bound(dataclasses.replace(prob, mem_points=[]), {})
+    for seed in range(8):
+        rng = random.Random(seed)
+        allowed = {g.id: set(rng.sample(range(g.n), max(1, g.n // 2))) for g in prob.groups
+                   if rng.random() < 0.5}
+        bound = ilp.memory_lower_bound(prob, allowed)
+        assert bound > always
+        for _ in range(5):
+            choice = [rng.choice(sorted(allowed[g.id])) if g.id in allowed else rng.randrange(g.n)
+                      for g in prob.groups]
+            assert ilp.memory_of(prob, choice) >= bound * (1 - 1e-12), (seed, allowed)
+
+
 def test_infeasible_budget_names_the_smallest_that_fits():
     """The budget the PlanError suggests plans, and the plan fits it by the full estimate."""
     step, state, batch = mlp.abstract(256, 256, 1, 64)

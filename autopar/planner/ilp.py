@@ -362,6 +362,12 @@ def _solver(time_limit_s: float, wall_s: float = math.inf, num_vars: int = 0,
     # near that hint first instead of from scratch (transformers' Llama-7B at one sequence a
     # device, 7.4k variables, one cut: the same optimum in 6 s instead of 22 s).
     s.parameters.repair_hint = repair
+    if repair:
+        # ... and with CP-SAT's own LP settings: the copy cut's rows make the eager level-2 LP
+        # above slow to re-solve (Llama-7B's cut round: 6.0 s eager at level 2, 3.2 s lazy at
+        # level 1, the same optimum; 4.7 s without the hint's repair)
+        s.parameters.linearization_level = 1
+        s.parameters.add_lp_constraints_lazily = True
     return s
 
 
@@ -429,11 +435,14 @@ def _solve_candidates(p: Problem, allowed, start, seeds, run: _Run) -> Solution:
     """``_solve_model`` over each root's candidate strategies (``_candidates``), then again
     around each better solution (its strategies, the cheapest given it, the earlier
     solutions'), ``NEIGHBOURHOOD_ROUNDS`` times at most, while a round gains ``ROUND_GAIN``,
-    the candidate model has at most ``ROUND_MAX_VARS`` variables and time is left."""
+    the candidate model has at most ``ROUND_MAX_VARS`` variables and time is left. A cut round
+    (``run.cuts``: a memory repair of a plan whose own rounds have run) takes no rounds: on
+    transformers' Llama-7B at one sequence a device its round ran 6.4 s of a 20 s call and
+    found nothing."""
     sol = _solve_round(p, allowed, start, seeds, run)
     for _ in range(NEIGHBOURHOOD_ROUNDS):
         if (not sol.candidates or sol.num_vars > ROUND_MAX_VARS   # whole model: exact
-                or run.clock.spent(SEARCH_BEFORE)):
+                or run.cuts or run.clock.spent(SEARCH_BEFORE)):
             break
         here, wider = dict(enumerate(sol.choice)), tuple(seeds) + (start,)
         try:
@@ -725,18 +734,31 @@ def memory_of(p: Problem, choice) -> float:
 
 
 def memory_lower_bound(p: Problem, allowed: Mapping[int, set[int]]) -> float:
-    """Bytes every plan that keeps to ``allowed`` holds the whole step at least: each group's
-    always-live values under its smallest allowed strategy (a pinned input's, exactly). A
-    strategy whose bound exceeds the memory budget fits no plan: ``planner._seeds`` skips it
-    without solving."""
-    (gids, flat, offsets), _ = _memory_tables(p)
-    total = 0.0
-    for j, g in enumerate(gids.tolist()):
-        n = p.groups[g].n
-        row = flat[offsets[j]: offsets[j] + n]
+    """Bytes every plan that keeps to ``allowed`` holds at its peak at least, by the memory
+    model of the constraints (``memory_of``): at each check point, each group's always-live
+    values and values live there under its smallest allowed strategy for them (a pinned
+    input's, exactly; tied groups each their own smallest), the largest over the check points.
+    A strategy whose bound exceeds the memory budget fits no plan: ``planner._seeds`` skips it
+    without solving (transformers' Llama-7B at one sequence a device on 64 H100s: dp's, ep's
+    and zero1's starts, whose always-live state alone fits 80 GiB, each took 0.7 s to fail)."""
+    base, points = _memory_tables(p)
+
+    def rows(table) -> dict[int, np.ndarray]:
+        gids, flat, offsets = table
+        return {g: flat[o: o + p.groups[g].n] for g, o in zip(gids.tolist(), offsets.tolist())}
+
+    def least(row: np.ndarray, g: int) -> float:
         ok = allowed.get(g)
-        total += float(min(row[i] for i in ok) if ok else row.min())
-    return total
+        return float(row[sorted(ok)].min() if ok else row.min())
+
+    always = rows(base)
+    best = sum(least(row, g) for g, row in always.items())
+    for table in points:
+        here = rows(table)
+        total = sum(least(row + here[g] if g in here else row, g) for g, row in always.items())
+        total += sum(least(row, g) for g, row in here.items() if g not in always)
+        best = max(best, total)
+    return best
 
 
 def _memory_tables(p: Problem):
