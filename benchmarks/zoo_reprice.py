@@ -31,7 +31,6 @@ import csv
 import dataclasses
 import functools
 import statistics
-import time
 import warnings
 
 import _common  # noqa: F401  (sets XLA_FLAGS before jax is imported)
@@ -44,6 +43,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import autopar  # noqa: E402
 from autopar.planner import combine  # noqa: E402
 from cost_models.hardware import hardware  # noqa: E402
+from cost_models.measure import median_time_s  # noqa: E402
 
 VARIANTS = {
     "profile": dict(),
@@ -105,14 +105,7 @@ def _all_reduces(k: int, axes, chained: bool) -> float:
         return out
 
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
-    for _ in range(3):
-        jax.block_until_ready(fn(xs))
-    ts = []
-    for _ in range(30):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(xs))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3
+    return median_time_s(fn, (xs,), repeats=30, warmup=3) * 1e3
 
 
 def main() -> None:

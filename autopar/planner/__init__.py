@@ -6,10 +6,11 @@ Stages (each a pure function): ``problem.build`` (strategies from ``rules``, cos
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -203,12 +204,10 @@ def _repaired(prob, cm, seed: _Seed, options: PlannerOptions, clock: Clock) -> _
     """``seed`` after ``SEED_CUT_ROUNDS`` cut rounds (``_within_budget``), as
     ``plan(strategy=...)`` would start to repair it; None if it still breaks the budget."""
     sub, merged, sol = seed.repair
-    try:
-        kept, peak, _ = _within_budget(sub, sol, cm, options, merged, clock.for_starts(),
-                                       SEED_CUT_ROUNDS, 0, seek_least=False)
-    except PlanError:
-        return None
-    if peak is None or peak > options.memory_budget:
+    # _within_budget keeps the last solution when a round's solve finds none
+    kept, peak, _ = _within_budget(sub, sol, cm, options, merged, clock.for_starts(),
+                                   SEED_CUT_ROUNDS, 0, seek_least=False)
+    if peak > options.memory_budget:
         return None
     return _Seed(seed.name, kept.choice, plan_cost(prob, cm, kept.choice), peak, kept.status)
 
@@ -388,7 +387,7 @@ def _plan_layouts(graph: Graph, mesh: Mapping[str, int], cost_model, options: Pl
         t0 = time.perf_counter()
         folded = _foldable(graph, options)
         if folded is not None:
-            seeds: list[Plan] = []
+            seeds: list[Callable[[], Plan]] = []
             try:
                 plan = _make_plan(folded.graph, mesh, cost_model, options, trace_s, t0, folded,
                                   seeds)
@@ -403,7 +402,7 @@ def _plan_layouts(graph: Graph, mesh: Mapping[str, int], cost_model, options: Pl
             # the full graph's for the same decisions), are held against the full graph's plan
             # as they are, not solved again on it: that took 230 s of 340 on Llama-7B
             options = options.replace(starts=(), seed_plans=tuple(options.seed_plans) + tuple(
-                unfold(s, folded) for s in seeds))
+                unfold(assembled(), folded) for assembled in seeds))
         return _make_plan(graph, mesh, cost_model, options, trace_s, t0)
 
 
@@ -419,9 +418,9 @@ def _foldable(graph: Graph, options: PlannerOptions):
 
 def _make_plan(graph: Graph, mesh: Mapping[str, int], cost_model, options: PlannerOptions,
                trace_s: float, t0: float, folded=None, keep_seeds: list | None = None) -> Plan:
-    """One plan of ``graph``; ``keep_seeds``: a list that receives the hand-written starts'
-    own plans (assembled): as solved, then as ``_never_worse`` left them (the ones that could
-    win repaired)."""
+    """One plan of ``graph``; ``keep_seeds``: a list that receives, per hand-written start, a
+    function that assembles its plan: as solved, then as ``_never_worse`` left it (repaired
+    where it could win). Assembled only if asked for (a folded plan over the budget)."""
     clock = Clock(t0 - trace_s, options.time_limit_s, options.deterministic)
     warn_many_axes(mesh, clock)
     prob = problem.build(graph, mesh, cost_model, clock=clock, host_inputs=options.host_inputs,
@@ -466,7 +465,7 @@ def _make_plan(graph: Graph, mesh: Mapping[str, int], cost_model, options: Plann
 
 def _keep(keep_seeds: list | None, prob, seeds: list[_Seed], cm, options) -> None:
     if keep_seeds is not None:
-        keep_seeds[:] = [_seed_plan(prob, s, cm, options) for s in seeds
+        keep_seeds[:] = [functools.partial(_seed_plan, prob, s, cm, options) for s in seeds
                          if s.name not in ("descent", "hint")]
 
 
