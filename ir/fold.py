@@ -113,7 +113,7 @@ def fold(graph: Graph, keep_head: int = KEEP_HEAD, min_copies: int = MIN_COPIES
 
 
 def _fold(graph: Graph, keep_head: int, min_copies: int) -> Folded | None:
-    family = _largest_family(graph)
+    family = largest_family(graph)
     n = len(family)
     if n < max(min_copies, keep_head + 2):
         return None
@@ -187,7 +187,7 @@ def _fold(graph: Graph, keep_head: int, min_copies: int) -> Folded | None:
                   tuple(op.id for op in passed), n, len(removed))
 
 
-def _largest_family(graph: Graph) -> list[Layer]:
+def largest_family(graph: Graph) -> list[Layer]:
     """The unrolled layers of the signature that covers most ops, in graph order."""
     families: dict[str, list[Layer]] = {}
     for layer in graph.layers:

@@ -52,8 +52,9 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
-from ir import replay
+from ir import recompute_unrolled, replay
 from ir.flops import op_cost
+from ir.fold import largest_family
 from ir.from_jaxpr import graph_of, tensor_type
 
 POLICIES = ("none", "selective", "save_dots", "save_weight_dots", "full")
@@ -488,14 +489,46 @@ def _backward(eqn, invals, h: _Handoff):
 
 
 def rewrite_graph(graph, decisions: Mapping[int, str]):
-    """``graph`` traced again from its jaxpr rewritten under ``decisions`` (``apply``)."""
-    closed = apply(flat(graph.jaxpr), decisions)
-    return graph_of(closed, graph)
+    """``graph`` traced again from its jaxpr rewritten under ``decisions`` (``apply``; a step
+    without loop pairs: its unrolled layers, ``ir.recompute_unrolled``, as site 0)."""
+    closed = flat(graph.jaxpr)
+    if find_sites(closed):
+        return graph_of(apply(closed, decisions), graph)
+    found = unrolled_site(graph)
+    if found is None or set(decisions) - {0}:
+        raise ValueError(f"recompute sites {sorted(decisions)} do not exist: the step has "
+                         f"{0 if found is None else 1}")
+    closed, site = found
+    policy = decisions.get(0, "none")
+    if policy == "none":
+        return graph
+    return graph_of(recompute_unrolled.apply(closed, site, policy), graph)
 
 
-def sites_of(graph) -> tuple[Site, ...]:
-    """``find_sites`` of ``graph``'s step (its jit calls holding loops inlined)."""
-    return find_sites(flat(graph.jaxpr))
+def sites_of(graph) -> tuple:
+    """``find_sites`` of ``graph``'s step (its jit calls holding loops inlined); a step without
+    loop pairs: its one ``ir.recompute_unrolled.UnrolledSite``, or none."""
+    sites = find_sites(flat(graph.jaxpr))
+    if sites:
+        return sites
+    found = unrolled_site(graph)
+    return () if found is None else (found[1],)
+
+
+def has_unrolled_layers(graph) -> bool:
+    """Whether ``graph`` has a family of at least two repeated unrolled layers (cheap: read off
+    ``graph.layers``); ``unrolled_site`` says whether their forward saves anything."""
+    return len(largest_family(graph)) >= 2
+
+
+def unrolled_site(graph):
+    """``(flat jaxpr, ir.recompute_unrolled.UnrolledSite)`` of ``graph``'s unrolled layers (every
+    call inlined), or None."""
+    if not has_unrolled_layers(graph):
+        return None
+    closed = flat(graph.jaxpr, inline=is_call)
+    site = recompute_unrolled.find_site(closed, graph_of(closed, graph, dce=False))
+    return None if site is None else (closed, site)
 
 
 def describe(closed: jcore.ClosedJaxpr, site: Site, policy: str) -> str:

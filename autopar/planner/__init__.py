@@ -316,7 +316,7 @@ def make_plan(graph: Graph, mesh: Mapping[str, int], cost_model,
     # the call's clock, for the error's advice alone (each plan below keeps its own)
     began = Clock(time.perf_counter() - trace_s, options.time_limit_s, options.deterministic)
     open_ = options.op_filter is None and options.memory_budget is not None
-    may_r = open_ and options.recompute and recompute.has_sites(graph)
+    may_r = open_ and options.recompute and recompute.has_sites(graph, cost_model)
     # whether the step has state to offload is read (a retrace) only once the budget breaks
     may_o = open_ and options.offload and cost_model.hw.host_bytes_per_s > 0
     try:    # where a memory decision may follow, a failure need not seek the smallest budget
