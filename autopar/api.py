@@ -77,9 +77,10 @@ def plan(fn: Callable, *args, mesh=None, hardware=None, memory_budget: float | N
         allow one; on CPU devices they run in Pallas' interpreter, slowly). ``Plan.kernels``
         lists what was chosen.
       memory_decisions: the trades the planner may make where no layout fits
-        ``memory_budget``: ``"recompute"`` (a scanned model's backward pass recomputes what its
-        forward pass saved, ``Plan.recompute``) and ``"offload"`` (the optimizer's state waits
-        in host memory between steps, ``Plan.offload``); both by default, ``()`` for neither.
+        ``memory_budget``: ``"recompute"`` (the backward pass recomputes what the forward pass
+        saved: scanned layers, and unrolled ones off CPU; ``Plan.recompute``) and
+        ``"offload"`` (the optimizer's state waits in host memory between steps,
+        ``Plan.offload``); both by default, ``()`` for neither.
 
     Returns:
       An ``autopar.Plan``.

@@ -97,7 +97,8 @@ class RejectedKernel:
 @dataclasses.dataclass(frozen=True)
 class Recompute:
     """A planner decision: at one forward/backward loop pair of the step (``ir.recompute``: a
-    scanned model's layers), the backward loop recomputes what the forward loop saved for it,
+    scanned model's layers), or over its repeated unrolled layers where it has no loop pair
+    (``ir.recompute_unrolled``, site 0), the backward recomputes what the forward saved for it,
     under ``policy`` (``"selective"``: the attention core, from the kept queries and keys;
     ``"save_dots"``: from the layer input and the kept matmul outputs; ``"save_weight_dots"``:
     from the layer input and the kept outputs of the weight matmuls; ``"full"``: from the
@@ -105,9 +106,10 @@ class Recompute:
 
     site: int                 # index among ``ir.recompute.sites_of(graph)``
     policy: str               # one of ir.recompute.POLICIES other than "none"
-    where: str                # the forward loop's name stack and source line
+    where: str                # the forward loop's name stack and source line (or the layers')
     dropped_bytes: float      # all devices: the saved values no longer kept
     stacked_bytes: float      # all devices: the values kept instead (layer inputs, matmuls)
+    #                           (unrolled: the layer inputs kept only for the replay)
     replayed_flops: float     # per step, all devices: matmul FLOPs the backward replays
     no_recompute_peak_bytes: float | None = None  # per device: the same step's best plan
     #                                               without it (None: not solved)

@@ -11,20 +11,36 @@ model on one H100 (which fits only with host offload and its state donated:
 (sequence 1024, 224 rows) from 64 H100s onto the 56 left after losing a node, which no layout
 fits without recomputation.
 
+Part 1b (abstract, H100 profile): transformers' Flax Llama at 7B shapes (32 unrolled layers,
+float32, sequences of 2048) on 64 H100s as ``{data: 8, model: 8}``, at 64 sequences (fits) and
+128 (fits only with recomputation of its unrolled layers, ``ir.recompute_unrolled``).
+
+Part 3 (measured, one CPU device, in a child process with XLA:CPU's memory-minimizing
+scheduler, ``--xla_cpu_enable_concurrency_optimized_scheduler=false``): the unrolled rewrite's
+steps of two models this project did not write (``autopar.models.zoo``'s Flax linen and Flax
+NNX LMs, 4 unrolled layers), each policy's XLA peak beside the planner's prediction for it
+(H100 profile, the one device's plan; the prediction models GPU scheduling, not XLA:CPU's, so
+this is a cross-check of the rewrite's effect, not of the CPU memory model) and beside
+``jax.checkpoint``'s own effect on XLA:CPU's default scheduler.
+
 Part 2 (measured, 8 CPU devices as 2x4): a small scanned GPT whose activations outweigh its
 parameters, planned plain, then under 0.6x the plain plan's peak; each plan compiled and run,
 XLA's peak (``memory_analysis``) beside the prediction, and the step timed in interleaved
 rounds (medians), the plain and the recomputing plan side by side.
 
-    python benchmarks/recompute.py            # both parts (about 5 minutes on 2 cores)
-    python benchmarks/recompute.py --quick    # part 2 only
+    python benchmarks/recompute.py            # all parts (about 8 minutes on 2 cores)
+    python benchmarks/recompute.py --quick    # parts 2 and 3 only
 
 Writes ``benchmarks/results/recompute.md``.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 
 import _common  # noqa: F401  (sets XLA_FLAGS before jax is imported)
@@ -89,6 +105,85 @@ def big_rows() -> list[tuple]:
     return rows
 
 
+def llama_rows() -> list[tuple]:
+    from autopar.models import hf
+
+    rows = []
+    mesh = {"data": 8, "model": 8}
+    for n in (64, 128):
+        cfg = hf._transformers().LlamaConfig(
+            hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+            num_key_value_heads=32, intermediate_size=11008, vocab_size=32000,
+            max_position_embeddings=4096)
+        step, *args = hf.abstract("llama", cfg, n, seq=2048)
+        t0 = time.perf_counter()
+        try:
+            plan = autopar.plan(step, *args, mesh=mesh, hardware="h100", time_limit_s=10)
+            rows.append((f"{n} x 2048", _common.mesh_str(mesh),
+                         f"{plan.cost.step_time_s * 1e3:.0f}",
+                         _gib(plan.cost.peak_memory_bytes), _what(plan),
+                         f"{time.perf_counter() - t0:.1f}", plan.solver.status))
+        except autopar.AutoparError as e:
+            rows.append((f"{n} x 2048", _common.mesh_str(mesh), "-", "-", "-",
+                         f"{time.perf_counter() - t0:.1f}",
+                         f"{type(e).__name__}: {str(e)[:160]}".replace("|", "/")))
+    return rows
+
+
+# Part 3, run in a child process: XLA_FLAGS must hold the scheduler flag before jax starts.
+_UNROLLED_CHILD = """
+import dataclasses, json
+import jax
+from jax.extend import core as jcore
+import ir
+from autopar import api, hlo
+from autopar.models import zoo
+from ir import recompute, recompute_unrolled
+
+cfg = zoo.Config(layers=4, width=128, seq=64, ff=512, heads=4, batch=16)
+out = []
+for name in ("linen_lm", "nnx_lm"):
+    step, params, opt, batch = getattr(zoo, name)(cfg, abstract=True)
+    graph = ir.trace(step, params, opt, batch)
+    closed, site = recompute.unrolled_site(graph)
+    args = jax.tree_util.tree_leaves((params, opt, batch))
+    for policy in ("none", "selective", "save_dots", "save_weight_dots", "full"):
+        new = closed if policy == "none" else recompute_unrolled.apply(closed, site, policy)
+        g = graph if policy == "none" else recompute.rewrite_graph(graph, {0: policy})
+        plan = api.plan_graph(g, {"data": 1}, hardware="h100", time_limit_s=5)
+        compiled = jax.jit(jcore.jaxpr_as_fun(new)).lower(*args).compile()
+        dropped = 0 if policy == "none" else recompute_unrolled.dropped_bytes(closed, site, policy)
+        out.append((name, policy, dropped, plan.cost.peak_memory_bytes,
+                    hlo.memory(compiled)["peak"]))
+    # the library's own remat around each block (jax.checkpoint), for the measured side
+    step_r, params, opt, batch = getattr(zoo, name)(dataclasses.replace(cfg, remat=True),
+                                                    abstract=True)
+    compiled = jax.jit(step_r).lower(params, opt, batch).compile()
+    out.append((name, "library remat (jax.checkpoint)", 0, None, hlo.memory(compiled)["peak"]))
+print(json.dumps(out))
+"""
+
+
+def unrolled_rows() -> list[tuple]:
+    env = dict(os.environ, XLA_FLAGS="--xla_cpu_enable_concurrency_optimized_scheduler=false")
+    run = subprocess.run([sys.executable, "-c", _UNROLLED_CHILD], capture_output=True,
+                         text=True, timeout=1200, env=env)
+    if run.returncode != 0:
+        raise RuntimeError(run.stderr[-3000:])
+    rows = []
+    base: dict = {}
+    for name, policy, dropped, pred, meas in json.loads(run.stdout.strip().splitlines()[-1]):
+        base.setdefault(name, (pred, meas))
+        if pred is None:       # measured only
+            rows.append((name, policy, "-", "-", f"{meas / 2**20:.2f}", "-", "-",
+                         f"{meas / base[name][1]:.2f}"))
+            continue
+        rows.append((name, policy, f"{dropped / 2**20:.1f}", f"{pred / 2**20:.2f}",
+                     f"{meas / 2**20:.2f}", f"{pred / meas:.3f}",
+                     f"{pred / base[name][0]:.2f}", f"{meas / base[name][1]:.2f}"))
+    return rows
+
+
 def small_rows(runs: int = RUNS) -> tuple[list[tuple], float]:
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
     step, state, batch = gpt.concrete(SMALL, SMALL_ROWS)
@@ -136,11 +231,27 @@ def main() -> None:
                  _common.md_table(("model", "strategy", "mesh", "pred step ms",
                                    "pred peak GiB", "recomputed", "plan s", "status"),
                                   big_rows()), ""]
+        text += ["## transformers' Flax Llama-7B (32 unrolled layers, float32), H100 profile, "
+                 "predicted", "",
+                 _common.md_table(("sequences", "mesh", "pred step ms", "pred peak GiB",
+                                   "recomputed", "plan s", "status"), llama_rows()), ""]
     rows, budget = small_rows(QUICK_RUNS if args.quick else RUNS)
     text += [f"## Small scanned GPT on 2x4 CPU devices, measured (budget "
              f"{budget / 2**20:.2f} MiB = 0.6 x the plain plan's peak)", "",
              _common.md_table(("plan", "recomputed", "pred step ms", "meas step ms",
                                "pred/meas", "pred peak MiB", "XLA peak MiB", "pred/XLA"), rows),
+             "",
+             "## Unrolled layers rewritten, one CPU device, XLA:CPU's memory-minimizing "
+             "scheduler", "",
+             "Flax linen and Flax NNX LMs of `autopar.models.zoo` (4 unrolled layers, width "
+             "128, seq 64, batch 16). Predicted: the H100 profile's memory model on the "
+             "rewritten step (GPU scheduling); measured: XLA:CPU's peak (arguments + outputs + "
+             "temporaries) under `--xla_cpu_enable_concurrency_optimized_scheduler=false`. "
+             "XLA:CPU's default scheduler runs a replay as soon as its inputs exist, which is "
+             "why the planner offers this off CPU only.", "",
+             _common.md_table(("model", "policy", "dropped MiB (all layers)",
+                               "pred peak MiB", "XLA peak MiB", "pred/XLA",
+                               "pred / plain", "XLA / plain"), unrolled_rows()),
              "",
              f"Wall time {time.perf_counter() - t0:.0f} s. Environment: "
              f"{_common.environment()}.", "",

@@ -46,6 +46,8 @@ class Config:
     batch: int = 8
     accum: int = 1               # microbatches accumulated in a lax.scan inside the step
     dtype: Any = jnp.float32     # compute dtype; parameters stay float32
+    remat: bool = False          # each block under the library's own remat (nnx.remat, nn.remat,
+    #                              eqx.filter_checkpoint)
     lr: float = 1e-3
 
 
@@ -123,7 +125,8 @@ def nnx_lm(cfg: Config = Config(), *, abstract: bool = False, seed: int = 0):
             x = self.embed(tokens).astype(cfg.dtype)                 # (B, S, D)
             mask = nnx.make_causal_mask(tokens)
             for block in self.blocks:
-                x = block(x, mask)
+                x = (nnx.remat(type(block).__call__)(block, x, mask) if cfg.remat
+                     else block(x, mask))
             return self.head(self.ln(x))                             # (B, S, V)
 
     make = (lambda: LM(nnx.Rngs(seed)))
@@ -182,8 +185,9 @@ def _linen_module(cfg: Config):
             table = param(self, "embedding", (cfg.vocab, cfg.width), ("vocab", "embed"))
             x = jnp.take(table, tokens, axis=0).astype(cfg.dtype)    # (B, S, D)
             x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
+            block = nn.remat(Block) if cfg.remat else Block
             for i in range(cfg.layers):
-                x = Block(name=f"layer_{i}")(x)
+                x = block(name=f"layer_{i}")(x)
             x = nn.LayerNorm(dtype=cfg.dtype)(x)
             return x @ table.T.astype(cfg.dtype)                     # (B, S, V) tied embedding
 
@@ -290,7 +294,7 @@ def eqx_lm(cfg: Config = Config(), *, abstract: bool = False, seed: int = 0):
             x = jax.vmap(self.embed)(tokens)                         # (S, D)
             mask = jnp.tril(jnp.ones((tokens.shape[0],) * 2, bool))
             for block in self.blocks:
-                x = block(x, mask)
+                x = eqx.filter_checkpoint(block)(x, mask) if cfg.remat else block(x, mask)
             return jax.vmap(lambda t: self.head(self.ln(t)))(x)      # (S, V)
 
     make = (lambda: LM(jax.random.PRNGKey(seed)))
