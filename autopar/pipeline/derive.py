@@ -51,7 +51,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from autopar.errors import AutoparError
-from autopar.pipeline.model import StagedModel, declare, key_names
+from autopar.pipeline.model import ParamsView, StagedModel, declare, key_names
 from autopar.pipeline.unrolled import Stacking, find
 from autopar.validate import signature
 from ir.replay import read as _read
@@ -95,17 +95,25 @@ def staged(loss_fn: Callable, tx, params, where: str | None = None,
     ``ShapeDtypeStruct``s, the user's layout), with optimizer ``tx``; ``where`` picks the stack
     of layers when the params hold several (``autopar.pipeline.unrolled.find``)."""
     abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    view = ParamsView.of(abstract)
+    if view is not None:        # an nnx.State, an Equinox module: cut on its dict view
+        abstract, user_loss = view.to_dict(abstract), loss_fn
+
+        def loss_fn(params, batch):
+            return user_loss(view.from_dict(params), batch)
+
     try:
-        stacking = find(params, where)
+        stacking = find(abstract, where)
     except AutoparError as numbered:
-        path, count = _stacked_subtree(params, where, numbered)
+        path, count = _stacked_subtree(abstract, where, numbered)
         cuts = _Cuts(loss_fn, abstract, Scanned(path, count))
         return StagedModel(cuts.embed, cuts.layer, cuts.head_loss, path[-1], count, tx,
-                           name=name, layers_path=path)
+                           name=name, layers_path=path, view=view)
+    stacking = dataclasses.replace(stacking, view=view)
     cuts = _Cuts(loss_fn, abstract, stacking)
     return StagedModel(cuts.embed, cuts.layer, cuts.head_loss, stacking.layers_path[-1],
                        stacking.count, tx, name=name, layers_path=stacking.layers_path,
-                       stacking=stacking)
+                       stacking=stacking, view=view)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,12 +37,15 @@ import jax
 from jax.extend import core as jcore
 
 from autopar.errors import AutoparError
+from autopar.pipeline.model import key_names
 
 MARK = "autopar_value_and_grad_"
 # token -> the loss a marked call differentiates; the token is in the marked program's name, so
 # a traced step names its loss even where jax reuses a cached trace of it
 _losses: dict[int, Callable] = {}
 _tokens: dict[int, int] = {}
+# token -> (tree of its first argument, tree of the others) as last traced
+_trees: dict[int, tuple] = {}
 
 
 def value_and_grad(fun: Callable, argnums: int = 0, has_aux: bool = False) -> Callable:
@@ -60,6 +63,8 @@ def value_and_grad(fun: Callable, argnums: int = 0, has_aux: bool = False) -> Ca
     vg = jax.value_and_grad(fun)
 
     def marked(*args):
+        _trees[token] = (jax.tree_util.tree_structure(args[0]),
+                         jax.tree_util.tree_structure(args[1:]))
         return vg(*args)
 
     marked.__name__ = marked.__qualname__ = f"{MARK}{token}"
@@ -73,6 +78,7 @@ class Split:
 
     loss_fn: Callable
     post: Callable
+    params_path: tuple[str, ...] = ("params",)    # key names of the parameters in the state
 
 
 def split(step: Callable, state, batch) -> Split | None:
@@ -94,21 +100,7 @@ def split(step: Callable, state, batch) -> Split | None:
         raise AutoparError(f"the step calls autopar.value_and_grad {len(at)} times; a pipelined "
                            f"step differentiates one loss")
     eqn = jaxpr.eqns[at[0]]
-    if not isinstance(state, dict) or "params" not in state:
-        raise AutoparError(f"a pipelined step's state must be a dict with the parameters under "
-                           f"'params'; got {type(state).__name__}"
-                           + (f" with keys {sorted(state)}" if isinstance(state, dict) else ""))
-    flat, _ = jax.tree_util.tree_flatten_with_path(abstract)
-    where = {id(v): jax.tree_util.keystr(p) for v, (p, _) in zip(jaxpr.invars, flat)}
-    want = [v for v, (p, _) in zip(jaxpr.invars, flat)
-            if jax.tree_util.keystr(p).startswith("[0]['params']")]
-    want += jaxpr.invars[len(jax.tree_util.tree_leaves(state)):]
-    got = list(eqn.invars)
-    if len(got) != len(want) or any(a is not b for a, b in zip(got, want)):
-        seen = ", ".join(where.get(id(v), "a value the step computed") for v in got[:3])
-        raise AutoparError(f"autopar.value_and_grad(loss)(...) must be called on "
-                           f"(state['params'], batch) as the step received them (the pipeline "
-                           f"splits exactly those); its arguments here start with {seen}")
+    path = _located(jaxpr, eqn, abstract, _trees.get(_token(eqn)))
     info = jaxpr.debug_info
     if info is not None and info.arg_names is not None:   # names for the added inputs too
         try:
@@ -123,6 +115,13 @@ def split(step: Callable, state, batch) -> Split | None:
     out_tree = jax.tree_util.tree_structure(out_shape)
     if out_tree.num_leaves < 1 or not (isinstance(out_shape, tuple) and len(out_shape) == 2):
         raise AutoparError("a pipelined step must return (state, loss)")
+    given, got = jax.tree_util.tree_structure(abstract[0]), jax.tree_util.tree_structure(
+        out_shape[0])
+    if given != got:
+        raise AutoparError(f"a pipelined step returns its state in the layout it was given (the "
+                           f"pipeline keeps it in place between steps); it was given "
+                           f"{_short(given)} and returns {_short(got)}; return the new state "
+                           f"with the same structure")
 
     def post(state, batch, loss, grads):
         leaves = [*jax.tree_util.tree_leaves((state, batch)), loss,
@@ -130,7 +129,59 @@ def split(step: Callable, state, batch) -> Split | None:
         outs = post_fn(*leaves)
         return jax.tree_util.tree_unflatten(out_tree, outs)
 
-    return Split(_losses[_token(eqn)], post)
+    return Split(_losses[_token(eqn)], post, path)
+
+
+def _short(tree) -> str:
+    text = str(tree)
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def _located(jaxpr, eqn, abstract, trees) -> tuple[str, ...]:
+    """The key names of the subtree of the step's state that the marked call takes as its
+    first argument (the parameters), its other argument being the step's batch; else an
+    ``AutoparError`` naming what it takes."""
+    flat = jax.tree_util.tree_flatten_with_path(abstract)[0]
+    where = {id(v): jax.tree_util.keystr(p) for v, (p, _) in zip(jaxpr.invars, flat)}
+    n_state = len(jax.tree_util.tree_leaves(abstract[0]))
+    batch = list(jaxpr.invars[n_state:])
+    got = list(eqn.invars)
+    first = trees[0].num_leaves if trees is not None else len(got) - len(batch)
+    seen = ", ".join(where.get(id(v), "a value the step computed") for v in got[:3])
+    usage = (f"autopar.value_and_grad(loss)(...) must be called on (state['params'], batch) "
+             f"as the step received them, or with another subtree of the state in place of "
+             f"state['params'] (state[0], state.params: the parameters), and the step's whole "
+             f"batch (the pipeline splits exactly those); its arguments here start with "
+             f"{seen}")
+    rest = got[first:]
+    if trees is not None and (trees[1] != jax.tree_util.tree_structure((abstract[1],))):
+        raise AutoparError(f"{usage}; it takes {1 + trees[1].num_children} arguments, "
+                           f"and the ones after the parameters are not the step's batch")
+    if len(rest) != len(batch) or any(a is not b for a, b in zip(rest, batch)):
+        raise AutoparError(usage)
+    ids = {id(v): i for i, v in enumerate(jaxpr.invars[:n_state])}
+    pos = [ids.get(id(v)) for v in got[:first]]
+    if not pos or None in pos or pos != list(range(pos[0], pos[0] + first)):
+        raise AutoparError(usage)
+    paths = [flat[i][0][1:] for i in pos]          # key paths below the state
+    common = paths[0]
+    for p in paths[1:]:
+        n = next((i for i, (a, b) in enumerate(zip(common, p)) if a != b), min(len(common),
+                                                                              len(p)))
+        common = common[:n]
+    for n in range(len(common), -1, -1):        # the subtree with exactly those leaves
+        sub = _subtree(abstract[0], common[:n])
+        tree = jax.tree_util.tree_structure(sub)
+        if tree.num_leaves == first and (trees is None or tree == trees[0]):
+            return key_names(common[:n])
+    raise AutoparError(usage)
+
+
+def _subtree(tree, keypath):
+    for key in keypath:
+        tree = next(c for p, c in jax.tree_util.tree_flatten_with_path(
+            tree, is_leaf=lambda x, t=tree: x is not t)[0] if p[0] == key)
+    return tree
 
 
 def _unwrapped(closed):
@@ -168,12 +219,17 @@ def staged(step: Callable, state, batch) -> Any | None:
     into stages (``derive.staged``), the rest of the step as its ``post``; declared on ``step``
     for later calls. ``None`` when the step has no marked call."""
     from autopar.pipeline.derive import staged as derive_staged
-    from autopar.pipeline.model import declare
+    from autopar.pipeline.model import declare, get_path
 
     cut = split(step, state, batch)
     if cut is None:
         return None
-    model = derive_staged(cut.loss_fn, None, state["params"])
+    params = get_path(state, cut.params_path)
+    model = derive_staged(cut.loss_fn, None, params)
+    model = dataclasses.replace(model, params_path=cut.params_path)
+    if model.stacking is not None:
+        model = dataclasses.replace(model, stacking=dataclasses.replace(
+            model.stacking, params_path=cut.params_path))
     post = cut.post
     if model.stacking is not None:      # the runtime's stacked layout, the step's own inside
         stacking = model.stacking
