@@ -44,7 +44,7 @@ MARK = "autopar_value_and_grad_"
 # a traced step names its loss even where jax reuses a cached trace of it
 _losses: dict[int, Callable] = {}
 _tokens: dict[int, int] = {}
-# token -> (tree of its first argument, tree of the others) as last traced
+# token -> (tree of its first argument, tree of the others, their count) as last traced
 _trees: dict[int, tuple] = {}
 
 
@@ -64,7 +64,7 @@ def value_and_grad(fun: Callable, argnums: int = 0, has_aux: bool = False) -> Ca
 
     def marked(*args):
         _trees[token] = (jax.tree_util.tree_structure(args[0]),
-                         jax.tree_util.tree_structure(args[1:]))
+                         jax.tree_util.tree_structure(args[1:]), len(args))
         return vg(*args)
 
     marked.__name__ = marked.__qualname__ = f"{MARK}{token}"
@@ -115,13 +115,11 @@ def split(step: Callable, state, batch) -> Split | None:
     out_tree = jax.tree_util.tree_structure(out_shape)
     if out_tree.num_leaves < 1 or not (isinstance(out_shape, tuple) and len(out_shape) == 2):
         raise AutoparError("a pipelined step must return (state, loss)")
-    given, got = jax.tree_util.tree_structure(abstract[0]), jax.tree_util.tree_structure(
-        out_shape[0])
-    if given != got:
+    if jax.tree_util.tree_structure(abstract[0]) != jax.tree_util.tree_structure(out_shape[0]):
         raise AutoparError(f"a pipelined step returns its state in the layout it was given (the "
-                           f"pipeline keeps it in place between steps); it was given "
-                           f"{_short(given)} and returns {_short(got)}; return the new state "
-                           f"with the same structure")
+                           f"pipeline keeps it in place between steps), and this one does not: "
+                           f"{_differs(abstract[0], out_shape[0])}; return the new state with "
+                           f"the same structure")
 
     def post(state, batch, loss, grads):
         leaves = [*jax.tree_util.tree_leaves((state, batch)), loss,
@@ -132,9 +130,18 @@ def split(step: Callable, state, batch) -> Split | None:
     return Split(_losses[_token(eqn)], post, path)
 
 
-def _short(tree) -> str:
-    text = str(tree)
-    return text if len(text) <= 160 else text[:157] + "..."
+def _differs(given, got) -> str:
+    """Where two trees' structures first differ, in words."""
+    paths = [[jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(t)[0]]
+             for t in (given, got)]
+    for a, b in zip(*paths):
+        if a != b:
+            return f"the state's leaf state{a} comes back as state{b}"
+    n, m = map(len, paths)
+    if n != m:
+        return f"it was given {n} leaves and returns {m}"
+    return (f"its node types differ (given {type(given).__name__}, returned "
+            f"{type(got).__name__}, or a node below)")
 
 
 def _located(jaxpr, eqn, abstract, trees) -> tuple[str, ...]:
@@ -155,8 +162,9 @@ def _located(jaxpr, eqn, abstract, trees) -> tuple[str, ...]:
              f"{seen}")
     rest = got[first:]
     if trees is not None and (trees[1] != jax.tree_util.tree_structure((abstract[1],))):
-        raise AutoparError(f"{usage}; it takes {1 + trees[1].num_children} arguments, "
-                           f"and the ones after the parameters are not the step's batch")
+        raise AutoparError(f"{usage}; it takes {trees[2]} arguments, and those after the "
+                           f"parameters are not the step's batch: call it as "
+                           f"loss(params, batch)")
     if len(rest) != len(batch) or any(a is not b for a, b in zip(rest, batch)):
         raise AutoparError(usage)
     ids = {id(v): i for i, v in enumerate(jaxpr.invars[:n_state])}
