@@ -283,3 +283,31 @@ def test_what_cannot_be_pipelined_is_refused():
 
     with pytest.raises(AutoparError, match="given 53 leaves and returns 54"):
         autopar.plan(grows, state, batch, mesh=mesh, pipeline="auto")
+
+
+def test_the_state_may_be_the_parameters_alone():
+    """An ``nnx.State`` of parameters is the whole state, updated by hand-written SGD."""
+    pytest.importorskip("flax")
+    loss_fn, params = nnx_lm(scan=True)
+
+    def step(params, batch):
+        loss, grads = autopar.value_and_grad(loss_fn)(params, batch)
+        return jax.tree_util.tree_map(lambda p, g: p - LR * g, params, grads), loss
+
+    batch = _batch()
+    ref, ref_loss = jax.jit(step)(params, batch)
+    run = autopar.autoparallel(step, mesh=jax.make_mesh(tuple(MESH.values()), tuple(MESH)),
+                               pipeline={"schedule": "gpipe", "microbatches": 2,
+                                         "runtime": "mpmd"})
+    new, loss = run(params, batch)
+    assert run.plan.pipeline.stages == 2
+    assert jax.tree_util.tree_structure(new) == jax.tree_util.tree_structure(params)
+    assert_loss(loss, ref_loss)
+    # SGD's step is LR x the gradient, compared as gradients are (relative to each leaf's
+    # scale), up to the rounding of p - LR g: two ulps of the largest parameter
+    moved, ref_moved = (jax.tree_util.tree_map(jnp.subtract, p, params) for p in (new, ref))
+    ulp = float(jnp.finfo(jnp.float32).eps) * _top(params)
+    assert_scaled(moved, ref_moved, rel=1e-5, atol=2 * ulp)
+    assert 2 * ulp < 0.01 * _top(ref_moved)         # far below the step itself
+    again, loss2 = run(new, batch)
+    assert_loss(loss2, jax.jit(step)(ref, batch)[1])
