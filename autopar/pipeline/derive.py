@@ -34,6 +34,13 @@ makes its carry, the layer is one step of its body, the head is what reads its f
 scan must carry one value, scan over exactly the stacked parameters and close over constants
 only.
 
+The params may be any pytree (an ``nnx.State``, an Equinox module): the loss is traced and cut
+over their dict view (``autopar.pipeline.model.ParamsView``), where ``nnx.List`` blocks are
+``blocks/0 ..`` and an Equinox list of blocks ``blocks/0 ..`` too. A call that wraps the layers
+(the loss under ``jax.jit`` or ``eqx.filter_jit``) is inlined before the cut (``_inlined``); any
+other equation that reads several layers' parameters (a ``jax.checkpoint`` around the whole
+model) is refused, naming it.
+
 ``train_step(loss_fn, tx, params)`` is ``autopar.models.adamw_step(loss_fn, tx)`` declaring its
 derived ``StagedModel``, so ``autopar.plan(..., pipeline=...)`` and
 ``@autoparallel(pipeline=...)`` take it.

@@ -9,6 +9,12 @@ layers are stacked into that layout (``autopar.pipeline.unrolled``). A step buil
 structure of a step; ``autopar.pipeline.derive`` cuts one out of any loss function over
 numbered layers (the step is then that loss's optax step).
 
+The parameters sit in the training state at ``params_path`` (``"params"`` of a dict by
+default; wherever the user's ``autopar.value_and_grad`` found them otherwise). Parameters that
+are not string-keyed dicts (an ``nnx.State``, an Equinox module) are seen through their dict
+view (``ParamsView``): the model's functions, stacking and layouts use it, the user's step its
+own tree.
+
 Shapes: ``b`` rows of one microbatch, ``S`` sequence, ``D`` model width.
 """
 from __future__ import annotations
@@ -226,8 +232,9 @@ def staged_model_of(step: Callable, args=None) -> StagedModel:
         name = getattr(step, "__name__", type(step).__name__)
         raise AutoparError(
             f"pipeline= needs a step that declares its layers, and {name} does not: call "
-            f"the loss as autopar.value_and_grad(loss_fn)(state['params'], batch) in place of "
-            f"jax.value_and_grad (the step is then cut at that call), build it "
+            f"the loss as autopar.value_and_grad(loss_fn)(params, batch) in place of "
+            f"jax.value_and_grad, params any subtree of the state (state['params'], "
+            f"state[0]) (the step is then cut at that call), build it "
             f"from its loss with autopar.pipeline.derive.train_step(loss_fn, tx, params) "
             f"(stages cut from the loss's traced program, for a model that loops over "
             f"numbered layers), with autopar.pipeline.model.gpt_train_step(cfg) for "

@@ -21,11 +21,32 @@ call:
    pipeline runtimes run it where they ran the declared step's optimizer: in the lockstep
    step's one program, or as the MPMD runtime's one program over the whole mesh.
 
-The state must be a dict holding the parameters under ``"params"`` and the marked call must
-take ``(state["params"], batch)`` as the step received them (the pipeline splits exactly those);
-the step must return ``(state, loss)``. An unrolled model's state runs in its stacked layout
-(``step.stack_state``), its ``post`` replayed on the user's layout inside the same program
-(``unrolled.stacked_step``).
+The parameters are the subtree of the state that the marked call takes as its first argument,
+as the step received it: ``state["params"]``, ``state[0]`` of a ``(params, opt_state)`` tuple,
+``state["model"]`` beside other entries, or the whole state (``_located`` finds it among the
+traced step's inputs; ``StagedModel.params_path`` records where). Its type is the user's: an
+``nnx.State`` from ``nnx.split``, an Equinox module from ``eqx.partition``, nested dicts; the
+pipeline cuts, stacks and lays out its dict view (``autopar.pipeline.model.ParamsView``), and
+``post`` sees the user's own tree. Flax NNX, as its functional API teaches::
+
+    graphdef, params = nnx.split(model, nnx.Param)
+
+    def loss_fn(params, batch):
+        return xent(nnx.merge(graphdef, params)(batch["tokens"]), batch["targets"])
+
+    def step(state, batch):                   # state = (params, opt_state)
+        params, opt_state = state
+        loss, grads = autopar.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), loss
+
+and Equinox alike (``params, static = eqx.partition(model, eqx.is_array)``, the loss
+``eqx.combine(params, static)``). The marked call's other argument must be the step's whole
+batch (the pipeline splits it into microbatches), and the step must return ``(state, loss)``
+with the state in the structure it was given. An unrolled model's state runs in its stacked
+layout (``step.stack_state``; its first call converts the user's), its ``post`` replayed on the
+user's layout inside the same program (``unrolled.stacked_step``); ``step.unstack_state`` gives
+the user's tree back. A scanned model's state keeps the user's layout throughout.
 """
 from __future__ import annotations
 
