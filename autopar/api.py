@@ -606,10 +606,13 @@ class _Pipelined:
         from autopar.pipeline.model import staged_model_of
 
         stacking = staged_model_of(self.fn).stacking
-        if stacking is None or stacking.layout(state.get("params") if isinstance(
-                state, dict) else None) != "stacked":
+        if stacking is None:
             return state
-        return stacking.unstack_state(state)
+        try:
+            params = stacking.params_of(state)
+        except AutoparError:        # not a training state of this step: as it is
+            return state
+        return state if stacking.layout(params) != "stacked" else stacking.unstack_state(state)
 
     def _step(self, args, run: bool):
         """The pipelined step of ``args``' signature, planned on its first use."""

@@ -34,6 +34,13 @@ makes its carry, the layer is one step of its body, the head is what reads its f
 scan must carry one value, scan over exactly the stacked parameters and close over constants
 only.
 
+The params may be any pytree (an ``nnx.State``, an Equinox module): the loss is traced and cut
+over their dict view (``autopar.pipeline.model.ParamsView``), where ``nnx.List`` blocks are
+``blocks/0 ..`` and an Equinox list of blocks ``blocks/0 ..`` too. A call that wraps the layers
+(the loss under ``jax.jit`` or ``eqx.filter_jit``) is inlined before the cut (``_inlined``); any
+other equation that reads several layers' parameters (a ``jax.checkpoint`` around the whole
+model) is refused, naming it.
+
 ``train_step(loss_fn, tx, params)`` is ``autopar.models.adamw_step(loss_fn, tx)`` declaring its
 derived ``StagedModel``, so ``autopar.plan(..., pipeline=...)`` and
 ``@autoparallel(pipeline=...)`` take it.
@@ -51,7 +58,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from autopar.errors import AutoparError
-from autopar.pipeline.model import StagedModel, declare, key_names
+from autopar.pipeline.model import ParamsView, StagedModel, declare, key_names
 from autopar.pipeline.unrolled import Stacking, find
 from autopar.validate import signature
 from ir.replay import read as _read
@@ -95,17 +102,25 @@ def staged(loss_fn: Callable, tx, params, where: str | None = None,
     ``ShapeDtypeStruct``s, the user's layout), with optimizer ``tx``; ``where`` picks the stack
     of layers when the params hold several (``autopar.pipeline.unrolled.find``)."""
     abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    view = ParamsView.of(abstract)
+    if view is not None:        # an nnx.State, an Equinox module: cut on its dict view
+        abstract, user_loss = view.to_dict(abstract), loss_fn
+
+        def loss_fn(params, batch):
+            return user_loss(view.from_dict(params), batch)
+
     try:
-        stacking = find(params, where)
+        stacking = find(abstract, where)
     except AutoparError as numbered:
-        path, count = _stacked_subtree(params, where, numbered)
+        path, count = _stacked_subtree(abstract, where, numbered)
         cuts = _Cuts(loss_fn, abstract, Scanned(path, count))
         return StagedModel(cuts.embed, cuts.layer, cuts.head_loss, path[-1], count, tx,
-                           name=name, layers_path=path)
+                           name=name, layers_path=path, view=view)
+    stacking = dataclasses.replace(stacking, view=view)
     cuts = _Cuts(loss_fn, abstract, stacking)
     return StagedModel(cuts.embed, cuts.layer, cuts.head_loss, stacking.layers_path[-1],
                        stacking.count, tx, name=name, layers_path=stacking.layers_path,
-                       stacking=stacking)
+                       stacking=stacking, view=view)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,9 +250,10 @@ class _Cuts:
 def cut(loss_fn: Callable, params, batch, stacking) -> Cut:
     """``loss_fn`` traced at ``batch``'s shapes and cut into its layers (module docstring)."""
     closed = jax.make_jaxpr(loss_fn)(params, batch)
-    jaxpr = closed.jaxpr
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     n_params = len(flat)
+    closed = _inlined(closed, _layer_group(flat, closed.jaxpr.invars, stacking))
+    jaxpr = closed.jaxpr
     if isinstance(stacking, Scanned):
         return _scan_cut(closed, flat, n_params, stacking)
     layer_of, rest_vars, layer_vars = {}, {}, [dict() for _ in range(stacking.count)]
@@ -264,6 +280,14 @@ def cut(loss_fn: Callable, params, batch, stacking) -> Cut:
                            f"the traced loss: layer {i} starts {anchors[i] - anchors[i - 1]} "
                            f"equations after layer {i - 1}, layer 1 {period} after layer 0; "
                            f"declare a StagedModel by hand (autopar.pipeline.model.declare)")
+    if period == 0:
+        eqn = jaxpr.eqns[anchors[0]]
+        raise AutoparError(f"cannot cut the traced loss into {stacking.describe()}: one "
+                           f"equation reads the parameters of layers 0 and 1 "
+                           f"({_where(eqn, 'first read')}), so the layers do not run one after "
+                           f"the other at the loss's top level; apply the layers one by one in "
+                           f"the loss (outside a transformation around several of them), or "
+                           f"declare a StagedModel by hand (autopar.pipeline.model.declare)")
     layer_sets = [set(v.values()) for v in layer_vars]
     tr = _Trace(jaxpr, closed.consts, n_params)
     whys = []
@@ -277,6 +301,70 @@ def cut(loss_fn: Callable, params, batch, stacking) -> Cut:
     why = next((w for w in whys if " values cross " not in w), whys[0])
     raise AutoparError(f"cannot cut the traced loss into {stacking.describe()}: {why}; "
                        f"declare a StagedModel by hand (autopar.pipeline.model.declare)")
+
+
+CALLS = ("pjit", "jit", "closed_call", "core_call")
+
+
+def _layer_group(flat, invars, stacking) -> dict:
+    """Each layer parameter's input variable -> its layer (0 for a scanned model's stack)."""
+    if isinstance(stacking, Scanned):
+        path, names = stacking.path, {}
+    else:
+        path, names = stacking.parent, {n: i for i, n in enumerate(stacking.names())}
+    out, depth = {}, len(path)
+    for (p, _), var in zip(flat, invars):
+        keys = key_names(p)
+        if keys[:depth] == path and len(keys) > depth:
+            i = 0 if isinstance(stacking, Scanned) else names.get(keys[depth])
+            if i is not None:
+                out[var] = i
+    return out
+
+
+def _inlined(closed, group: dict):
+    """The loss's program with every call (a ``jax.jit``, an ``eqx.filter_jit``) that wraps
+    the layer stack replaced by its body, until none does: a call that reads the parameters of
+    more than one layer, or any of a scanned stack (whose scan must be visible). The cut needs
+    the layers' equations at the top level; the values are the same."""
+    def wraps(eqn) -> bool:
+        if str(eqn.primitive) not in CALLS:
+            return False
+        seen = {group[v] for v in eqn.invars if isinstance(v, jcore.Var) and v in group}
+        return len(seen) > 1 or (seen and len(set(group.values())) == 1)
+
+    while any(wraps(e) for e in closed.jaxpr.eqns):
+        closed, group = _inline_once(closed, group, wraps)
+    return closed
+
+
+def _inline_once(closed, group: dict, wraps):
+    """``closed`` retraced with the calls ``wraps`` picks (at the top level) inlined; ``group``
+    on the new program's inputs."""
+    from ir.replay import bind as _bind
+    from ir.replay import user_context as _user_context
+
+    def run(jaxpr, consts, args, top: bool):
+        env = dict(zip(jaxpr.constvars, consts))
+        env.update(zip(jaxpr.invars, args))
+        for eqn in jaxpr.eqns:
+            ins = [_read(env, v) for v in eqn.invars]
+            if top and wraps(eqn):
+                body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+                body = body if isinstance(body, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(body, ())
+                outs = run(body.jaxpr, body.consts, ins, False)
+            else:
+                with _user_context(eqn):
+                    out = _bind(eqn, ins)
+                outs = out if eqn.primitive.multiple_results else [out]
+            env.update((v, x) for v, x in zip(eqn.outvars, outs)
+                       if not isinstance(v, jcore.DropVar))
+        return [_read(env, v) for v in jaxpr.outvars]
+
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
+    new = jax.make_jaxpr(lambda *a: run(closed.jaxpr, closed.consts, a, True))(*avals)
+    index = {v: i for i, v in enumerate(closed.jaxpr.invars)}
+    return new, {new.jaxpr.invars[index[v]]: g for v, g in group.items()}
 
 
 @dataclasses.dataclass(frozen=True)

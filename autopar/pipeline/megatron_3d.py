@@ -136,7 +136,8 @@ class Megatron3D:
 
         rows = jax.tree_util.tree_leaves(batch)[0].shape[0]
         stacked, shapes = planning.stacked_args(fn, (state, batch))   # an unrolled model's too
-        stage = stage_layouts(staged_model_of(fn), stacked["params"], shapes)
+        model = staged_model_of(fn)
+        stage = stage_layouts(model, model.params_of(stacked), shapes)
         return planning.plan(fn, (state, batch), mesh, hardware=hardware,
                              memory_budget=memory_budget, time_limit_s=time_limit_s,
                              pipeline=self.pipeline(axis_sizes(mesh), rows),

@@ -9,6 +9,12 @@ layers are stacked into that layout (``autopar.pipeline.unrolled``). A step buil
 structure of a step; ``autopar.pipeline.derive`` cuts one out of any loss function over
 numbered layers (the step is then that loss's optax step).
 
+The parameters sit in the training state at ``params_path`` (``"params"`` of a dict by
+default; wherever the user's ``autopar.value_and_grad`` found them otherwise). Parameters that
+are not string-keyed dicts (an ``nnx.State``, an Equinox module) are seen through their dict
+view (``ParamsView``): the model's functions, stacking and layouts use it, the user's step its
+own tree.
+
 Shapes: ``b`` rows of one microbatch, ``S`` sequence, ``D`` model width.
 """
 from __future__ import annotations
@@ -51,16 +57,34 @@ class StagedModel:
     # ``post(state, batch, loss, grads) -> (state, loss)``, run where the runtimes otherwise run
     # ``tx``'s update. None: a declared step, updated by ``tx``.
     post: Any = None
+    # Where the parameters are in the state (key names, ``key_names``; () for the state itself):
+    # the subtree the user's step differentiates (``autopar.pipeline.user``).
+    params_path: tuple[str, ...] = ("params",)
+    # Parameters that are not nested dicts of string keys (an ``nnx.State``, an Equinox module,
+    # a tuple): their ``ParamsView``. The functions above take the dict view; ``split`` takes
+    # the user's tree and ``join`` gives it back. None: the params are such dicts already.
+    view: Any = None
 
     def _path(self) -> tuple[str, ...]:
         return self.layers_path or (self.layers_key,)
 
-    def split(self, params: dict) -> tuple[Any, dict]:
-        """(stacked layer params, the rest)."""
+    def params_of(self, state):
+        """The parameters in a training state (``params_path``)."""
+        return params_at(state, self.params_path)
+
+    def split(self, params) -> tuple[Any, dict]:
+        """(stacked layer params, the rest), both in the dict view. ``params`` in the runtime's
+        layout: the user's tree, or an unrolled model's stacked dict (``stacking``)."""
+        if self.view is not None and self.stacking is None:
+            params = self.view.to_dict(params)
         return _pop(params, self._path())
 
-    def join(self, layers, rest: dict) -> dict:
-        return _put(rest, self._path(), layers)
+    def join(self, layers, rest: dict):
+        """``split``'s inverse: the parameters (or gradients) in the runtime's layout."""
+        joined = _put(rest, self._path(), layers)
+        if self.view is not None and self.stacking is None:
+            return self.view.from_dict(joined)
+        return joined
 
     def loss(self, params: dict, batch: dict):
         """The unpipelined loss, for tests and the reference."""
@@ -84,8 +108,106 @@ def _put(tree: dict, path: tuple[str, ...], value) -> dict:
 
 
 def key_names(path) -> tuple[str, ...]:
-    """A jax key path (dict keys, attributes, indices) as strings."""
-    return tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+    """A jax key path (dict keys, attributes, indices) as strings: ``("opt_state", "0", "mu")``,
+    as ``autopar.strategies.roles.path_keys`` reads a key path's string."""
+    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def children(node) -> list[tuple[str, Any]]:
+    """``(key name, child)`` of a pytree node's direct children (none for a leaf); a ``None``
+    child (an empty subtree) is listed too."""
+    if jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(node)) and node is not None:
+        return []
+    flat, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+    return [(key_names(p)[0], child) for p, child in flat]
+
+
+def get_path(tree, path: tuple[str, ...]):
+    """The subtree of any pytree at a path of key names (``key_names``)."""
+    for name in path:
+        kids = dict(children(tree))
+        if name not in kids:
+            raise AutoparError(f"no subtree {name!r} below {'/'.join(path)!r}: the tree there "
+                               f"is a {type(tree).__name__} with {sorted(kids)[:12]}")
+        tree = kids[name]
+    return tree
+
+
+def set_path(tree, path: tuple[str, ...], value):
+    """``tree`` with the subtree at ``path`` (key names) replaced by ``value``, its nodes'
+    types kept."""
+    if not path:
+        return value
+    flat, tdef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree)
+    names = [key_names(p)[0] for p, _ in flat]
+    if path[0] not in names:
+        raise AutoparError(f"no subtree {path[0]!r} in a {type(tree).__name__} with "
+                           f"{sorted(names)[:12]}")
+    return jax.tree_util.tree_unflatten(tdef, [
+        set_path(child, path[1:], value) if n == path[0] else child
+        for n, (_, child) in zip(names, flat)])
+
+
+def params_at(state, path: tuple[str, ...] = ("params",)):
+    """The parameters at ``path`` in a training state, else an error naming what is there."""
+    try:
+        return get_path(state, path)
+    except AutoparError as e:
+        raise AutoparError(f"a pipelined step's state holds its parameters at "
+                           f"{'/'.join(path) or 'the top'} (where the step's "
+                           f"autopar.value_and_grad found them, or 'params' of a declared "
+                           f"step's dict); this state has none there ({e}); pass the state "
+                           f"the step was planned for") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamsView:
+    """A parameter tree of any pytree type as nested dicts keyed by its key names
+    (``key_names``) and back: ``nnx.State`` ``blocks/0/attn/kernel/value``, an Equinox module's
+    ``blocks/0/attn/query_proj/weight``. The pipeline's functions, stacking and layouts work on
+    the dict view; the user's step sees its own tree. ``paths``: each leaf's key names in the
+    tree's flattening order; ``tree``: its structure."""
+
+    paths: tuple[tuple[str, ...], ...]
+    tree: Any
+
+    def __repr__(self) -> str:
+        return f"ParamsView({len(self.paths)} leaves of a {self.tree.node_data()[0].__name__})"
+
+    @staticmethod
+    def of(params) -> ParamsView | None:
+        """The view of ``params``, or None when the params are string-keyed dicts already (the
+        view would be the tree itself)."""
+        flat, tree = jax.tree_util.tree_flatten_with_path(params)
+        view = ParamsView(tuple(key_names(p) for p, _ in flat), tree)
+        if len(set(view.paths)) != len(view.paths):
+            seen = [p for p in view.paths if view.paths.count(p) > 1][0]
+            raise AutoparError(f"two parameters have the key path {'/'.join(seen)} (keys that "
+                               f"differ only in type, like 0 and '0'); give them distinct keys")
+        as_dict = view.to_dict(params)
+        return None if jax.tree_util.tree_structure(as_dict) == tree else view
+
+    def to_dict(self, tree) -> dict:
+        out: dict = {}
+        for path, leaf in zip(self.paths, self.tree.flatten_up_to(tree)):
+            node = out
+            for k in path[:-1]:
+                node = node.setdefault(k, {})
+            node[path[-1]] = leaf
+        return out
+
+    def from_dict(self, d) -> Any:
+        leaves = []
+        for path in self.paths:
+            node = d
+            for k in path:
+                node = node[k]
+            leaves.append(node)
+        return jax.tree_util.tree_unflatten(self.tree, leaves)
+
+    def is_user(self, tree) -> bool:
+        """Whether ``tree`` has the user's structure (not the dict view)."""
+        return jax.tree_util.tree_structure(tree) == self.tree
 
 
 def tensor_dim(tensor_dims: Mapping[str, int], keys) -> int | None:
@@ -110,8 +232,9 @@ def staged_model_of(step: Callable, args=None) -> StagedModel:
         name = getattr(step, "__name__", type(step).__name__)
         raise AutoparError(
             f"pipeline= needs a step that declares its layers, and {name} does not: call "
-            f"the loss as autopar.value_and_grad(loss_fn)(state['params'], batch) in place of "
-            f"jax.value_and_grad (the step is then cut at that call), build it "
+            f"the loss as autopar.value_and_grad(loss_fn)(params, batch) in place of "
+            f"jax.value_and_grad, params any subtree of the state (state['params'], "
+            f"state[0]) (the step is then cut at that call), build it "
             f"from its loss with autopar.pipeline.derive.train_step(loss_fn, tx, params) "
             f"(stages cut from the loss's traced program, for a model that loops over "
             f"numbered layers), with autopar.pipeline.model.gpt_train_step(cfg) for "

@@ -128,7 +128,7 @@ class MpmdStep(R.PipelinedStep):
 
         require_stacked(self.stacking, state)
         st, state, batch = self._placed(state, batch)
-        loss, grads = self.runner.loss_and_grads(state["params"], batch)
+        loss, grads = self.runner.loss_and_grads(self.runner.model.params_of(state), batch)
         return self.runner.update(state, grads, st, batch=batch, loss=loss)
 
     def _one_process(self, what: str) -> None:
@@ -165,7 +165,8 @@ class MpmdStep(R.PipelinedStep):
             temp = program.lower(*args).compile().memory_analysis().temp_size_in_bytes
             peak[0] = max(peak[0], max(_held_bytes((state, args, outs, held)).values()) + temp)
 
-        loss, grads = self.runner.loss_and_grads(state["params"], batch, watch=watch)
+        loss, grads = self.runner.loss_and_grads(self.runner.model.params_of(state), batch,
+                                                 watch=watch)
         new = self.runner.update(state, grads, st, watch=watch, batch=batch, loss=loss)
         jax.block_until_ready(new)
         return peak[0]
@@ -195,7 +196,8 @@ class MpmdStep(R.PipelinedStep):
                 times.append(time.perf_counter() - t0)
             out[key] = statistics.median(times)
 
-        jax.block_until_ready(self.runner.loss_and_grads(state["params"], batch, watch=watch))
+        jax.block_until_ready(self.runner.loss_and_grads(self.runner.model.params_of(state), batch,
+                                                 watch=watch))
         return out
 
 

@@ -880,7 +880,7 @@ def plan(fn, args, mesh, *, hardware=None, memory_budget=None, pipeline="auto",
 
     budget = parse_budget(memory_budget)
     budget = hw.memory_bytes if budget is None else budget
-    pp = choose(model, state["params"], batch, pins, sizes, hw, budget, time_limit_s,
+    pp = choose(model, model.params_of(state), batch, pins, sizes, hw, budget, time_limit_s,
                 stage_strategy)
     if model.stacking is not None:       # the plan's graph: the user's step, stacked layout
         from autopar.pipeline.unrolled import stacked_step

@@ -274,7 +274,7 @@ def build_step(model: StagedModel, mesh, schedule: S.Schedule, axis: str = "stag
         return loss, model.join(jax.tree_util.tree_map(lay.from_stages, g_layers), g_rest)
 
     def step(state, batch):
-        params = state["params"]
+        params = model.params_of(state)
         loss, g = loss_and_grads(params, batch)
         if model.post is not None:      # the user's own step after its value_and_grad
             return model.post(state, batch, loss, g)

@@ -25,12 +25,13 @@ import dataclasses
 import math
 import re
 from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from autopar.errors import AutoparError
-from autopar.pipeline.model import key_names
+from autopar.pipeline.model import key_names, params_at
 
 _NUMBERED = re.compile(r"^(.*?)(\d+)$")
 
@@ -52,6 +53,11 @@ class Stacking:
     key: str
     whole: bool
     views: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...] = ()
+    # Parameters that are not string-keyed dicts (``autopar.pipeline.model.ParamsView``): the
+    # layers are found and stacked in the dict view, which is the stacked layout's type.
+    view: Any = None
+    # Where the parameters are in the training state (key names; () for the state itself).
+    params_path: tuple[str, ...] = ("params",)
 
     @property
     def layers_path(self) -> tuple[str, ...]:
@@ -66,6 +72,8 @@ class Stacking:
 
     # ---- parameters ---------------------------------------------------------------------------
     def stack(self, params):
+        if self.view is not None and self.view.is_user(params):
+            params = self.view.to_dict(params)
         node = _get(params, self.parent)
         stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *(node[n] for n in
                                                                       self.names()))
@@ -80,10 +88,12 @@ class Stacking:
         layers = {n: jax.tree_util.tree_map(lambda x, i=i: x[i], stacked)
                   for i, n in enumerate(self.names())}
         if self.whole:
-            return _set(params, self.parent, _like(stacked, layers))
-        node = _get(params, self.parent)
-        kept = {k: v for k, v in node.items() if k != self.key}
-        return _set(params, self.parent, _like(node, {**kept, **layers}))
+            out = _set(params, self.parent, _like(stacked, layers))
+        else:
+            node = _get(params, self.parent)
+            kept = {k: v for k, v in node.items() if k != self.key}
+            out = _set(params, self.parent, _like(node, {**kept, **layers}))
+        return out if self.view is None else self.view.from_dict(out)
 
     def _reshaped(self, layers, *, stacked: bool):
         """The stacked ``(L, ...)`` leaves ``views`` names in the stacked layout's shapes
@@ -100,6 +110,8 @@ class Stacking:
 
     def layout(self, params) -> str | None:
         """``"user"``, ``"stacked"`` or ``None`` (neither) of a params tree."""
+        if self.view is not None and self.view.is_user(params):
+            params = self.view.to_dict(params)
         try:
             node = _get(params, self.parent)
         except (KeyError, TypeError):
@@ -115,19 +127,16 @@ class Stacking:
 
     # ---- training state -----------------------------------------------------------------------
     def stack_state(self, state):
-        """``{"params", "opt_state", ...}`` in the stacked layout: the parameters and every
+        """The training state (``{"params", "opt_state", ...}``, or any tree holding the
+        parameters at ``params_path``) in the stacked layout: the parameters and every
         optimizer-state subtree shaped like them (Adam's moments), the rest as it was."""
-        return _map_like(self.stack, state, _params_of(state))
+        return _map_like(self.stack, state, self.params_of(state))
 
     def unstack_state(self, state):
-        return _map_like(self.unstack, state, _params_of(state))
+        return _map_like(self.unstack, state, self.params_of(state))
 
-
-def _params_of(state):
-    if not isinstance(state, Mapping) or "params" not in state:
-        raise AutoparError(f"a pipelined step's state is a dict with a 'params' entry (and "
-                           f"'opt_state'); got {type(state).__name__}")
-    return state["params"]
+    def params_of(self, state):
+        return params_at(state, self.params_path)
 
 
 def _map_like(fn, tree, like):
@@ -135,7 +144,8 @@ def _map_like(fn, tree, like):
     pdef = jax.tree_util.tree_structure(like)
 
     def match(x) -> bool:
-        return isinstance(x, Mapping) and jax.tree_util.tree_structure(x) == pdef
+        return (not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x))
+                and jax.tree_util.tree_structure(x) == pdef)
 
     return jax.tree_util.tree_map(lambda x: fn(x) if match(x) else x, tree, is_leaf=match)
 
@@ -229,7 +239,7 @@ def stacked_state(stacking: Stacking | None, state, *, abstract: bool):
     ``abstract``) when it is the user's layout, else an error naming what was found."""
     if stacking is None:
         return state
-    kind = stacking.layout(_params_of(state))
+    kind = stacking.layout(stacking.params_of(state))
     if kind == "stacked":
         return state
     if kind == "user":
@@ -243,7 +253,7 @@ def stacked_state(stacking: Stacking | None, state, *, abstract: bool):
 
 def require_stacked(stacking: Stacking | None, state) -> None:
     """The pipelined step's own check: it runs on the stacked layout only."""
-    if stacking is None or stacking.layout(_params_of(state)) == "stacked":
+    if stacking is None or stacking.layout(stacking.params_of(state)) == "stacked":
         return
     stacked_state(stacking, state, abstract=True)       # neither layout: that error
     raise AutoparError(f"this pipelined step runs on the stacked layout, and the state has the "

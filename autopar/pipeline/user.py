@@ -21,11 +21,32 @@ call:
    pipeline runtimes run it where they ran the declared step's optimizer: in the lockstep
    step's one program, or as the MPMD runtime's one program over the whole mesh.
 
-The state must be a dict holding the parameters under ``"params"`` and the marked call must
-take ``(state["params"], batch)`` as the step received them (the pipeline splits exactly those);
-the step must return ``(state, loss)``. An unrolled model's state runs in its stacked layout
-(``step.stack_state``), its ``post`` replayed on the user's layout inside the same program
-(``unrolled.stacked_step``).
+The parameters are the subtree of the state that the marked call takes as its first argument,
+as the step received it: ``state["params"]``, ``state[0]`` of a ``(params, opt_state)`` tuple,
+``state["model"]`` beside other entries, or the whole state (``_located`` finds it among the
+traced step's inputs; ``StagedModel.params_path`` records where). Its type is the user's: an
+``nnx.State`` from ``nnx.split``, an Equinox module from ``eqx.partition``, nested dicts; the
+pipeline cuts, stacks and lays out its dict view (``autopar.pipeline.model.ParamsView``), and
+``post`` sees the user's own tree. Flax NNX, as its functional API teaches::
+
+    graphdef, params = nnx.split(model, nnx.Param)
+
+    def loss_fn(params, batch):
+        return xent(nnx.merge(graphdef, params)(batch["tokens"]), batch["targets"])
+
+    def step(state, batch):                   # state = (params, opt_state)
+        params, opt_state = state
+        loss, grads = autopar.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), loss
+
+and Equinox alike (``params, static = eqx.partition(model, eqx.is_array)``, the loss
+``eqx.combine(params, static)``). The marked call's other argument must be the step's whole
+batch (the pipeline splits it into microbatches), and the step must return ``(state, loss)``
+with the state in the structure it was given. An unrolled model's state runs in its stacked
+layout (``step.stack_state``; its first call converts the user's), its ``post`` replayed on the
+user's layout inside the same program (``unrolled.stacked_step``); ``step.unstack_state`` gives
+the user's tree back. A scanned model's state keeps the user's layout throughout.
 """
 from __future__ import annotations
 
@@ -37,12 +58,15 @@ import jax
 from jax.extend import core as jcore
 
 from autopar.errors import AutoparError
+from autopar.pipeline.model import key_names
 
 MARK = "autopar_value_and_grad_"
 # token -> the loss a marked call differentiates; the token is in the marked program's name, so
 # a traced step names its loss even where jax reuses a cached trace of it
 _losses: dict[int, Callable] = {}
 _tokens: dict[int, int] = {}
+# token -> (tree of its first argument, tree of the others, their count) as last traced
+_trees: dict[int, tuple] = {}
 
 
 def value_and_grad(fun: Callable, argnums: int = 0, has_aux: bool = False) -> Callable:
@@ -60,6 +84,8 @@ def value_and_grad(fun: Callable, argnums: int = 0, has_aux: bool = False) -> Ca
     vg = jax.value_and_grad(fun)
 
     def marked(*args):
+        _trees[token] = (jax.tree_util.tree_structure(args[0]),
+                         jax.tree_util.tree_structure(args[1:]), len(args))
         return vg(*args)
 
     marked.__name__ = marked.__qualname__ = f"{MARK}{token}"
@@ -73,6 +99,7 @@ class Split:
 
     loss_fn: Callable
     post: Callable
+    params_path: tuple[str, ...] = ("params",)    # key names of the parameters in the state
 
 
 def split(step: Callable, state, batch) -> Split | None:
@@ -94,21 +121,7 @@ def split(step: Callable, state, batch) -> Split | None:
         raise AutoparError(f"the step calls autopar.value_and_grad {len(at)} times; a pipelined "
                            f"step differentiates one loss")
     eqn = jaxpr.eqns[at[0]]
-    if not isinstance(state, dict) or "params" not in state:
-        raise AutoparError(f"a pipelined step's state must be a dict with the parameters under "
-                           f"'params'; got {type(state).__name__}"
-                           + (f" with keys {sorted(state)}" if isinstance(state, dict) else ""))
-    flat, _ = jax.tree_util.tree_flatten_with_path(abstract)
-    where = {id(v): jax.tree_util.keystr(p) for v, (p, _) in zip(jaxpr.invars, flat)}
-    want = [v for v, (p, _) in zip(jaxpr.invars, flat)
-            if jax.tree_util.keystr(p).startswith("[0]['params']")]
-    want += jaxpr.invars[len(jax.tree_util.tree_leaves(state)):]
-    got = list(eqn.invars)
-    if len(got) != len(want) or any(a is not b for a, b in zip(got, want)):
-        seen = ", ".join(where.get(id(v), "a value the step computed") for v in got[:3])
-        raise AutoparError(f"autopar.value_and_grad(loss)(...) must be called on "
-                           f"(state['params'], batch) as the step received them (the pipeline "
-                           f"splits exactly those); its arguments here start with {seen}")
+    path = _located(jaxpr, eqn, abstract, _trees.get(_token(eqn)))
     info = jaxpr.debug_info
     if info is not None and info.arg_names is not None:   # names for the added inputs too
         try:
@@ -123,6 +136,11 @@ def split(step: Callable, state, batch) -> Split | None:
     out_tree = jax.tree_util.tree_structure(out_shape)
     if out_tree.num_leaves < 1 or not (isinstance(out_shape, tuple) and len(out_shape) == 2):
         raise AutoparError("a pipelined step must return (state, loss)")
+    if jax.tree_util.tree_structure(abstract[0]) != jax.tree_util.tree_structure(out_shape[0]):
+        raise AutoparError(f"a pipelined step returns its state in the layout it was given (the "
+                           f"pipeline keeps it in place between steps), and this one does not: "
+                           f"{_differs(abstract[0], out_shape[0])}; return the new state with "
+                           f"the same structure")
 
     def post(state, batch, loss, grads):
         leaves = [*jax.tree_util.tree_leaves((state, batch)), loss,
@@ -130,7 +148,69 @@ def split(step: Callable, state, batch) -> Split | None:
         outs = post_fn(*leaves)
         return jax.tree_util.tree_unflatten(out_tree, outs)
 
-    return Split(_losses[_token(eqn)], post)
+    return Split(_losses[_token(eqn)], post, path)
+
+
+def _differs(given, got) -> str:
+    """Where two trees' structures first differ, in words."""
+    paths = [[jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(t)[0]]
+             for t in (given, got)]
+    for a, b in zip(*paths):
+        if a != b:
+            return f"the state's leaf state{a} comes back as state{b}"
+    n, m = map(len, paths)
+    if n != m:
+        return f"it was given {n} leaves and returns {m}"
+    return (f"its node types differ (given {type(given).__name__}, returned "
+            f"{type(got).__name__}, or a node below)")
+
+
+def _located(jaxpr, eqn, abstract, trees) -> tuple[str, ...]:
+    """The key names of the subtree of the step's state that the marked call takes as its
+    first argument (the parameters), its other argument being the step's batch; else an
+    ``AutoparError`` naming what it takes."""
+    flat = jax.tree_util.tree_flatten_with_path(abstract)[0]
+    where = {id(v): jax.tree_util.keystr(p) for v, (p, _) in zip(jaxpr.invars, flat)}
+    n_state = len(jax.tree_util.tree_leaves(abstract[0]))
+    batch = list(jaxpr.invars[n_state:])
+    got = list(eqn.invars)
+    first = trees[0].num_leaves if trees is not None else len(got) - len(batch)
+    seen = ", ".join(where.get(id(v), "a value the step computed") for v in got[:3])
+    usage = (f"autopar.value_and_grad(loss)(...) must be called on (state['params'], batch) "
+             f"as the step received them, or with another subtree of the state in place of "
+             f"state['params'] (state[0], state.params: the parameters), and the step's whole "
+             f"batch (the pipeline splits exactly those); its arguments here start with "
+             f"{seen}")
+    rest = got[first:]
+    if trees is not None and (trees[1] != jax.tree_util.tree_structure((abstract[1],))):
+        raise AutoparError(f"{usage}; it takes {trees[2]} arguments, and those after the "
+                           f"parameters are not the step's batch: call it as "
+                           f"loss(params, batch)")
+    if len(rest) != len(batch) or any(a is not b for a, b in zip(rest, batch)):
+        raise AutoparError(usage)
+    ids = {id(v): i for i, v in enumerate(jaxpr.invars[:n_state])}
+    pos = [ids.get(id(v)) for v in got[:first]]
+    if not pos or None in pos or pos != list(range(pos[0], pos[0] + first)):
+        raise AutoparError(usage)
+    paths = [flat[i][0][1:] for i in pos]          # key paths below the state
+    common = paths[0]
+    for p in paths[1:]:
+        n = next((i for i, (a, b) in enumerate(zip(common, p)) if a != b), min(len(common),
+                                                                              len(p)))
+        common = common[:n]
+    for n in range(len(common), -1, -1):        # the subtree with exactly those leaves
+        sub = _subtree(abstract[0], common[:n])
+        tree = jax.tree_util.tree_structure(sub)
+        if tree.num_leaves == first and (trees is None or tree == trees[0]):
+            return key_names(common[:n])
+    raise AutoparError(usage)
+
+
+def _subtree(tree, keypath):
+    for key in keypath:
+        tree = next(c for p, c in jax.tree_util.tree_flatten_with_path(
+            tree, is_leaf=lambda x, t=tree: x is not t)[0] if p[0] == key)
+    return tree
 
 
 def _unwrapped(closed):
@@ -168,12 +248,17 @@ def staged(step: Callable, state, batch) -> Any | None:
     into stages (``derive.staged``), the rest of the step as its ``post``; declared on ``step``
     for later calls. ``None`` when the step has no marked call."""
     from autopar.pipeline.derive import staged as derive_staged
-    from autopar.pipeline.model import declare
+    from autopar.pipeline.model import declare, get_path
 
     cut = split(step, state, batch)
     if cut is None:
         return None
-    model = derive_staged(cut.loss_fn, None, state["params"])
+    params = get_path(state, cut.params_path)
+    model = derive_staged(cut.loss_fn, None, params)
+    model = dataclasses.replace(model, params_path=cut.params_path)
+    if model.stacking is not None:
+        model = dataclasses.replace(model, stacking=dataclasses.replace(
+            model.stacking, params_path=cut.params_path))
     post = cut.post
     if model.stacking is not None:      # the runtime's stacked layout, the step's own inside
         stacking = model.stacking
