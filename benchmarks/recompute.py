@@ -132,7 +132,7 @@ def llama_rows() -> list[tuple]:
 
 # Part 3, run in a child process: XLA_FLAGS must hold the scheduler flag before jax starts.
 _UNROLLED_CHILD = """
-import dataclasses, json
+import dataclasses, json, sys
 import jax
 from jax.extend import core as jcore
 import ir
@@ -140,9 +140,11 @@ from autopar import api, hlo
 from autopar.models import zoo
 from ir import recompute, recompute_unrolled
 
-cfg = zoo.Config(layers=4, width=128, seq=64, ff=512, heads=4, batch=16)
+quick = sys.argv[1] == "quick"
+cfg = (zoo.Config(layers=2, width=64, seq=32, ff=128, heads=4, batch=8) if quick else
+       zoo.Config(layers=4, width=128, seq=64, ff=512, heads=4, batch=16))
 out = []
-for name in ("linen_lm", "nnx_lm"):
+for name in ("linen_lm",) if quick else ("linen_lm", "nnx_lm"):
     step, params, opt, batch = getattr(zoo, name)(cfg, abstract=True)
     graph = ir.trace(step, params, opt, batch)
     closed, site = recompute.unrolled_site(graph)
@@ -164,9 +166,10 @@ print(json.dumps(out))
 """
 
 
-def unrolled_rows() -> list[tuple]:
+def unrolled_rows(quick: bool = False) -> list[tuple]:
     env = dict(os.environ, XLA_FLAGS="--xla_cpu_enable_concurrency_optimized_scheduler=false")
-    run = subprocess.run([sys.executable, "-c", _UNROLLED_CHILD], capture_output=True,
+    run = subprocess.run([sys.executable, "-c", _UNROLLED_CHILD, "quick" if quick else "full"],
+                         capture_output=True,
                          text=True, timeout=1200, env=env)
     if run.returncode != 0:
         raise RuntimeError(run.stderr[-3000:])
@@ -243,15 +246,17 @@ def main() -> None:
              "",
              "## Unrolled layers rewritten, one CPU device, XLA:CPU's memory-minimizing "
              "scheduler", "",
-             "Flax linen and Flax NNX LMs of `autopar.models.zoo` (4 unrolled layers, width "
-             "128, seq 64, batch 16). Predicted: the H100 profile's memory model on the "
+             ("Flax linen LM of `autopar.models.zoo` (--quick: 2 unrolled layers, width 64, "
+              "seq 32, batch 8). " if args.quick else
+              "Flax linen and Flax NNX LMs of `autopar.models.zoo` (4 unrolled layers, width "
+              "128, seq 64, batch 16). ") + "Predicted: the H100 profile's memory model on the "
              "rewritten step (GPU scheduling); measured: XLA:CPU's peak (arguments + outputs + "
              "temporaries) under `--xla_cpu_enable_concurrency_optimized_scheduler=false`. "
              "XLA:CPU's default scheduler runs a replay as soon as its inputs exist, which is "
              "why the planner offers this off CPU only.", "",
              _common.md_table(("model", "policy", "dropped MiB (all layers)",
                                "pred peak MiB", "XLA peak MiB", "pred/XLA",
-                               "pred / plain", "XLA / plain"), unrolled_rows()),
+                               "pred / plain", "XLA / plain"), unrolled_rows(args.quick)),
              "",
              f"Wall time {time.perf_counter() - t0:.0f} s. Environment: "
              f"{_common.environment()}.", "",
