@@ -182,9 +182,21 @@ def _fallback_lines(plan, max_rows: int) -> list[str]:
 
 def _recompute_lines(plan) -> list[str]:
     """The memory decisions (``Plan.recompute``): what the backward pass recomputes."""
+    lines = []
+    ruled = plan.solver.ruled_out
+    if ruled is not None:
+        lines = ["", f"the memory budget binds: the {ruled[0]!r} start is predicted "
+                     f"{plan.cost.step_time_s / ruled[1]:.2f}x faster than this plan but needs "
+                     f"{ruled[2] / 2**30:.3f} GiB per device"]
     if not plan.recompute:
-        return []
-    return ["", "recomputed in the backward pass (the plan does not fit its budget without):"] + [
+        return lines
+    budget = plan.cost.memory_budget_bytes
+    traded = budget is not None and all(
+        r.no_recompute_peak_bytes is not None and r.no_recompute_peak_bytes <= budget
+        for r in plan.recompute)
+    why = ("faster than the best plan without it, whose layouts the budget bound" if traded
+           else "the plan does not fit its budget without")
+    return lines + ["", f"recomputed in the backward pass ({why}):"] + [
         f"  {r}" for r in plan.recompute]
 
 

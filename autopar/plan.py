@@ -25,7 +25,8 @@ from autopar.sharding import Sharding, to_spec
 # 7: offload: the arguments held in host memory between steps.
 # 8: mesh_candidates: the mesh shapes the planner tried where the call left the shape open.
 # 9: pipeline.runtime: "lockstep" or "mpmd" (an 8 plan's pipeline ran lockstep).
-FORMAT_VERSION = 9
+# 10: solver.ruled_out: the faster start the memory budget ruled out (optional on load).
+FORMAT_VERSION = 10
 # Prefix of the strategy names of ops run replicated for want of a rule (planner.rules uses it).
 FALLBACK = "replicated: "
 PIN_SLOTS = ("out", "in", "arg", "res")
@@ -177,6 +178,10 @@ class SolverStats:
     num_constraints: int
     candidates: int = 0      # > 0: solved over at most this many strategies per decision group
     folded: int = 0          # > 0: planned with this many copies of a repeated layer folded out
+    # The cheapest hand-written start the memory budget ruled out, where it is predicted faster
+    # than the plan: (its name, its step in s, its peak in bytes per device). The budget binds
+    # the plan's layouts; recomputation may buy that speed back (``planner.make_plan``).
+    ruled_out: tuple[str, float, float] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -535,10 +540,15 @@ def _kind_pairs(x, where: str) -> tuple[tuple[str, float], ...]:
 
 def _solver_stats(x) -> SolverStats:
     d = J.fields(x, "solver", [f.name for f in dataclasses.fields(SolverStats)],
-                 optional=("candidates", "folded"))
-    d = {"candidates": 0, "folded": 0, **d}
+                 optional=("candidates", "folded", "ruled_out"))
+    d = {"candidates": 0, "folded": 0, "ruled_out": None, **d}
     ints = ("num_groups", "num_vars", "num_constraints", "candidates", "folded")
-    return SolverStats(status=J.text(d["status"], "solver.status"),
+    ruled = d["ruled_out"]
+    if ruled is not None:
+        name, step, peak = J.seq(ruled, "solver.ruled_out", 3)
+        ruled = (J.text(name, "solver.ruled_out"), J.number(step, "solver.ruled_out"),
+                 J.number(peak, "solver.ruled_out"))
+    return SolverStats(status=J.text(d["status"], "solver.status"), ruled_out=ruled,
                        gap=None if d["gap"] is None else J.number(d["gap"], "solver.gap"),
                        **{n: J.number(d[n], f"solver.{n}") for n in ("solve_s", "build_s",
                                                                   "trace_s")},

@@ -23,6 +23,12 @@ NNX LMs, 4 unrolled layers), each policy's XLA peak beside the planner's predict
 this is a cross-check of the rewrite's effect, not of the CPU memory model) and beside
 ``jax.checkpoint``'s own effect on XLA:CPU's default scheduler.
 
+Part 4 (measured, 8 CPU devices as ``{data: 8}``): Mist's trade, a step that fits its budget
+but whose budget rules out a faster layout (``SolverStats.ruled_out``): a scanned GPT of width
+384 under 0.9x its plain plan's peak, planned without memory decisions (``memory_decisions=()``)
+and with them (the planner may then trade recomputation for that layout), and without a
+budget; all run, timed in interleaved rounds, XLA's peaks beside the predictions.
+
 Part 2 (measured, 8 CPU devices as 2x4): a small scanned GPT whose activations outweigh its
 parameters, planned plain, then under 0.6x the plain plan's peak; each plan compiled and run,
 XLA's peak (``memory_analysis``) beside the prediction, and the step timed in interleaved
@@ -187,14 +193,24 @@ def unrolled_rows(quick: bool = False) -> list[tuple]:
     return rows
 
 
-def small_rows(runs: int = RUNS) -> tuple[list[tuple], float]:
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
-    step, state, batch = gpt.concrete(SMALL, SMALL_ROWS)
-    plain = autopar.plan(step, state, batch, mesh=mesh, hardware="cpu", time_limit_s=10)
-    budget = 0.6 * plain.cost.peak_memory_bytes
-    steps = {"plain": autopar.autoparallel(step, mesh=mesh, hardware="cpu", time_limit_s=10),
-             "under 0.6x the plain peak": autopar.autoparallel(
-                 step, mesh=mesh, hardware="cpu", time_limit_s=10, memory_budget=budget)}
+TRADE = gpt.GPTConfig(scan=True, layers=4, d_model=384, seq=128, d_ff=1536, heads=4, vocab=64)
+
+
+def trade_rows(runs: int = 7) -> tuple[list[tuple], float]:
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",))
+    step, state, batch = gpt.concrete(TRADE, SMALL_ROWS)
+    plain = autopar.plan(step, state, batch, mesh=mesh, hardware="cpu", time_limit_s=5)
+    budget = 0.9 * plain.cost.peak_memory_bytes
+    kw = dict(mesh=mesh, hardware="cpu", time_limit_s=5, memory_budget=budget)
+    steps = {"no budget": autopar.autoparallel(step, mesh=mesh, hardware="cpu",
+                                               time_limit_s=5),
+             "budget, no memory decisions": autopar.autoparallel(step, memory_decisions=(),
+                                                                 **kw),
+             "budget, memory decisions (the trade)": autopar.autoparallel(step, **kw)}
+    return _timed(steps, state, batch, runs), budget
+
+
+def _timed(steps: dict, state, batch, runs: int) -> list[tuple]:
     for s in steps.values():
         jax.block_until_ready(s(state, batch))            # plan, compile, warm
     times = {k: [] for k in steps}
@@ -213,7 +229,18 @@ def small_rows(runs: int = RUNS) -> tuple[list[tuple], float]:
                      f"{plan.cost.step_time_s / meas:.2f}",
                      f"{mem.predicted / 2**20:.2f}", f"{mem.measured / 2**20:.2f}",
                      f"{mem.predicted / mem.measured:.3f}"))
-    return rows, budget
+    return rows
+
+
+def small_rows(runs: int = RUNS) -> tuple[list[tuple], float]:
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    step, state, batch = gpt.concrete(SMALL, SMALL_ROWS)
+    plain = autopar.plan(step, state, batch, mesh=mesh, hardware="cpu", time_limit_s=10)
+    budget = 0.6 * plain.cost.peak_memory_bytes
+    steps = {"plain": autopar.autoparallel(step, mesh=mesh, hardware="cpu", time_limit_s=10),
+             "under 0.6x the plain peak": autopar.autoparallel(
+                 step, mesh=mesh, hardware="cpu", time_limit_s=10, memory_budget=budget)}
+    return _timed(steps, state, batch, runs), budget
 
 
 def main() -> None:
@@ -243,8 +270,15 @@ def main() -> None:
              f"{budget / 2**20:.2f} MiB = 0.6 x the plain plan's peak)", "",
              _common.md_table(("plan", "recomputed", "pred step ms", "meas step ms",
                                "pred/meas", "pred peak MiB", "XLA peak MiB", "pred/XLA"), rows),
-             "",
-             "## Unrolled layers rewritten, one CPU device, XLA:CPU's memory-minimizing "
+             ""]
+    if not args.quick:
+        trade, tbudget = trade_rows()
+        text += [f"## Mist's trade: a scanned GPT of width 384 on {{data: 8}} CPU devices, "
+                 f"measured (budget {tbudget / 2**20:.2f} MiB = 0.9 x the plain plan's peak)",
+                 "", _common.md_table(("plan", "recomputed", "pred step ms", "meas step ms",
+                                       "pred/meas", "pred peak MiB", "XLA peak MiB",
+                                       "pred/XLA"), trade), ""]
+    text += ["## Unrolled layers rewritten, one CPU device, XLA:CPU's memory-minimizing "
              "scheduler", "",
              ("Flax linen LM of `autopar.models.zoo` (--quick: 2 unrolled layers, width 64, "
               "seq 32, batch 8). " if args.quick else

@@ -19,6 +19,8 @@ mesh auto's predicted and measured ratio against the best other plan.
     python benchmarks/zoo.py                 # every model, both meshes (about 40 min on 2 cores)
     python benchmarks/zoo.py --quick         # one tiny model, one mesh
     python benchmarks/zoo.py --only nnx_lm   # some models, results merged into the files
+    python benchmarks/zoo.py --check-plans   # plan only (4 min): which rows' predicted steps
+                                             # differ from the committed zoo.csv
 
 Writes ``benchmarks/results/zoo.md`` and ``zoo.csv``.
 """
@@ -245,11 +247,38 @@ def _targets(summ: list[dict], label: str) -> str:
             f"measured best on {ranked} of {len(summ)} rows ({ranked / len(summ):.0%})")
 
 
+def check_plans(csv_path) -> int:
+    """Plan every row again, measure nothing, and print the rows whose predicted step differs
+    from ``csv_path``'s by more than 0.1%: whether a planner change leaves the committed
+    measurements describing the plans it makes now. Returns how many differ."""
+    with open(csv_path) as f:
+        old = {(r["model"], r["step"], r["mesh"], r["strategy"]): r["pred_ms"]
+               for r in csv.DictReader(f)}
+    changed, total = [], 0
+    for case in cases(False):
+        fn, args = case.build()
+        for sizes in MESHES:
+            for name, plan in _plans(case, fn, args, _mesh(sizes)).items():
+                key = (case.name, case.step, _common.mesh_str(sizes), name)
+                new = plan.cost.step_time_s * 1e3
+                was = old.get(key, "-")
+                total += 1
+                if was in ("-", "") or abs(new / float(was) - 1) > 1e-3:
+                    changed.append(f"{' '.join(key)}: {was} -> {new:.4f} ms")
+    print(f"{len(changed)} of {total} rows' predicted steps differ from {csv_path.name}")
+    print("\n".join(changed))
+    return len(changed)
+
+
 def main() -> None:
     p = _common.parser(__doc__)
     p.add_argument("--only", nargs="*", default=None, help="model names to run (merged)")
     p.add_argument("--runs", type=int, default=21)
+    p.add_argument("--check-plans", action="store_true",
+                   help="plan only; list rows whose predicted step differs from zoo.csv")
     args = p.parse_args()
+    if args.check_plans:
+        raise SystemExit(1 if check_plans(_common.out_dir(args) / "zoo.csv") else 0)
     runs = 2 if args.quick else args.runs
     meshes = MESHES[1:] if args.quick else MESHES
     out = _common.out_dir(args)

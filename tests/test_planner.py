@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import re
+import types
 from collections import Counter
 
 import jax
@@ -502,13 +503,55 @@ def test_a_start_over_the_budget_is_repaired_only_while_it_could_win(monkeypatch
              PL._Seed("b", (2,), 2.2, **over),      # at or above the ILP's 2.0: cannot win
              PL._Seed("a", (3,), 1.0, **over)]      # below it: repaired (to 1.5), and wins
     options = PL.PlannerOptions(memory_budget=budget)
-    got, peak, exact, kept = PL._never_worse(None, None, sol, 95.0, seeds, options, None)
+    got, peak, exact, kept, ruled = PL._never_worse(None, None, sol, 95.0, seeds, options,
+                                                    None)
     assert repaired == ["a"]
     assert got.choice == (3,) and peak == 90.0 and not exact
+    # the budget binds: a's own layouts, unrepaired, are faster than what won (its repair)
+    assert ruled == ("a", 1.0, 120.0)
     assert "a plan" in got.status and "1.333x slower" in got.status
     assert [s.name for s in kept if s.repair is None] == ["descent", "a"]
     # a start whose repair still breaks the budget (None) drops out; the ILP's plan stays
     repaired.clear()
     monkeypatch.setattr(PL, "_repaired", lambda *a: repaired.append(a[2].name))
-    got, peak, exact, kept = PL._never_worse(None, None, sol, 95.0, seeds, options, None)
+    got, peak, exact, kept, ruled = PL._never_worse(None, None, sol, 95.0, seeds, options,
+                                                    None)
     assert repaired == ["a"] and got is sol and exact and "a" not in [s.name for s in kept]
+    assert ruled == ("a", 1.0, 120.0)
+    # no start over the budget is faster than the plan: nothing is ruled out
+    fits = [PL._Seed("descent", (1,), 3.0, 80.0), PL._Seed("b", (2,), 2.2, **over)]
+    assert PL._never_worse(None, None, sol, 95.0, fits, options, None)[4] is None
+
+
+def test_recomputation_is_traded_for_speed_only_where_the_budget_binds(monkeypatch):
+    """Mist's trade (``planner._traded``): a plan that fits, but whose budget ruled out a
+    faster start (``SolverStats.ruled_out``), is planned again with recomputation, and the
+    faster of the two is returned; a plan the budget does not bind is returned as it is,
+    without planning anything more."""
+    import autopar.planner as PL
+    from autopar.plan import CostBreakdown, SolverStats
+
+    def plan_of(step_s, ruled=None):
+        cost = CostBreakdown(*([0.0] * len(dataclasses.fields(CostBreakdown))))
+        cost = dataclasses.replace(cost, step_time_s=step_s, peak_memory_bytes=10.0)
+        stats = SolverStats("OPTIMAL", 0.0, 0.0, 0.0, 0.0, 1, 1, 1, ruled_out=ruled)
+        return types.SimpleNamespace(cost=cost, solver=stats)
+
+    tried = []
+
+    def recomputed(step_s):
+        def plan_recomputed(graph, mesh, cm, options, error, plan_layouts):
+            tried.append(str(error))
+            return plan_of(step_s)
+        return plan_recomputed
+
+    options = PL.PlannerOptions(memory_budget=10.0)
+    bound = plan_of(2.0, ruled=("dp", 1.5, 12.0))
+    monkeypatch.setattr(PL.recompute, "plan_recomputed", recomputed(1.8))
+    assert PL._traded(None, {}, None, options, bound).cost.step_time_s == 1.8
+    assert "'dp' is predicted 1.33x faster" in tried[0]
+    monkeypatch.setattr(PL.recompute, "plan_recomputed", recomputed(2.1))  # the trade loses
+    assert PL._traded(None, {}, None, options, bound) is bound
+    tried.clear()
+    free = plan_of(2.0)                                   # nothing ruled out
+    assert PL._traded(None, {}, None, options, free) is free and tried == []

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from autopar.errors import BudgetError, PlanError, ShardingError
+from autopar.errors import AutoparError, BudgetError, PlanError, ShardingError
 from autopar.options import PlannerOptions
 from autopar.plan import Collective, CostBreakdown, Plan, SolverStats
 from autopar.planner import (
@@ -320,7 +320,7 @@ def make_plan(graph: Graph, mesh: Mapping[str, int], cost_model,
     # whether the step has state to offload is read (a retrace) only once the budget breaks
     may_o = open_ and options.offload and cost_model.hw.host_bytes_per_s > 0
     try:    # where a memory decision may follow, a failure need not seek the smallest budget
-        return _plan_layouts(graph, mesh, cost_model,
+        plan = _plan_layouts(graph, mesh, cost_model,
                              options.replace(explain_budget=False) if may_r or may_o
                              else options, trace_s=trace_s)
     except BudgetError as e:
@@ -332,6 +332,35 @@ def make_plan(graph: Graph, mesh: Mapping[str, int], cost_model,
                 return _plan_layouts(graph, mesh, cost_model, options, trace_s=trace_s)
             raise
         return _memory_decisions(graph, mesh, cost_model, options, e, may_r, may_o, began)
+    return _traded(graph, mesh, cost_model, options, plan) if may_r else plan
+
+
+# Recomputation is offered to a step that fits when a start the budget ruled out is predicted
+# at least this much faster than the plan (``SolverStats.ruled_out``): the room recomputation's
+# replayed FLOPs must fit in for the trade to win.
+TRADE_GAIN = 1.0
+
+
+def _traded(graph, mesh, cost_model, options, plan: Plan) -> Plan:
+    """Mist's trade (Zhu et al., EuroSys'25): where the budget binds the plan's layouts (a
+    start over it is predicted ``1 - TRADE_GAIN`` faster or more), the step is planned again
+    with its saved values recomputed (``recompute.plan_recomputed``: every policy, each in the
+    whole time limit), and the faster of the two plans is returned. A step whose plan the
+    budget does not bind is left as it is, and costs nothing more."""
+    ruled = plan.solver.ruled_out
+    if ruled is None or ruled[1] > TRADE_GAIN * plan.cost.step_time_s:
+        return plan
+    gain = plan.cost.step_time_s / ruled[1]
+    held = BudgetError(f"the start {ruled[0]!r} is predicted {gain:.2f}x faster than the plan "
+                       f"but needs {ruled[2] / 2**30:.3f} GiB per device",
+                       plan.cost.peak_memory_bytes)
+    try:
+        traded = recompute.plan_recomputed(graph, mesh, cost_model,
+                                           options.replace(explain_budget=False), held,
+                                           _plan_layouts)
+    except AutoparError:
+        return plan
+    return traded if traded.cost.step_time_s < plan.cost.step_time_s else plan
 
 
 # Where the call has spent its time limit, the smallest budget is not sought for the error's
@@ -450,11 +479,12 @@ def _make_plan(graph: Graph, mesh: Mapping[str, int], cost_model, options: Plann
                     score=_scorer(prob, cost_model), explain=options.explain_budget)
     sol, peak, least = _within_budget(prob, sol, cost_model, options, allowed, clock,
                                       seek_least=options.explain_budget)
-    sol, peak, exact, seeds = _never_worse(prob, cost_model, sol, peak, seeds, options, clock)
+    sol, peak, exact, seeds, ruled_out = _never_worse(prob, cost_model, sol, peak, seeds,
+                                                      options, clock)
     _keep(keep_seeds, prob, seeds, cost_model, options)
     stats = SolverStats(sol.status, sol.gap if exact and not sol.candidates else None, sol.solve_s,
                         build_s, trace_s, prob.num_decisions, sol.num_vars, sol.num_constraints,
-                        sol.candidates)
+                        sol.candidates, ruled_out=ruled_out)
     plan = assemble(prob, sol.choice, cost_model, cost_model.hw.name, options.strategy,
                     options.memory_budget, stats, peak)
     plan = kernel_choice.finish(plan, prob, sol.choice, cost_model)
@@ -478,10 +508,12 @@ def _never_worse(prob, cm, sol, peak, seeds: list[_Seed], options: PlannerOption
     best plan that fits is repaired now (``_repaired``), cheapest first: repairs only raise a
     cost, so one at or above the best cannot win. The status says which plan won. Returns
     (solution, its peak, whether it is the solver's own: a seed's plan has no gap the solver
-    could vouch for, the seeds with those repairs)."""
+    could vouch for, the seeds with those repairs, and ``SolverStats.ruled_out``: the cheapest
+    start over the budget, unrepaired, that is faster than the plan returned)."""
     budget = options.memory_budget
     mine = _Seed("ilp", tuple(sol.choice), plan_cost(prob, cm, sol.choice), peak)
     seeds = list(seeds)
+    over = [s for s in seeds if s.repair is not None and s.peak is not None]
     for s in sorted((s for s in seeds if s.repair is not None), key=lambda s: s.step_s):
         best = _cheapest([mine, *seeds], budget)
         if best is not None and s.step_s >= best.step_s:
@@ -491,12 +523,16 @@ def _never_worse(prob, cm, sol, peak, seeds: list[_Seed], options: PlannerOption
         if fixed is not None:
             seeds.append(fixed)
     best = _cheapest([mine, *seeds], budget)
-    if best is None or best is mine or best.step_s >= mine.step_s * (1 - 1e-12):
-        return sol, peak, True, seeds
+    won = mine if best is None or best.step_s >= mine.step_s * (1 - 1e-12) else best
+    faster = [s for s in over if s.step_s < won.step_s * (1 - 1e-9)]
+    ruled = min(faster, key=lambda s: s.step_s) if faster else None
+    ruled_out = None if ruled is None else (ruled.name, ruled.step_s, ruled.peak)
+    if won is mine:
+        return sol, peak, True, seeds, ruled_out
     status = (f"{best.name} plan ({best.status or 'descent'}): the ILP's plan "
               f"({sol.status}) was predicted {mine.step_s / best.step_s:.3f}x slower")
     return dataclasses.replace(sol, choice=best.choice, status=status,
-                               objective_s=best.step_s), best.peak, False, seeds
+                               objective_s=best.step_s), best.peak, False, seeds, ruled_out
 
 
 def _within_budget(prob, sol, cost_model, options, allowed, clock, rounds=None,
