@@ -182,7 +182,7 @@ def test_budget_below_full_recomputation_says_so():
     step, state, batch = gpt.abstract(small, 8)
     with pytest.raises(autopar.BudgetError, match="Recomputing the saved values"):
         autopar.plan(step, state, batch, mesh=_mesh(), hardware="cpu", time_limit_s=2,
-                     memory_budget=2 ** 16)
+                     memory_budget=2 ** 16, memory_decisions=("recompute",))
 
 
 def test_plan_json_rejects_an_unknown_policy(gpt_step):

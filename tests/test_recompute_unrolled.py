@@ -137,9 +137,9 @@ def test_planner_recomputes_under_a_budget_the_plain_step_breaks(lm):
         pytest.skip("planned on the linen LM only (16-33 s a model); its rewrite is checked")
     sizes = {"data": 2, "model": 4}
     cm = cost_models.CostModel(cost_models.hardware("h100"), sizes)
-    plain = api.plan_graph(graph, sizes, hardware="h100", time_limit_s=3)
+    plain = api.plan_graph(graph, sizes, hardware="h100", time_limit_s=2)
     budget = int(0.45 * plain.cost.peak_memory_bytes)
-    options = PlannerOptions(strategy="auto", memory_budget=budget, time_limit_s=3,
+    options = PlannerOptions(strategy="auto", memory_budget=budget, time_limit_s=2,
                              explain_budget=False)
     error = BudgetError("the plain step does not fit (test)", None)
     plan = planner_recompute.plan_recomputed(graph, sizes, cm, options, error, _plan_layouts)
