@@ -3,9 +3,10 @@
 Abstract planning only (``jax.ShapeDtypeStruct`` inputs, nothing runs). Global batch 1536
 sequences (Megatron-LM's 39B and GPT-3's batch). Both sides are priced by the same model
 (``autopar.pipeline.planning``: stage costs from the intra-op ILP on one layer, the embedding and
-the head at one microbatch on the submesh ``{data, model}``; the schedule's lockstep timeline
-with collective-permutes on the stage axis' link; the stage-axis gradient all-reduce and the
-optimizer; per-device memory under the schedule's buffers), so the comparison isolates the
+the head at one microbatch on the submesh ``{data, model}``; the schedule's timeline on the
+runtime it runs on, lockstep ticks or the MPMD runtime's asynchronous dispatch (the ``runtime``
+column), with collective-permutes on the stage axis' link; the stage-axis gradient all-reduce
+and the optimizer; per-device memory under the schedule's buffers), so the comparison isolates the
 inter-operator choices:
 
 * **megatron_3d** (hand-written, Megatron-LM's recipe): tensor parallel T in {4, 8} inside a node,
@@ -50,7 +51,7 @@ AUTO = dict(tensor=(4, 8), rows_per_shard=(1, 2), schedules=S.ALL, virtual=(1, 2
 RUNS = [("39B", 256, "a100"), ("76B", 512, "h100"), ("175B", 1024, "a100"),
         ("175B", 1024, "h100")]
 HEADER = ("model", "gpus", "hardware", "side", "mesh", "schedule", "virtual", "microbatches",
-          "step_s", "bubble", "idle_and_comm_s", "peak_gib", "layer_ranges")
+          "step_s", "bubble", "idle_and_comm_s", "peak_gib", "layer_ranges", "runtime")
 
 
 def _abstract(name: str):
@@ -103,7 +104,7 @@ def _row(name, n, hw, side, c: search.Choice | None, plan=None):
         str(b - a) for a, b in pp.layer_ranges)
     return (name, n, hw.name, side, _common.mesh_str(c.sizes), pp.schedule, pp.virtual_stages,
             pp.microbatches, pp.step_time_s, pp.bubble_fraction, comm,
-            max(pp.stage_memory_bytes) / 2**30, ranges)
+            max(pp.stage_memory_bytes) / 2**30, ranges, pp.runtime)
 
 
 def _why(auto: search.Choice, hand: search.Choice | None, ranked, budget: float) -> str:
@@ -202,8 +203,9 @@ def _lockstep_text(rows) -> list[str]:
             "autopar runs a pipeline as one SPMD program whose ticks move in lockstep; every hop "
             "between stages costs a tick. Plain 1F1B keeps only P - s microbatches in flight on "
             "stage s, fewer than a round trip through the stages takes in ticks once P > 2, so "
-            "its bubble grows with the microbatch count, not only with the ramp. The hand-written "
-            "rows above pay that here (Megatron-LM's asynchronous runtime would not); bare "
+            "its bubble grows with the microbatch count, not only with the ramp. Hand-written "
+            "rows pay that where they run lockstep (the runtime column; Megatron-LM's "
+            "asynchronous runtime and autopar's MPMD one do not); bare "
             "timeline, uniform actions with backward = 2 x forward:", "",
             _common.md_table(("model", "gpus", "hardware", "stages", "virtual", "microbatches",
                               "its bubble", "eager_1f1b bubble", "(P-1)/(VM+P-1)"), out), ""]
@@ -225,7 +227,7 @@ def main() -> None:
             __doc__.split("\n\n", 1)[1].split("Writes ")[0].strip(), "",
             f"Global batch {ROWS} sequences; memory budget: the hardware's memory per device; "
             f"sub-plans with a {SUB_PLAN_LIMIT_S:.0f} s solver limit each. step_s: predicted "
-            "step; bubble: predicted idle fraction of the lockstep timeline; idle_and_comm_s: "
+            "step; bubble: predicted idle fraction of its runtime's timeline; idle_and_comm_s: "
             "step minus the busiest stage's busy time (its bubble, collective-permutes, the "
             "stage-axis sync, the optimizer); peak_gib: predicted peak of the fullest stage.",
             "", f"Auto predicted slower than the best megatron_3d: {losses} of {len(runs)} "
