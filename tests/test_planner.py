@@ -555,3 +555,36 @@ def test_recomputation_is_traded_for_speed_only_where_the_budget_binds(monkeypat
     tried.clear()
     free = plan_of(2.0)                                   # nothing ruled out
     assert PL._traded(None, {}, None, options, free) is free and tried == []
+
+
+def test_the_descent_stops_when_the_time_limit_runs_out(monkeypatch):
+    """The descent's edge matrices (a reshard price per pair of layouts: 10 s on GPT tiny over
+    four size-2 axes, against a 1 s limit) stop when the wall-clock budget runs out, keep
+    nothing half-built, and the plan falls back to each group's cheapest strategy alone."""
+    import time
+
+    import cost_models
+    import ir
+    from autopar.planner import descent, problem
+    from autopar.planner.budget import Clock
+
+    cfg = gpt.GPTConfig(vocab=128, seq=16, d_model=64, heads=4, d_ff=128, layers=2)
+    step, state, batch = gpt.abstract(cfg, 16)
+    sizes = {"data": 2, "model": 4}
+    cm = cost_models.CostModel(cost_models.hardware("h100"), sizes)
+    prob = problem.build(ir.trace(step, state, batch), sizes, cm)
+    spent = Clock(time.perf_counter() - 100.0, 1.0, False)
+    with pytest.raises(descent.OutOfTime):
+        descent.edge_matrices(prob, cm, spent)
+    assert "_edge_matrices" not in prob.__dict__
+    # a deterministic clock never runs out: the matrices are built as before
+    unary, pair = descent.edge_matrices(prob, cm, Clock(time.perf_counter() - 100.0, 1.0, True))
+    assert unary and pair
+
+    def out_of_time(*args, **kwargs):
+        raise descent.OutOfTime
+
+    monkeypatch.setattr(descent, "descend", out_of_time)
+    plan = autopar.plan(step, state, batch, mesh=sizes, hardware="h100", time_limit_s=5)
+    assert plan.cost.step_time_s > 0 and len(plan.input_shardings) == len(
+        jax.tree_util.tree_leaves((state, batch)))

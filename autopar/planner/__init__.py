@@ -19,6 +19,7 @@ from autopar.options import PlannerOptions
 from autopar.plan import Collective, CostBreakdown, Plan, SolverStats
 from autopar.planner import (
     combine,
+    descent,
     ilp,
     kernel_choice,
     memory,
@@ -154,10 +155,9 @@ def _seeds(prob: problem.Problem, cm, allowed, options: PlannerOptions, hint,
     add constraints and so only raise its cost, run in ``_never_worse`` when its unrepaired
     cost is still below the best plan that fits (transformers' Llama-7B at one sequence a
     device: three starts' repairs took 6 of the call's 20-30 s, and none could win)."""
-    from autopar.planner import descent
-
     budget = options.memory_budget
-    free = descent.descend(prob, cm, dict(hint) if hint else None, allowed=allowed)
+    free = descent.descend(prob, cm, dict(hint) if hint else None, allowed=allowed,
+                           clock=clock)
     out = [_seed(prob, cm, "descent", free, budget)]
     if hint:
         out.append(_seed(prob, cm, "hint", hint, budget))
@@ -465,7 +465,14 @@ def _make_plan(graph: Graph, mesh: Mapping[str, int], cost_model, options: Plann
                    f"limit; each group takes its cheapest strategy alone, no descent or ILP")
         hint, hint_name = _cheapest_alone(prob, allowed, hint), "GREEDY"
     elif options.starts or options.seed_plans:
-        seeds = _seeds(prob, cost_model, allowed, options, hint, clock)
+        try:
+            seeds = _seeds(prob, cost_model, allowed, options, hint, clock)
+        except descent.OutOfTime:
+            clock.note(f"the descent's reshard prices ({len(prob.groups)} decision groups) "
+                       f"spent the time limit; each group takes its cheapest strategy alone, "
+                       f"no ILP")
+            seeds = [_seed(prob, cost_model, "greedy", _cheapest_alone(prob, allowed, hint),
+                           options.memory_budget)]
         _keep(keep_seeds, prob, seeds, cost_model, options)
         # the cheapest seed that fits; else the cheapest (an unrepaired start's plan is a good
         # hint even where its copies break the budget: the solve's own cut rounds repair it)

@@ -11,7 +11,13 @@ from collections import defaultdict
 
 import numpy as np
 
+from autopar.planner.budget import SEARCH_BEFORE
 from autopar.planner.problem import Problem
+
+
+class OutOfTime(Exception):
+    """The call's wall-clock budget ran out while the descent's edge matrices were built (on
+    meshes of many small axes they take seconds: a reshard price per pair of layouts)."""
 
 
 def _root(p: Problem, g: int) -> int:
@@ -32,15 +38,18 @@ def _dense(have, need, cost) -> np.ndarray:
     return small[hi[:, None], ni[None, :]]
 
 
-def edge_matrices(p: Problem, cm):
-    """(unary cost per root, [(src root, dst root, matrix)])."""
+def edge_matrices(p: Problem, cm, clock=None):
+    """(unary cost per root, [(src root, dst root, matrix)]); ``OutOfTime`` where ``clock``
+    (a ``planner.budget.Clock``) runs past ``SEARCH_BEFORE`` of its budget meanwhile."""
     memo = p.__dict__.get("_edge_matrices")
     if memo is not None:
         return memo
     rs = p.reshard_s
     unary = dict(p.root_costs())
     pair = []
-    for e in p.merged_edges():   # repeated layers' edges arrive merged: depth costs nothing here
+    for k, e in enumerate(p.merged_edges()):   # repeated layers' edges arrive merged
+        if clock is not None and k % 16 == 0 and clock.spent(SEARCH_BEFORE):
+            raise OutOfTime
         s, d = _root(p, e.src), _root(p, e.dst)
         have = p.groups[e.src].shard[e.value]
         if s == d:
@@ -55,10 +64,10 @@ def edge_matrices(p: Problem, cm):
 
 
 def descend(p: Problem, cm, start: dict[int, int] | None = None, sweeps: int = 20,
-            allowed=None) -> dict[int, int]:
+            allowed=None, clock=None) -> dict[int, int]:
     """A descent solution (see the module docstring) from ``start``, else the best of three
-    starts of its own."""
-    unary, pair = edge_matrices(p, cm)
+    starts of its own; ``OutOfTime`` as ``edge_matrices`` says."""
+    unary, pair = edge_matrices(p, cm, clock)
     unary = _masked(p, dict(unary), allowed or {})
     incident = defaultdict(list)
     for k, (s, d, _) in enumerate(pair):

@@ -571,11 +571,15 @@ def _start(p: Problem, cost_model, memory_budget, allowed, hint, clock: Clock,
     """(start, its name): the descent plan from ``hint``; ``hint`` itself when the budget is
     spent (descent's edge matrices cost about as much as building the problem) or when only it
     fits the memory."""
-    from autopar.planner.descent import descend
+    from autopar.planner.descent import OutOfTime, descend
 
     if hint and clock.spent(SEARCH_BEFORE):
         return dict(hint), hint_name
-    start = descend(p, cost_model, dict(hint) if hint else None, allowed=allowed)
+    try:     # with a hint to fall back on, the descent stops when the budget runs out
+        start = descend(p, cost_model, dict(hint) if hint else None, allowed=allowed,
+                        clock=clock if hint else None)
+    except OutOfTime:
+        return dict(hint), hint_name
     if hint and memory_budget is not None:
         fits_start = memory_of(p, _as_tuple(p, start)) <= memory_budget
         if not fits_start and memory_of(p, _as_tuple(p, hint)) <= memory_budget:
