@@ -27,10 +27,8 @@ Forward and backward equations are told apart by jax's name stack: the backward'
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
-import numpy as np
 from jax.extend import core as jcore
 
 from ir import replay
@@ -67,10 +65,6 @@ def _is_drop(v) -> bool:
     return isinstance(v, jcore.DropVar)
 
 
-def _nbytes(aval) -> int:
-    return int(math.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
-
-
 def _backward(eqn) -> bool:
     return "transpose(" in str(getattr(eqn.source_info, "name_stack", ""))
 
@@ -90,6 +84,11 @@ def find_site(closed: jcore.ClosedJaxpr, graph) -> UnrolledSite | None:
     for e in eqns[first:]:
         read_bwd.update(v for v in e.invars if isinstance(v, jcore.Var))
     out_vars = {v for v in closed.jaxpr.outvars if isinstance(v, jcore.Var)}
+    readers: dict = {}                # forward value -> the forward equations that read it
+    for i, e in enumerate(eqns[:first]):
+        for v in e.invars:
+            if isinstance(v, jcore.Var):
+                readers.setdefault(v, set()).add(i)
     layers = []
     for lay in family:
         idx = sorted({graph.op(o).origin[0] for o in lay.op_ids if graph.op(o).origin})
@@ -98,12 +97,7 @@ def find_site(closed: jcore.ClosedJaxpr, graph) -> UnrolledSite | None:
             continue
         own = set(fwd)
         made = {v: i for i in fwd for v in eqns[i].outvars if not _is_drop(v)}
-        outside = set()
-        for i, e in enumerate(eqns[:first]):
-            if i in own:
-                continue
-            outside.update(v for v in e.invars if isinstance(v, jcore.Var) and v in made)
-        outside |= set(made) & out_vars
+        outside = {v for v in made if readers.get(v, own) - own} | (set(made) & out_vars)
         residuals = tuple(v for v in made if v in read_bwd)
         if not residuals:
             continue
@@ -254,7 +248,7 @@ def replayed_flops(closed: jcore.ClosedJaxpr, site: UnrolledSite, policy: str) -
 def dropped_bytes(closed: jcore.ClosedJaxpr, site: UnrolledSite, policy: str) -> int:
     """Global bytes of the residuals ``policy`` drops over the site's layers."""
     eqns = closed.jaxpr.eqns
-    return sum(_nbytes(v.aval) for lay in site.layers
+    return sum(tensor_type(v.aval).nbytes for lay in site.layers
                for v in layer_plan(eqns, lay, policy).dropped)
 
 
@@ -266,4 +260,4 @@ def kept_bytes(closed: jcore.ClosedJaxpr, site: UnrolledSite, policy: str) -> in
     top = set(closed.jaxpr.invars)
     extra = {v for lay in site.layers for v in layer_plan(eqns, lay, policy).reads
              if v not in read and v not in top}
-    return sum(_nbytes(v.aval) for v in extra)
+    return sum(tensor_type(v.aval).nbytes for v in extra)
