@@ -144,9 +144,18 @@ def _build_node_graph(graph: Graph):
 
 def _op_label(graph: Graph, op: Op, literals: dict) -> tuple:
     types = tuple(graph.values[v] for v in op.ins + op.outs)
-    lits = tuple((m, literals[v]) for m, v in enumerate(op.ins) if v in literals)
+    lits = tuple((m, _literal_key(literals[v])) for m, v in enumerate(op.ins) if v in literals)
     body = _signature(graph, tuple(_walk(r.ops for r in op.regions))) if op.regions else ""
     return op.prim, _structural_params(graph, op), types, lits, op.trip_count, body
+
+
+def _literal_key(value):
+    """A literal's value as a label: NaN never equals itself, so an op reading a NaN literal
+    (Equinox's attention and layer norm carry them) would get a label of its own in every layer
+    and cut the layers' repeat apart; NaNs (alone or in a tuple) are labelled by their repr."""
+    if isinstance(value, tuple):
+        return tuple(_literal_key(x) for x in value)
+    return repr(value) if isinstance(value, float) and value != value else value
 
 
 def _structural_params(graph: Graph, op: Op) -> tuple:

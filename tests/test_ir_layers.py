@@ -145,6 +145,25 @@ def test_nnx_list_layers_share_roles():
     assert len(kernels) <= 2, kernels   # the first layer (16 wide) differs; the rest repeat
 
 
+def test_nan_literals_do_not_break_the_blocks():
+    """Equinox's attention and layer norm read NaN literals. NaN never equals itself, so each
+    such op used to get a label of its own in every layer: the forward was never cut into
+    blocks and each layer's backward stood alone (no recomputation site, no fold). Each block
+    is its forward and its backward, one family."""
+    from autopar.models import zoo
+
+    cfg = zoo.Config(layers=3, width=32, seq=8, ff=64, heads=2, batch=2)
+    step, params, opt, batch = zoo.eqx_lm(cfg, abstract=True)
+    g = ir.trace(step, params, opt, batch)
+    assert any(x != x for _, x in g.literals if isinstance(x, float))   # the case at hand
+    first_bwd = min(op.id for op in g.ops if "transpose(" in op.name)
+    most = max(len(layer.op_ids) for layer in g.layers)
+    family = [layer for layer in g.layers if len(layer.op_ids) == most]
+    assert len(family) == 3 and len({la.signature for la in family}) == 1
+    for layer in family:    # forward and backward in one block
+        assert min(layer.op_ids) < first_bwd < max(layer.op_ids)
+
+
 @pytest.mark.parametrize("name, path", [
     ("transpose(jvp(GPT))/layer_3/mlp", "GPT/layer_3/mlp"),
     ("jvp(MLP)/Dense_1", "MLP/Dense_1"),

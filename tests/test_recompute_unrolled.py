@@ -1,6 +1,6 @@
 """Recomputing an unrolled model's saved values (``ir.recompute_unrolled``), on LMs written the
-way Flax NNX and Flax linen teach (``autopar.models.zoo``): a Python loop over blocks, so the
-differentiated step is one straight program.
+way Flax NNX, Flax linen and Equinox teach (``autopar.models.zoo``): a Python loop over blocks,
+so the differentiated step is one straight program.
 
 Checked here: each policy's rewrite computes the same step and drops what it says; the
 rewrite lowers XLA's memory as ``jax.checkpoint`` does, where XLA schedules by memory (a
@@ -38,7 +38,7 @@ CFG = zoo.Config(layers=3, width=64, seq=32, ff=128, heads=4, batch=8)
 POLICIES = ("selective", "save_dots", "save_weight_dots", "full")
 
 
-@pytest.fixture(scope="module", params=["linen_lm", "nnx_lm"])
+@pytest.fixture(scope="module", params=["linen_lm", "nnx_lm", "eqx_lm"])
 def lm(request):
     step, params, opt, batch = getattr(zoo, request.param)(CFG)
     graph = ir.trace(step, params, opt, batch)
