@@ -93,10 +93,6 @@ class Site:
         return self.residuals
 
 
-def _is_drop(v) -> bool:
-    return isinstance(v, jcore.DropVar)
-
-
 def _nbytes(aval) -> int:
     return int(math.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
 
@@ -162,7 +158,7 @@ def _eval_inlined(jaxpr, consts, args, inline):
         else:
             outs = replay.replay(eqn, invals)
         for v, x in zip(eqn.outvars, outs):
-            if not _is_drop(v):
+            if not replay.is_drop(v):
                 env[v] = x
     return [replay.read(env, v) for v in jaxpr.outvars]
 
@@ -205,7 +201,7 @@ def _sites(jaxpr) -> tuple[Site, ...]:
         core = _attention_core(body, p["num_consts"], nk)
         by_bwd: dict[int, list[Residual]] = {}
         for j, v in enumerate(eqn.outvars[nk:]):
-            if _is_drop(v) or v in outs or v not in uses:
+            if replay.is_drop(v) or v in outs or v not in uses:
                 continue
             where = {u for u, _ in uses[v]}
             if len(where) != 1:
@@ -246,7 +242,7 @@ def _attention_core(body, nc: int, nk: int) -> set:
     core: set = set()
     for eqn in body.eqns:
         ins = [v for v in eqn.invars if isinstance(v, jcore.Var)]
-        outs = [v for v in eqn.outvars if not _is_drop(v)]
+        outs = [v for v in eqn.outvars if not replay.is_drop(v)]
         if any(v in act for v in ins):
             act.update(outs)
         if not outs:
@@ -307,7 +303,7 @@ def apply(closed: jcore.ClosedJaxpr, decisions: Mapping[int, str]) -> jcore.Clos
             else:
                 outs = replay.replay(eqn, invals)
             for v, x in zip(eqn.outvars, outs):
-                if x is not None and not _is_drop(v):
+                if x is not None and not replay.is_drop(v):
                     env[v] = x
         return [replay.read(env, v) for v in jaxpr.outvars]
 
@@ -329,16 +325,9 @@ def saved_vars(body, policy: str) -> set:
     those of matmuls without batch dimensions, ``"full"`` none."""
     if policy in ("save_dots", "save_weight_dots"):
         return {v for e in body.eqns if e.primitive.name == "dot_general"
-                and (policy == "save_dots" or not _batched(e))
-                for v in e.outvars if not _is_drop(v)}
+                and (policy == "save_dots" or not replay.batched_dot(e))
+                for v in e.outvars if not replay.is_drop(v)}
     return set()
-
-
-def _batched(eqn) -> bool:
-    """Whether a ``dot_general`` has batch dimensions (attention's per-head matmuls do; a
-    layer's matmuls with its weights do not)."""
-    (_, _), (lhs_batch, _) = eqn.params["dimension_numbers"]
-    return bool(lhs_batch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -446,7 +435,7 @@ def _eval(jaxpr, consts, args, env=None, eqns=None, keep=False):
     for eqn in (jaxpr.eqns if eqns is None else eqns):
         outs = replay.replay(eqn, [replay.read(env, v) for v in eqn.invars])
         for v, x in zip(eqn.outvars, outs):
-            if not _is_drop(v):
+            if not replay.is_drop(v):
                 env[v] = x
     if keep or eqns is not None:
         return env

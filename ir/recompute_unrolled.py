@@ -61,10 +61,6 @@ class UnrolledSite:
         return len(self.layers)
 
 
-def _is_drop(v) -> bool:
-    return isinstance(v, jcore.DropVar)
-
-
 def _backward(eqn) -> bool:
     return "transpose(" in str(getattr(eqn.source_info, "name_stack", ""))
 
@@ -96,7 +92,7 @@ def find_site(closed: jcore.ClosedJaxpr, graph) -> UnrolledSite | None:
         if not fwd:
             continue
         own = set(fwd)
-        made = {v: i for i in fwd for v in eqns[i].outvars if not _is_drop(v)}
+        made = {v: i for i in fwd for v in eqns[i].outvars if not replay.is_drop(v)}
         outside = {v for v in made if readers.get(v, own) - own} | (set(made) & out_vars)
         residuals = tuple(v for v in made if v in read_bwd)
         if not residuals:
@@ -118,10 +114,10 @@ def _core(eqns, fwd) -> set:
     core: set = set()
     for i in fwd:
         e = eqns[i]
-        outs = [v for v in e.outvars if not _is_drop(v)]
+        outs = [v for v in e.outvars if not replay.is_drop(v)]
         if not outs:
             continue
-        if e.primitive.name == "dot_general" and _batched(e) and _quadratic(e):
+        if e.primitive.name == "dot_general" and replay.batched_dot(e) and _quadratic(e):
             core.update(outs)
         elif any(isinstance(v, jcore.Var) and v in core and v.aval.size == outs[0].aval.size
                  for v in e.invars):
@@ -140,15 +136,16 @@ class Plan:
 
 def layer_plan(eqns, layer: Layer, policy: str) -> Plan:
     """``policy`` applied to ``layer``."""
-    made = {v: i for i in layer.fwd for v in eqns[i].outvars if not _is_drop(v)}
+    made = {v: i for i in layer.fwd for v in eqns[i].outvars if not replay.is_drop(v)}
     keep = set(layer.outputs)
     if policy == "selective":
         keep |= set(layer.residuals) - layer.core
     elif policy in ("save_dots", "save_weight_dots"):
         for i in layer.fwd:
             e = eqns[i]
-            if e.primitive.name == "dot_general" and (policy == "save_dots" or not _batched(e)):
-                keep.update(v for v in e.outvars if not _is_drop(v))
+            if e.primitive.name == "dot_general" and (
+                    policy == "save_dots" or not replay.batched_dot(e)):
+                keep.update(v for v in e.outvars if not replay.is_drop(v))
     elif policy != "full":
         raise ValueError(f"recompute policy {policy!r} is not one of selective, save_dots, "
                          f"save_weight_dots, full")
@@ -159,7 +156,7 @@ def layer_plan(eqns, layer: Layer, policy: str) -> Plan:
     want, picked, reads = set(dropped), set(), []
     for i in reversed(layer.fwd):
         e = eqns[i]
-        if not any(v in want for v in e.outvars if not _is_drop(v)):
+        if not any(v in want for v in e.outvars if not replay.is_drop(v)):
             continue
         picked.add(i)
         for v in e.invars:
@@ -179,11 +176,6 @@ def _quadratic(eqn) -> bool:
     free_l = {n for d, n in enumerate(lhs) if d not in lc and d not in lb and n > 1}
     free_r = {n for d, n in enumerate(rhs) if d not in rc and d not in rb and n > 1}
     return bool(free_l & free_r)
-
-
-def _batched(eqn) -> bool:
-    (_, _), (lhs_batch, _) = eqn.params["dimension_numbers"]
-    return bool(lhs_batch)
 
 
 def apply(closed: jcore.ClosedJaxpr, site: UnrolledSite, policy: str) -> jcore.ClosedJaxpr:
@@ -208,7 +200,7 @@ def apply(closed: jcore.ClosedJaxpr, site: UnrolledSite, policy: str) -> jcore.C
             else:
                 invals = [replay.read(env, v) for v in e.invars]
             for v, x in zip(e.outvars, replay.replay(e, invals)):
-                if not _is_drop(v):
+                if not replay.is_drop(v):
                     env[v] = x
         return [again[v] if v in again else replay.read(env, v) for v in jaxpr.outvars]
 
@@ -226,7 +218,7 @@ def _replay(eqns, plan: Plan, env: dict, again: dict) -> None:
         outs = replay.replay(e, [local[v] if isinstance(v, jcore.Var) and v in local
                                  else replay.read(env, v) for v in e.invars])
         for v, x in zip(e.outvars, outs):
-            if not _is_drop(v):
+            if not replay.is_drop(v):
                 local[v] = x
     for v in plan.dropped:
         again[v] = local[v]

@@ -13,6 +13,18 @@ import contextlib
 from jax.extend import core as jcore
 
 
+def is_drop(v) -> bool:
+    """Whether ``v`` is an output jax discards (``_`` in a printed jaxpr)."""
+    return isinstance(v, jcore.DropVar)
+
+
+def batched_dot(eqn) -> bool:
+    """Whether a ``dot_general`` has batch dimensions (attention's per-head matmuls do; a
+    layer's matmuls with its weights do not)."""
+    (_, _), (lhs_batch, _) = eqn.params["dimension_numbers"]
+    return bool(lhs_batch)
+
+
 def read(env, v):
     """The value of ``v`` (a jaxpr variable or literal) in ``env``."""
     return v.val if isinstance(v, jcore.Literal) else env[v]
