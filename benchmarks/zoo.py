@@ -4,9 +4,10 @@ did not write: predicted and measured side by side on 8 emulated CPU devices.
 Models (``autopar.models.zoo`` and transformers' own Flax models, random weights): Flax NNX,
 MaxText-style Flax linen (logical axis rules: the user's own layout is its ``in_shardings``,
 run by plain ``jax.jit`` under the mesh with its ``nn.with_logical_constraint`` calls active),
-Equinox, and transformers' GPT-2 and Llama (decoders), BERT (encoder), T5 (encoder-decoder) and
-ViT (vision); plain steps, gradient accumulation over microbatches in a ``lax.scan``, and bf16
-mixed precision (float32 master weights).
+Equinox, and transformers' GPT-2, Llama and Mistral (decoders; Mistral with grouped-query
+attention and a sliding window), BERT (encoder), T5 and BART (encoder-decoders), ViT (vision)
+and Whisper (speech: a convolutional front end and an encoder-decoder); plain steps, gradient
+accumulation over microbatches in a ``lax.scan``, and bf16 mixed precision (float32 master weights).
 
 On each mesh ({data: 8} and {data: 2, model: 4}) every hand-written strategy is planned
 (``autopar.compare(..., measure=False)``), then auto seeded (compare's rows handed to it) and
@@ -19,8 +20,9 @@ mesh auto's predicted and measured ratio against the best other plan.
     python benchmarks/zoo.py                 # every model, both meshes (about 40 min on 2 cores)
     python benchmarks/zoo.py --quick         # one tiny model, one mesh
     python benchmarks/zoo.py --only nnx_lm   # some models, results merged into the files
-    python benchmarks/zoo.py --check-plans   # plan only (4 min): which rows' predicted steps
-                                             # differ from the committed zoo.csv
+    python benchmarks/zoo.py --check-plans   # plan only (5 min): which rows' predicted steps
+                                             # differ from the committed zoo.csv (with --only:
+                                             # those models' rows)
 
 Writes ``benchmarks/results/zoo.md`` and ``zoo.csv``.
 """
@@ -92,7 +94,10 @@ def cases(quick: bool) -> list[Case]:
         Case("llama", "transformers", "plain", _hf("llama")),
         Case("bert", "transformers", "plain", _hf("bert")),
         Case("t5", "transformers", "plain", _hf("t5")),
+        Case("bart", "transformers", "plain", _hf("bart")),
+        Case("mistral", "transformers", "plain", _hf("mistral")),
         Case("vit", "transformers", "plain", _hf("vit")),
+        Case("whisper", "transformers", "plain", _hf("whisper")),
     ]
 
 
@@ -247,15 +252,18 @@ def _targets(summ: list[dict], label: str) -> str:
             f"measured best on {ranked} of {len(summ)} rows ({ranked / len(summ):.0%})")
 
 
-def check_plans(csv_path) -> int:
-    """Plan every row again, measure nothing, and print the rows whose predicted step differs
-    from ``csv_path``'s by more than 0.1%: whether a planner change leaves the committed
-    measurements describing the plans it makes now. Returns how many differ."""
+def check_plans(csv_path, only=None) -> int:
+    """Plan every row again (of the models ``only`` names, or all), measure nothing, and print
+    the rows whose predicted step differs from ``csv_path``'s by more than 0.1%: whether a
+    planner change leaves the committed measurements describing the plans it makes now.
+    Returns how many differ."""
     with open(csv_path) as f:
         old = {(r["model"], r["step"], r["mesh"], r["strategy"]): r["pred_ms"]
                for r in csv.DictReader(f)}
     changed, total = [], 0
     for case in cases(False):
+        if only and case.name not in only:
+            continue
         fn, args = case.build()
         for sizes in MESHES:
             for name, plan in _plans(case, fn, args, _mesh(sizes)).items():
@@ -278,7 +286,7 @@ def main() -> None:
                    help="plan only; list rows whose predicted step differs from zoo.csv")
     args = p.parse_args()
     if args.check_plans:
-        raise SystemExit(1 if check_plans(_common.out_dir(args) / "zoo.csv") else 0)
+        raise SystemExit(1 if check_plans(_common.out_dir(args) / "zoo.csv", args.only) else 0)
     runs = 2 if args.quick else args.runs
     meshes = MESHES[1:] if args.quick else MESHES
     out = _common.out_dir(args)
