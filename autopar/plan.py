@@ -132,7 +132,8 @@ class Offload:
     inputs: tuple[int, ...]   # flat argument positions
     outputs: tuple[int, ...]  # flat result positions of their updated values
     paths: tuple[str, ...]    # the arguments' pytree paths
-    host_bytes: float         # per device: what the group holds in host memory
+    host_bytes: float         # per device: what the group holds in host memory during the step
+    #                           (its arguments; its results too where they are not donated)
     transfer_s: float         # per step: its moves to the device and back, over the host link
     no_offload_peak_bytes: float | None = None  # per device: the best plan without offload
 

@@ -12,7 +12,11 @@ What is compared (all per device, per step):
     reduce-scatter), a backend-decomposed reduce-scatter (all-reduce + local slice) as the
     reduce-scatter it is. The plan's ``cost.comm_bytes_by_kind`` counts the same way.
   * peak memory: XLA's ``memory_analysis()`` arguments + outputs + temporaries - donated aliases
-    (what the executable holds at once) against ``cost.peak_memory_bytes``.
+    (what the executable holds at once) against ``cost.peak_memory_bytes``; for a plan that
+    recomputes (``Plan.recompute``) that is the rewritten step's, as codegen builds it.
+  * host memory, where the plan holds state there (``Plan.offload``) or the executable does:
+    the arguments and results in ``pinned_host`` memory (``hlo.memory``'s ``host``) against
+    the offload decisions' ``host_bytes``.
   * HBM traffic: ``cost_analysis()["bytes accessed"]`` against ``cost.hbm_bytes``. XLA counts a
     loop body once, whatever its trip count; the comparison says so when the step has loops.
 
@@ -40,7 +44,7 @@ HBM_TOLERANCE = 0.20
 class Check:
     """One predicted figure against its measured counterpart."""
 
-    metric: str              # "all-gather bytes", "peak memory", "HBM bytes"
+    metric: str              # "all-gather bytes", "peak memory", "host memory", "HBM bytes"
     predicted: float
     measured: float
     tolerance: float
@@ -169,6 +173,10 @@ def verify(plan: Plan, compiled, *, comm_tolerance: float = COMM_TOLERANCE,
         p, m = plan.cost.peak_memory_bytes, mem["peak"]
         checks.append(Check("peak memory", p, m, memory_tolerance,
                             _relative_ok(p, m, memory_tolerance)))
+        host = sum(o.host_bytes for o in plan.offload)
+        if host or mem.get("host"):
+            checks.append(Check("host memory", host, mem.get("host", 0.0), memory_tolerance,
+                                _relative_ok(host, mem.get("host", 0.0), memory_tolerance)))
     measured_hbm = hlo.cost(compiled).get("bytes accessed", 0.0)
     if any(ins.opcode == "while" for comp in module.computations.values() for ins in comp):
         checks.append(Check("HBM bytes", plan.cost.hbm_bytes, measured_hbm, hbm_tolerance, None,

@@ -13,6 +13,14 @@ Writes ``benchmarks/results/verify_matrix.md`` and ``verify_matrix.csv``.
     python benchmarks/verify_matrix.py --models "conv net" --stem verify_matrix_conv
     python benchmarks/verify_matrix.py --quick    # one row
     python benchmarks/verify_matrix.py --models "GPT unrolled,MoE" --meshes 1x8,2x4
+    python benchmarks/verify_matrix.py --memory-decisions   # recompute and offload plans (~3 min)
+
+``--memory-decisions`` verifies plans whose memory the planner traded (``Plan.recompute``,
+``Plan.offload``) on the 1x8 and 2x4 meshes, each under a budget no layout of the plain step
+fits: a scanned GPT under 0.6x its plain plan's peak (the backward recomputes), an unrolled GPT
+under 0.9x the least peak any layout of it reaches (Adam's moments wait in host memory). Each
+is run once against its unsharded step (loss) and verified, host memory included; it writes
+``verify_matrix_memory.md`` and ``.csv``.
 """
 from __future__ import annotations
 
@@ -64,6 +72,96 @@ def row(label, model, mesh_name, strategy):
             mem.ok, _ratio(hbm), "not compared (loop)" if hbm.ok is None else hbm.ok)
 
 
+# --memory-decisions: the models of benchmarks/recompute.py's and benchmarks/offload.py's
+# measured parts, whose activations (recompute) and moments (offload) are worth trading
+RECOMPUTE_GPT = gpt.GPTConfig(scan=True, layers=4, d_model=32, seq=128, d_ff=128, heads=4,
+                              vocab=64)
+OFFLOAD_GPT = gpt.GPTConfig(scan=False, layers=2, d_model=128, seq=8, d_ff=512, heads=4,
+                            vocab=512)
+MEMORY_HEADER = ("model", "mesh", "budget KiB", "decided", "collectives ok",
+                 "peak memory KiB pred", "peak memory KiB XLA", "memory pred/XLA", "memory ok",
+                 "host KiB pred", "host KiB XLA", "host ok", "loss - unsharded loss")
+
+
+def _least_peak(step_fn, state, batch, mesh, donate=()) -> float:
+    """The smallest peak the planner finds for the step with no memory decision."""
+    try:
+        autopar.plan(step_fn, state, batch, mesh=mesh, hardware="cpu", memory_budget=1e4,
+                     memory_decisions=(), time_limit_s=10, deterministic=True,
+                     donate_argnums=donate)
+    except autopar.BudgetError as e:
+        return e.least_bytes
+    raise AssertionError("a 10 kB budget fitted")
+
+
+def memory_row(label, model, mesh_name, budget_of, donate=()) -> tuple:
+    step_fn, state, batch = model
+    shape, axes = MESHES[mesh_name]
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(shape), axes)
+    budget = budget_of(step_fn, state, batch, mesh, donate)
+    step = autopar.autoparallel(step_fn, mesh=mesh, hardware="cpu", memory_budget=budget,
+                                time_limit_s=10, deterministic=True, donate_argnums=donate)
+    copy = jax.tree_util.tree_map(lambda x: x.copy(), state)
+    _, loss = step(copy, batch)
+    _, want = jax.jit(step_fn)(state, batch)
+    plan = step.plan
+    report = step.verify()
+    comm = [c for c in report.checks if c.metric.endswith("bytes") and c.metric != "HBM bytes"]
+    mem = report.check("peak memory")
+    host = next((c for c in report.checks if c.metric == "host memory"), None)
+    decided = "; ".join([f"recompute {r.policy}" for r in plan.recompute]
+                        + [f"offload {len(plan.offload)} group(s)"] * bool(plan.offload)) or "none"
+    return (label, mesh_name, budget / 1024, decided, all(c.ok for c in comm),
+            mem.predicted / 1024, mem.measured / 1024, _ratio(mem), mem.ok,
+            host.predicted / 1024 if host else 0.0, host.measured / 1024 if host else 0.0,
+            host.ok if host else "-", float(loss) - float(want))
+
+
+def memory_decisions(args) -> None:
+    def under_plain(fraction):
+        def budget(step_fn, state, batch, mesh, donate):
+            plain = autopar.plan(step_fn, state, batch, mesh=mesh, hardware="cpu",
+                                 time_limit_s=10, deterministic=True, donate_argnums=donate)
+            return fraction * plain.cost.peak_memory_bytes
+        return budget
+
+    offload = gpt.concrete(OFFLOAD_GPT, 8)
+    cases = [("GPT scan, recompute", gpt.concrete(RECOMPUTE_GPT, 32), under_plain(0.6), ()),
+             ("GPT unrolled, offload, state donated", offload,
+              lambda *a: 0.9 * _least_peak(*a), (0,)),
+             ("GPT unrolled, offload", offload, lambda *a: 0.9 * _least_peak(*a), ())]
+    rows = []
+    for label, model, budget_of, donate in cases:
+        for m in ("1x8", "2x4"):
+            r = memory_row(label, model, m, budget_of, donate)
+            print("  " + "  ".join(_common._cell(x) for x in r), flush=True)
+            rows.append(r)
+    out = _common.out_dir(args)
+    _common.write_csv(out / "verify_matrix_memory.csv", MEMORY_HEADER, rows)
+    mem = [r[7] for r in rows]
+    text = [
+        "# autopar's predictions against the compiled executable: plans that trade memory", "",
+        "`step.verify()` after one step on 8 emulated CPU devices, `hardware=\"cpu\"`, each "
+        "step under a budget no layout of its plain step fits, so the planner decides what the "
+        "backward recomputes (`Plan.recompute`) or what waits in host memory "
+        "(`Plan.offload`). GPT scan: 4 `nn.scan` layers, d_model 32, seq 128, batch 32, "
+        "budget 0.6x its plain plan's peak. GPT unrolled: 2 layers, d_model 128, seq 8, vocab "
+        "512, batch 8, budget 0.9x the least peak of any layout, its state donated "
+        "(`donate_argnums=(0,)`, as a ZeRO-Offload user runs it) and not. Peak memory is XLA's "
+        "arguments + outputs + temporaries - aliases on the device; host memory the "
+        "arguments and results in `pinned_host` memory (`autopar.hlo.memory`). The last "
+        "column is the step's loss less the unsharded step's (`jax.jit`).", "",
+        _common.md_table(MEMORY_HEADER, rows), "",
+        f"Peak memory within 10%: {sum(1 for r in rows if r[8])} of {len(rows)}; pred/XLA "
+        f"{min(mem):.3f}-{max(mem):.3f}. Host memory within 10%: "
+        f"{sum(1 for r in rows if r[11] is True)} of "
+        f"{sum(1 for r in rows if r[11] != '-')} plans that hold any.", "",
+        f"Reproduce: `python benchmarks/verify_matrix.py --memory-decisions`. "
+        f"Environment: {_common.environment()}.", ""]
+    (out / "verify_matrix_memory.md").write_text("\n".join(text))
+    print(f"wrote {out / 'verify_matrix_memory.md'}")
+
+
 def _ratio(check) -> float:
     return check.predicted / check.measured if check.measured else float("nan")
 
@@ -74,7 +172,11 @@ def main(argv=None):
     p.add_argument("--meshes", default=None, help="comma-separated subset of " + ",".join(MESHES))
     p.add_argument("--stem", default="verify_matrix",
                    help="name of the result files (a subset run beside the whole matrix's)")
+    p.add_argument("--memory-decisions", action="store_true",
+                   help="verify recompute and offload plans (verify_matrix_memory.md)")
     args = p.parse_args(argv)
+    if args.memory_decisions:
+        return memory_decisions(args)
     out = _common.out_dir(args)
     meshes = ["2x4"] if args.quick else list(MESHES)
     meshes = args.meshes.split(",") if args.meshes else meshes

@@ -28,6 +28,7 @@ from autopar.models import gpt, mlp
 from autopar.options import PlannerOptions
 from autopar.plan import Offload
 from autopar.planner import offload
+from autopar.sharding import shard_factor
 from tests import numerics
 
 # Parameters outweigh activations (8 rows of 8 tokens): the regime where the optimizer's state,
@@ -132,11 +133,40 @@ def test_a_budget_below_any_layouts_state_offloads_and_runs_exactly(tmp_path):
     assert abs(plan.cost.peak_memory_bytes - mem["peak"]) <= 0.15 * mem["peak"], mem
     host = sum(o.host_bytes for o in plan.offload)
     assert host > 0 and abs(host - mem["host"]) <= 0.10 * mem["host"], (host, mem)
+    check = autopar.verify(plan, compiled).check("host memory")    # verify holds it too
+    assert check.ok and (check.predicted, check.measured) == (host, mem["host"]), check
+    wrong = dataclasses.replace(plan, offload=tuple(
+        dataclasses.replace(o, host_bytes=2 * o.host_bytes) for o in plan.offload))
+    assert autopar.verify(wrong, compiled).check("host memory").ok is False
     text = plan.summary()
     assert "held in host memory between steps" in text and ".mu[" in text
     assert "host memory" in plan._repr_html_()
     # a loaded plan carries the decision (a step given it runs through the same codegen)
     assert autopar.Plan.from_json(plan.to_json()).offload == plan.offload
+
+
+def test_host_memory_counts_the_results_beside_arguments_not_donated():
+    """Without donation the updated moments are new host buffers beside the old ones: XLA
+    holds both during the step, and the plan says so (measured: host bytes twice the
+    arguments'); the moves over the host link stay the arguments' in and out."""
+    step, state, batch = mlp.concrete(256, 512, 2, 16)
+    with pytest.raises(autopar.BudgetError) as least:     # the least peak of any layout
+        _make_plan(ir.trace(step, state, batch), 1e4, offload=False)
+    kw = dict(mesh=_mesh(), hardware="cpu", memory_budget=0.9 * least.value.least_bytes,
+              time_limit_s=5)
+    kept = autopar.autoparallel(step, **kw)
+    compiled = kept.lower(state, batch).compile()
+    plan = kept.plan
+    assert plan.offload
+    leaves = jax.tree_util.tree_leaves((state, batch))
+    sizes = dict(plan.mesh)
+    hw = cost_models.hardware("cpu")
+    for o in plan.offload:
+        args = sum(leaves[k].nbytes / shard_factor(plan.input_shardings[k], sizes)
+                   for k in o.inputs)
+        assert o.host_bytes == 2 * args and o.transfer_s == 2 * hw.host_transfer_s(args), o
+    check = autopar.verify(plan, compiled).check("host memory")
+    assert check.ok and check.measured == sum(o.host_bytes for o in plan.offload), check
 
 
 def test_no_host_link_no_offload(gpt_step):

@@ -96,10 +96,11 @@ def plan_offloaded(graph, mesh, cost_model, options, error: BudgetError, plan_la
                 last = e
             continue
         host = _host_bytes(graph, plan, chosen, mesh)
+        held = sum(h for _, h in host)
         limit = cost_model.hw.host_memory_bytes
-        if limit and sum(host) > limit:
+        if limit and held > limit:
             last = BudgetError(f"offloading {len(inputs)} arguments needs "
-                               f"{sum(host) / 2**30:.2f} GiB of host memory per device; the "
+                               f"{held / 2**30:.2f} GiB of host memory per device; the "
                                f"hardware profile allows {limit / 2**30:.2f} GiB", None)
             continue
         found.append((plan.cost.step_time_s, len(inputs), chosen, host, plan))
@@ -110,15 +111,23 @@ def plan_offloaded(graph, mesh, cost_model, options, error: BudgetError, plan_la
                           getattr(last, "least_bytes", None)) from None
     _, _, chosen, host, plan = min(found, key=lambda f: f[:2])
     records = tuple(
-        Offload(g.inputs, g.outputs, tuple(graph.input_paths[k] for k in g.inputs), h,
-                2 * cost_model.hw.host_transfer_s(h), error.least_bytes)
-        for g, h in zip(chosen, host))
+        Offload(g.inputs, g.outputs, tuple(graph.input_paths[k] for k in g.inputs), held,
+                2 * cost_model.hw.host_transfer_s(moved), error.least_bytes)
+        for g, (moved, held) in zip(chosen, host))
     return dataclasses.replace(plan, offload=records, graph_fingerprint=graph.fingerprint())
 
 
-def _host_bytes(graph, plan: Plan, chosen, mesh) -> list[float]:
-    """Per group: the bytes one device holds in host memory under ``plan``'s input layouts."""
+def _host_bytes(graph, plan: Plan, chosen, mesh) -> list[tuple[float, float]]:
+    """Per group, per device under ``plan``'s input layouts: (the bytes its arguments hold in
+    host memory, which each step moves to the device and back; what it holds there during the
+    step: its arguments, and its results beside them where the arguments are not donated, the
+    results taking donated arguments' buffers; measured: XLA's host bytes are twice the
+    arguments' without donation)."""
     sizes = dict(mesh)
-    return [sum(graph.values[graph.inputs[k]].nbytes
-                / shard_factor(plan.input_shardings[k], sizes) for k in g.inputs)
-            for g in chosen]
+    out = []
+    for g in chosen:
+        args = [graph.values[graph.inputs[k]].nbytes / shard_factor(plan.input_shardings[k], sizes)
+                for k in g.inputs]
+        out.append((sum(args), sum(b * (1 if graph.donated[k] else 2)
+                                   for b, k in zip(args, g.inputs))))
+    return out
