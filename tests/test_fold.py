@@ -76,7 +76,7 @@ def test_a_global_norm_clip_folds_and_its_plan_matches_unsharded_step():
     g = ir.trace(step, state, batch)
     f = fold(g)
     assert f is not None and f.removed == LAYERS - 4
-    ops = g._op_index()
+    ops = g.analyses.op_index
     # the running total's adds: one per removed layer's parameter leaves (12 in a GPT-2 block)
     assert len(f.passed) == 12 * (LAYERS - 4)
     assert all(ops[i].prim == "add" and g.values[ops[i].outs[0]].shape == () for i in f.passed)

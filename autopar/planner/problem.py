@@ -38,6 +38,7 @@ pays an edge from the body's carry-out back to its carry-in, ``trip_count`` time
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 
@@ -55,6 +56,8 @@ from ir.fusion import Fusion, fuse
 from ir.layers import _walk as walk_ops
 from ir.layers import node_graph
 from ir.layers import roles as layer_roles
+from ir.offload import find_groups
+from ir.recompute import flat, is_call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,7 +293,7 @@ class _Builder:
         self.gop: dict[int, int] = {}
         self.reshard = ReshardCache(cost_model, mesh)
         self.fusion = fuse(graph) if fusion is None else fusion
-        self.kernel_bytes = _on_graph(graph, "_kernel_bytes", self.fusion, _kernel_bytes)
+        self.kernel_bytes = facts(graph).kernel_bytes(self.fusion)
         self.memo: dict = {}        # op structure (+ operand layouts) -> rule / _Planned
         self.rule_memo: dict = {}   # op_key's first int -> the op's rule
         self.follow_memo: dict = {}  # (op_key's second int, id of the followed layouts) -> _Planned
@@ -773,10 +776,12 @@ def output_pairs(graph: Graph) -> dict[int, int]:
     Paths are matched whole (``(state, batch) -> (state, loss)``: ``[0]['w']`` for ``[0]['w']``),
     then, for the outputs left, without their leading position, where that names one input
     left of the same type: a step that returns its new parameters alone (``['w']`` for
-    ``[0]['w']``) or in another position (``(loss, params)``) carries them all the same."""
-    hit = graph.__dict__.get("_output_pairs")
-    if hit is not None:
-        return hit
+    ``[0]['w']``) or in another position (``(loss, params)``) carries them all the same.
+    Computed once per graph (``GraphFacts``)."""
+    return facts(graph).output_pairs
+
+
+def _output_pairs(graph: Graph) -> dict[int, int]:
     by_path = {p: k for k, p in enumerate(graph.input_paths)}
     pairs = {}
     for j, p in enumerate(graph.output_paths):
@@ -794,7 +799,6 @@ def output_pairs(graph: Graph) -> dict[int, int]:
         ks = loose.get((_unplaced(p), graph.values[graph.outputs[j]]), [])
         if len(ks) == 1 and _unplaced(p):
             pairs[j] = ks.pop()
-    graph.__dict__["_output_pairs"] = pairs
     return pairs
 
 
@@ -906,19 +910,54 @@ def _intervals(ops: Sequence[Op], keep, fusion: Fusion) -> list[tuple[int, int, 
 
 
 def schedule_of(graph: Graph, fusion: Fusion) -> tuple:
-    """``(temporaries, body_peaks)`` of ``graph`` under its ``fusion`` (``_on_graph``: read
+    """``(temporaries, body_peaks)`` of ``graph`` under its ``fusion`` (``GraphFacts``: read
     only, the memory model and the memory points only read it)."""
-    return _on_graph(graph, "_schedule", fusion,
-                     lambda g, f: (temporaries(g, f), body_peaks(g, f)))
+    return facts(graph).schedule(fusion)
 
 
-def _on_graph(graph: Graph, key: str, fusion: Fusion, make):
-    """``make(graph, fusion)``, a plan-independent fact, cached on the graph beside the fusion
-    it was made under (``ir.fusion.fuse`` caches the graph's own fusion the same way)."""
-    hit = graph.__dict__.get(key)
-    if hit is None or hit[0] is not fusion:
-        hit = graph.__dict__[key] = (fusion, make(graph, fusion))
-    return hit[1]
+def facts(graph: Graph) -> GraphFacts:
+    """The planner's facts about ``graph``, kept with its analyses (``ir.analyses``)."""
+    return graph.analyses.attached(GraphFacts)
+
+
+class GraphFacts:
+    """What the planner computes about one graph, independent of any plan, and reuses across
+    its plans (``autopar.compare`` plans a graph once per strategy): one per graph, made by
+    ``graph.analyses.attached`` (``ir`` cannot hold the planner's slots itself). A fact made
+    under a fusion (``_Builder``'s may differ from the graph's own) is kept beside that fusion
+    and made again under another."""
+
+    def __init__(self, graph: Graph):
+        self._graph = graph
+        self._schedule: tuple[Fusion, tuple] | None = None
+        self._kernel_bytes: tuple[Fusion, dict[int, float]] | None = None
+
+    @functools.cached_property
+    def output_pairs(self) -> dict[int, int]:
+        """``output_pairs``: output index -> the input index it replaces."""
+        return _output_pairs(self._graph)
+
+    @functools.cached_property
+    def offload_groups(self) -> tuple:
+        """(the step's jaxpr with every jit call inlined, ``ir.offload.find_groups`` of it):
+        ``planner.offload``'s candidates."""
+        inlined = flat(self._graph.jaxpr, inline=is_call)
+        return inlined, find_groups(inlined, self.output_pairs)
+
+    def schedule(self, fusion: Fusion) -> tuple:
+        """``(temporaries, body_peaks)`` under ``fusion``."""
+        hit = self._schedule
+        if hit is None or hit[0] is not fusion:
+            g = self._graph
+            hit = self._schedule = (fusion, (temporaries(g, fusion), body_peaks(g, fusion)))
+        return hit[1]
+
+    def kernel_bytes(self, fusion: Fusion) -> dict[int, float]:
+        """``_kernel_bytes`` under ``fusion``."""
+        hit = self._kernel_bytes
+        if hit is None or hit[0] is not fusion:
+            hit = self._kernel_bytes = (fusion, _kernel_bytes(self._graph, fusion))
+        return hit[1]
 
 
 def temporaries(graph: Graph, fusion: Fusion) -> list[tuple[int, int, int]]:
