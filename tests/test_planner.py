@@ -576,7 +576,7 @@ def test_the_descent_stops_when_the_time_limit_runs_out(monkeypatch):
     spent = Clock(time.perf_counter() - 100.0, 1.0, False)
     with pytest.raises(descent.OutOfTime):
         descent.edge_matrices(prob, cm, spent)
-    assert "_edge_matrices" not in prob.__dict__
+    assert prob.memo.edge_matrices is None
     # a deterministic clock never runs out: the matrices are built as before
     unary, pair = descent.edge_matrices(prob, cm, Clock(time.perf_counter() - 100.0, 1.0, True))
     assert unary and pair

@@ -106,10 +106,10 @@ def _filtered(prob: problem.Problem, op_filter, allowed: dict[int, set[int]]) ->
 def _group_origins(prob: problem.Problem) -> dict[int, tuple]:
     """Op-led group -> (``operand_origins`` of its leader, ``_origin_kinds`` of them): the same
     for every hand-written start, so computed once per problem."""
-    hit = prob.__dict__.get("_group_origins")
+    hit = prob.memo.group_origins
     if hit is None:
         kinds: dict[tuple, tuple] = {}     # origins -> _origin_kinds of them
-        hit = prob.__dict__["_group_origins"] = {}
+        hit = prob.memo.group_origins = {}
         for grp in prob.groups:
             if grp.leader >= 0:
                 mine = operand_origins(prob, prob.graph.op(grp.leader))
@@ -451,11 +451,11 @@ def _make_plan(graph: Graph, mesh: Mapping[str, int], cost_model, options: Plann
     warn_many_axes(mesh, clock)
     prob = problem.build(graph, mesh, cost_model, clock=clock, host_inputs=options.host_inputs,
                          folded=folded)
-    kernel_choice.prepare(prob, cost_model, options.kernels, clock)
+    prob = kernel_choice.prepare(prob, cost_model, options.kernels, clock)
     allowed = _allowed_in_time(prob, options, clock)
     if options.op_filter is not None:
         _filtered(prob, options.op_filter, allowed)
-    prob.untie(allowed)
+    prob = prob.untied(allowed)
     hint, hint_name, seeds = options.hint, "HINT", []
     if clock.spent(SEARCH_BEFORE):
         clock.note(f"building the problem ({len(prob.groups)} decision groups) spent the time "
