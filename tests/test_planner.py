@@ -381,7 +381,7 @@ def _unseeded_gpt(name: str, batch: int, mesh: dict, remat: bool = False):
     alone: no hand-written start or seed."""
     import cost_models
     import ir
-    from autopar.options import PlannerOptions
+    from autopar.options import PlannerOptions, Request
     from autopar.planner import make_plan
 
     cfg = dataclasses.replace(gpt.GPT_CONFIGS[name], scan=True, remat=remat)
@@ -391,7 +391,7 @@ def _unseeded_gpt(name: str, batch: int, mesh: dict, remat: bool = False):
 
     def unseeded():
         opts = PlannerOptions(memory_budget=hw.memory_bytes, time_limit_s=60, deterministic=True)
-        return make_plan(graph, mesh, cm, opts)
+        return make_plan(Request(graph, mesh, cm, opts))
 
     return graph, hw, cm, unseeded
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from autopar.errors import AutoparError, BudgetError, PlanError, ShardingError
-from autopar.options import PlannerOptions
+from autopar.options import PlannerOptions, Request
 from autopar.plan import Collective, CostBreakdown, Plan, SolverStats
 from autopar.planner import (
     combine,
@@ -299,9 +299,9 @@ def _allowed_in_time(prob: problem.Problem, options: PlannerOptions, clock: Cloc
                         ) from None
 
 
-def make_plan(graph: Graph, mesh: Mapping[str, int], cost_model,
-              options: PlannerOptions | None = None, *, trace_s: float = 0.0) -> Plan:
-    """Plan ``graph`` on ``mesh`` under ``options`` (see ``autopar.options.PlannerOptions``).
+def make_plan(request: Request, *, trace_s: float = 0.0) -> Plan:
+    """Plan ``request.graph`` on ``request.mesh`` under ``request.options`` (see
+    ``autopar.options.Request``); ``trace_s``: seconds of the time limit already spent.
 
     With ``options.starts`` (hand-written strategies) each one's own plan is solved on the same
     problem (``_seeds``); the cheapest that fits the budget is the solver's starting point, every
@@ -312,7 +312,8 @@ def make_plan(graph: Graph, mesh: Mapping[str, int], cost_model,
     planned again with their saved values recomputed (``planner.recompute``), each policy in
     the whole time limit.
     """
-    options = options or PlannerOptions()
+    graph, mesh, cost_model = request.graph, dict(request.mesh), request.cost_model
+    options = request.options
     # the call's clock, for the error's advice alone (each plan below keeps its own)
     began = Clock(time.perf_counter() - trace_s, options.time_limit_s, options.deterministic)
     open_ = options.op_filter is None and options.memory_budget is not None
