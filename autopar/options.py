@@ -1,7 +1,10 @@
-"""The planner's options as one frozen object, passed down instead of a row of keyword arguments.
+"""The planner's options as one frozen object, passed down instead of a row of keyword arguments,
+and the ``Request`` that carries them to the planner with the graph, mesh and cost model.
 
     opts = PlannerOptions(memory_budget=40e9, time_limit_s=10)
-    plan = make_plan(graph, mesh, cost_model, opts)
+    plan = make_plan(Request(graph, mesh, cost_model, opts))
+
+``autopar.request.make_request`` makes the request of a user's call, once, after checking it.
 
 Environment variables are read here and nowhere else. They control debug output
 (``AUTOPAR_CHECKS``) and, for test suites, reproducibility (``AUTOPAR_DETERMINISTIC``).
@@ -11,9 +14,13 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autopar.sharding import Sharding
+
+if TYPE_CHECKING:
+    from cost_models import CostModel, Hardware
+    from ir import Graph
 
 
 def deterministic_default() -> bool:
@@ -85,6 +92,38 @@ class PlannerOptions:
 
     def replace(self, **changes: Any) -> PlannerOptions:
         return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One planning request: what the planner is asked, resolved once at the boundary
+    (``autopar.request.make_request``: mesh sizes, hardware, budget, strategy and options
+    checked there), and nothing below re-derives it.
+
+    Attributes:
+      graph: the traced step.
+      mesh: axis name -> size, in the mesh's order.
+      cost_model: the hardware and the mesh (with its devices' nodes where the mesh is
+        concrete) that every time is priced by.
+      options: the rest (``PlannerOptions``), the memory budget among them.
+      notes: what the boundary found the plan should report (a strategy that cannot place a
+        parameter as it intends); the planner does not read them.
+    """
+
+    graph: Graph
+    mesh: Mapping[str, int]
+    cost_model: CostModel
+    options: PlannerOptions = dataclasses.field(default_factory=PlannerOptions)
+    notes: tuple[str, ...] = ()
+
+    @property
+    def hardware(self) -> Hardware:
+        return self.cost_model.hw
+
+    @property
+    def budget(self) -> float | None:
+        """Per-device bytes every plan must fit (``PlannerOptions.memory_budget``)."""
+        return self.options.memory_budget
 
 
 def checks_enabled() -> bool:

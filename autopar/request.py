@@ -1,8 +1,7 @@
 """The request: a traced graph and the caller's options, checked and resolved (mesh sizes,
-hardware profile, cost model, budget, strategy pins and starts) in one place, then handed to the
-planner. ``autopar.plan``, ``@autoparallel``, ``compare`` and the pipeline's stage pricing all
-plan through ``plan_graph``. (The options still travel as ``PlannerOptions`` plus arguments, not
-yet as one Request object the planner's layers share.)"""
+hardware profile, cost model, budget, strategy pins and starts) in one place, ``make_request``,
+into one ``Request`` (``autopar.options``) that the planner takes. ``autopar.plan``,
+``@autoparallel``, ``compare`` and the pipeline's stage pricing all plan through ``plan_graph``."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,21 +11,34 @@ import cost_models
 import ir
 from autopar import distributed, strategies, validate
 from autopar.mesh import axis_sizes, hardware_for
-from autopar.options import PlannerOptions, checks_enabled, deterministic_default
+from autopar.options import PlannerOptions, Request, checks_enabled, deterministic_default
 from autopar.plan import Plan
 from autopar.planner import make_plan
 
 
-def plan_graph(graph: ir.Graph, mesh, *, hardware=None, memory_budget=None, strategy="auto",
-               time_limit_s: float = 30.0, trace_s: float = 0.0,
-               deterministic: bool | None = None, kernels: str = "never",
-               host_inputs: bool = True, seed_plans: tuple[Plan, ...] = (),
-               user_layout=None, memory_decisions=validate.MEMORY_DECISIONS) -> Plan:
-    """Plan an already traced graph (see ``autopar.plan``); ``host_inputs=False``: no input is fed
-    from the host (``PlannerOptions.host_inputs``); ``seed_plans``: plans of this graph auto
-    is held against (``PlannerOptions.seed_plans``); ``user_layout``: the layout the arguments
-    are committed to (``strategies.user.from_arrays``), the strategy ``"user"`` and one more
-    start auto is held against."""
+def plan_graph(graph: ir.Graph, mesh, *, trace_s: float = 0.0, **kwargs) -> Plan:
+    """Plan an already traced graph (see ``autopar.plan``): the ``make_request`` of the
+    arguments, planned with ``trace_s`` of its time limit already spent, the strategy's notes
+    on the plan."""
+    request = make_request(graph, mesh, **kwargs)
+    if request.notes:
+        warnings.warn(f"autopar: strategy {request.options.strategy!r} cannot place every "
+                      f"parameter as it intends (plan.summary() lists them):\n  "
+                      + "\n  ".join(request.notes), UserWarning, stacklevel=3)
+    plan = make_plan(request, trace_s=trace_s)
+    return dataclasses.replace(plan, notes=request.notes) if request.notes else plan
+
+
+def make_request(graph: ir.Graph, mesh, *, hardware=None, memory_budget=None, strategy="auto",
+                 time_limit_s: float = 30.0, deterministic: bool | None = None,
+                 kernels: str = "never", host_inputs: bool = True,
+                 seed_plans: tuple[Plan, ...] = (), user_layout=None,
+                 memory_decisions=validate.MEMORY_DECISIONS) -> Request:
+    """The one ``Request`` of a call (see ``autopar.plan``), its arguments checked;
+    ``host_inputs=False``: no input is fed from the host (``PlannerOptions.host_inputs``);
+    ``seed_plans``: plans of this graph auto is held against (``PlannerOptions.seed_plans``);
+    ``user_layout``: the layout the arguments are committed to (``strategies.user.from_arrays``),
+    the strategy ``"user"`` and one more start auto is held against."""
     sizes = axis_sizes(mesh)
     hw = hardware_for(hardware, mesh)
     budget = validate.memory_budget(memory_budget)
@@ -53,13 +65,7 @@ def plan_graph(graph: ir.Graph, mesh, *, hardware=None, memory_budget=None, stra
                           recompute="recompute" in validate.memory_decisions(memory_decisions),
                           offload="offload" in validate.memory_decisions(memory_decisions),
                           seed_plans=tuple(seed_plans) if strat is None else ())
-    notes = tuple(getattr(strat, "notes", ()))
-    if notes:
-        warnings.warn(f"autopar: strategy {name!r} cannot place every parameter as it intends "
-                      f"(plan.summary() lists them):\n  " + "\n  ".join(notes), UserWarning,
-                      stacklevel=3)
-    plan = make_plan(graph, sizes, cm, opts, trace_s=trace_s)
-    return dataclasses.replace(plan, notes=notes) if notes else plan
+    return Request(graph, sizes, cm, opts, tuple(getattr(strat, "notes", ())))
 
 
 # Hand-written strategies auto is held against (planner._seeds): each one's own plan is solved

@@ -35,7 +35,7 @@ import cost_models  # noqa: E402
 import ir  # noqa: E402
 from autopar import api, hlo, planner  # noqa: E402
 from autopar.models import gpt  # noqa: E402
-from autopar.options import PlannerOptions  # noqa: E402
+from autopar.options import PlannerOptions, Request  # noqa: E402
 from autopar.planner import offload  # noqa: E402
 from ir import recompute  # noqa: E402
 
@@ -102,8 +102,8 @@ def _least(step, state, batch, mesh) -> float:
     sizes = dict(mesh.shape)
     cm = cost_models.CostModel(cost_models.hardware("cpu"), sizes)
     try:
-        planner.make_plan(graph, sizes, cm, PlannerOptions(memory_budget=1e4, time_limit_s=10,
-                                                           offload=False))
+        planner.make_plan(Request(graph, sizes, cm, PlannerOptions(
+            memory_budget=1e4, time_limit_s=10, offload=False)))
     except autopar.BudgetError as e:
         return e.least_bytes
     raise AssertionError("a 10 kB budget fitted")
@@ -143,8 +143,8 @@ def small_rows(runs: int = RUNS) -> tuple[list[tuple], float, float]:
     sizes = dict(mesh.shape)
     cm = cost_models.CostModel(cost_models.hardware("cpu"), sizes)
     try:
-        planner.make_plan(graph, sizes, cm, PlannerOptions(memory_budget=budget,
-                                                           time_limit_s=10, offload=False))
+        planner.make_plan(Request(graph, sizes, cm, PlannerOptions(
+            memory_budget=budget, time_limit_s=10, offload=False)))
         ablation = "a plan fits without offload (the budget is not tight)"
     except autopar.BudgetError as e:
         ablation = f"BudgetError: {str(e)[:200]}"

@@ -103,13 +103,11 @@ def fold(graph: Graph, keep_head: int = KEEP_HEAD, min_copies: int = MIN_COPIES
          ) -> Folded | None:
     """``graph`` with the middle copies of its largest repeated layer family removed, or None
     when there is nothing safe to remove (see the module docstring). The default fold is
-    cached on the graph, as its fusion and roles are: every plan of one graph plans the same
-    folded graph and reuses what is cached on it."""
+    computed once per graph (``Graph.analyses``), as its fusion and roles are: every plan of
+    one graph plans the same folded graph and reuses the analyses of it."""
     if (keep_head, min_copies) != (KEEP_HEAD, MIN_COPIES):
         return _fold(graph, keep_head, min_copies)
-    if "_fold" not in graph.__dict__:
-        graph.__dict__["_fold"] = _fold(graph, keep_head, min_copies)
-    return graph.__dict__["_fold"]
+    return graph.analyses.fold
 
 
 def _fold(graph: Graph, keep_head: int, min_copies: int) -> Folded | None:
@@ -117,7 +115,7 @@ def _fold(graph: Graph, keep_head: int, min_copies: int) -> Folded | None:
     n = len(family)
     if n < max(min_copies, keep_head + 2):
         return None
-    ops_by = graph._op_index()
+    ops_by = graph.analyses.op_index
     rep, last = keep_head - 1, n - 1
     removed = range(keep_head, last)
     stages = _stages(family, rep, last)
@@ -444,7 +442,7 @@ def _rebuild(graph: Graph, kept: list[Op], ids: set[int], roles: Roles, read: se
         donated=tuple(graph.donated[k] for k in keep_in), layers=layers)
     # the full graph's roles: the folded graph's own would tell the representative from its
     # neighbours (the splice changes who reads whom), and ties must be the full graph's
-    folded.__dict__["_roles"] = Roles({op.id: roles.op[op.id] for op in kept},
-                                      tuple(roles.input[k] for k in keep_in))
+    folded.analyses.carry(roles=Roles({op.id: roles.op[op.id] for op in kept},
+                                      tuple(roles.input[k] for k in keep_in)))
     return (folded, tuple(input_of), tuple(in_weight[j] for j in range(len(keep_in))),
             tuple(output_of), tuple(out_weight[i] for i in range(len(keep_out))))

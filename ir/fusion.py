@@ -378,13 +378,10 @@ def _fuse_list(ops: Sequence[Op], const: set[int], outputs: set[int], result: di
 
 
 def fuse(graph: Graph) -> Fusion:
-    """The kernels XLA makes of ``graph`` (see the module docstring). Cached on the graph, as
-    its roles are: every plan of one graph (``autopar.compare`` plans it once per strategy)
-    asks for the same kernels."""
-    hit = graph.__dict__.get("_fusion")
-    if hit is None:
-        hit = graph.__dict__["_fusion"] = _fuse(graph)
-    return hit
+    """The kernels XLA makes of ``graph`` (see the module docstring). Computed once per graph,
+    as its roles are: every plan of one graph (``autopar.compare`` plans it once per strategy)
+    asks for the same kernels (``Graph.analyses``)."""
+    return graph.analyses.fusion
 
 
 def _fuse(graph: Graph) -> Fusion:

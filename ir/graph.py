@@ -24,10 +24,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+
+from ir.analyses import Analyses
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +166,12 @@ class Graph:
     jaxpr: Any = dataclasses.field(default=None, compare=False, repr=False, hash=False)
     in_tree: Any = dataclasses.field(default=None, compare=False, repr=False, hash=False)
     out_tree: Any = dataclasses.field(default=None, compare=False, repr=False, hash=False)
+    # What is computed about this graph and reused (``ir.analyses``): made with the graph, so a
+    # graph made by ``dataclasses.replace`` starts with fresh analyses.
+    analyses: Analyses = dataclasses.field(init=False, compare=False, repr=False, hash=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "analyses", Analyses(self))   # construction, not a cache
 
     # ---- navigation -------------------------------------------------------------------------
     def all_ops(self) -> tuple[Op, ...]:
@@ -181,27 +188,13 @@ class Graph:
         return tuple(out)
 
     def op(self, op_id: int) -> Op:
-        return self._op_index()[op_id]
+        return self.analyses.op_index[op_id]
 
     def producer(self, value_id: int) -> Op | None:
-        return self._producer_index().get(value_id)
+        return self.analyses.producers.get(value_id)
 
     def type(self, value_id: int) -> TensorType:
         return self.values[value_id]
-
-    def _op_index(self) -> Mapping[int, Op]:
-        cache = self.__dict__.get("_op_idx")
-        if cache is None:
-            cache = {op.id: op for op in self.all_ops()}
-            object.__setattr__(self, "_op_idx", cache)
-        return cache
-
-    def _producer_index(self) -> Mapping[int, Op]:
-        cache = self.__dict__.get("_prod_idx")
-        if cache is None:
-            cache = {v: op for op in self.all_ops() for v in op.outs}
-            object.__setattr__(self, "_prod_idx", cache)
-        return cache
 
     # ---- totals -----------------------------------------------------------------------------
     @property
@@ -237,26 +230,27 @@ class Graph:
         """A stable hash of everything that makes the program: each op's primitive, parameters
         (``sum(0)`` is not ``sum(1)``), wiring, scope and trip count, every value's type, the
         literal constants, the inputs and outputs with their pytree paths, and donation. Source
-        lines and names are left out: moving code does not change the program. Cached (a 50k-op
-        graph takes a tenth of a second to hash)."""
-        hit = self.__dict__.get("_fingerprint")
-        if hit is not None:
-            return hit
-        import hashlib
+        lines and names are left out: moving code does not change the program. Computed once
+        per graph (``Graph.analyses``)."""
+        return self.analyses.fingerprint
 
-        h = hashlib.sha256()
-        reprs: dict = {}   # repeated layers repeat a few parameter tuples and value types
-        parts = []
-        for op in self.all_ops():
-            params = reprs.get(op.params)
-            if params is None:
-                params = reprs[op.params] = repr(op.params)
-            parts.append(f"{op.id}:{op.prim}:{op.ins}:{op.outs}:{op.trip_count}:{op.scope}:"
-                         f"{params};")
-        h.update("".join(parts).encode())
-        types = {v: f"{v};" for v in set(self.values)}
-        h.update("".join(types[v] for v in self.values).encode())
-        h.update(repr((self.inputs, self.outputs, self.input_paths, self.output_paths,
-                       self.donated, self.literals, self.consts)).encode())
-        hit = self.__dict__["_fingerprint"] = h.hexdigest()[:16]
-        return hit
+
+def fingerprint(graph: Graph) -> str:
+    """``Graph.fingerprint``, computed (a 50k-op graph takes a tenth of a second to hash)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    reprs: dict = {}   # repeated layers repeat a few parameter tuples and value types
+    parts = []
+    for op in graph.all_ops():
+        params = reprs.get(op.params)
+        if params is None:
+            params = reprs[op.params] = repr(op.params)
+        parts.append(f"{op.id}:{op.prim}:{op.ins}:{op.outs}:{op.trip_count}:{op.scope}:"
+                     f"{params};")
+    h.update("".join(parts).encode())
+    types = {v: f"{v};" for v in set(graph.values)}
+    h.update("".join(types[v] for v in graph.values).encode())
+    h.update(repr((graph.inputs, graph.outputs, graph.input_paths, graph.output_paths,
+                   graph.donated, graph.literals, graph.consts)).encode())
+    return h.hexdigest()[:16]

@@ -79,21 +79,24 @@ class Roles:
 
 def roles(graph: Graph, max_rounds: int = ROLE_ROUNDS) -> Roles:
     """The structural role of every top-level op and graph input (see the module docstring).
-    Cached on the graph: the planner asks once per plan."""
-    hit = graph.__dict__.get("_roles")
-    if hit is None:
-        labels, src, dst, tag = node_graph(graph)
-        first = len(graph.inputs) + len(graph.consts)
-        node = {op.id: first + j for j, op in enumerate(graph.ops)}
-        fixed = np.full(len(labels), -1, dtype=np.int64)
-        for layer in graph.layers:
-            if layer.kind == "unrolled" and _computes(graph, layer):
-                fixed[[node[i] for i in layer.op_ids]] = _position_colours(layer)
-        colour = _refine(labels, src, dst, tag, max_rounds, fixed)
-        hit = Roles({op.id: int(colour[first + j]) for j, op in enumerate(graph.ops)},
-                    tuple(int(c) for c in colour[:len(graph.inputs)]))
-        graph.__dict__["_roles"] = hit
-    return hit
+    Computed once per graph at the default rounds (``Graph.analyses``): the planner asks once
+    per plan."""
+    if max_rounds == ROLE_ROUNDS:
+        return graph.analyses.roles
+    return _roles(graph, max_rounds)
+
+
+def _roles(graph: Graph, max_rounds: int) -> Roles:
+    labels, src, dst, tag = node_graph(graph)
+    first = len(graph.inputs) + len(graph.consts)
+    node = {op.id: first + j for j, op in enumerate(graph.ops)}
+    fixed = np.full(len(labels), -1, dtype=np.int64)
+    for layer in graph.layers:
+        if layer.kind == "unrolled" and _computes(graph, layer):
+            fixed[[node[i] for i in layer.op_ids]] = _position_colours(layer)
+    colour = _refine(labels, src, dst, tag, max_rounds, fixed)
+    return Roles({op.id: int(colour[first + j]) for j, op in enumerate(graph.ops)},
+                 tuple(int(c) for c in colour[:len(graph.inputs)]))
 
 
 def _computes(graph: Graph, layer: Layer) -> bool:
@@ -111,12 +114,10 @@ def _position_colours(layer: Layer) -> np.ndarray:
 
 def node_graph(graph: Graph):
     """Nodes (inputs, consts, top-level ops) as initial labels and labelled edges: ``(labels,
-    src, dst, tag)`` arrays, ``tag`` = output index * 1024 + operand index. Cached on the graph
-    (``find_layers`` hands it on to the graph it returns: op and value ids do not change)."""
-    hit = graph.__dict__.get("_nodes")
-    if hit is None:
-        hit = graph.__dict__["_nodes"] = _build_node_graph(graph)
-    return hit
+    src, dst, tag)`` arrays, ``tag`` = output index * 1024 + operand index. Computed once per
+    graph (``Graph.analyses``; ``find_layers`` carries it to the graph it returns: op and value
+    ids do not change)."""
+    return graph.analyses.node_graph
 
 
 def _build_node_graph(graph: Graph):
@@ -380,8 +381,8 @@ def _assign(graph: Graph, layers: tuple[Layer, ...]) -> Graph:
     owner = {op_id: layer.index for layer in layers for op_id in layer.op_ids}
     ops = _relabel(graph.ops, owner) if owner else graph.ops
     out = dataclasses.replace(graph, ops=ops, layers=layers)
-    if "_nodes" in graph.__dict__:
-        out.__dict__["_nodes"] = graph.__dict__["_nodes"]
+    if graph.analyses.computed("node_graph"):   # layers and Op.layer are no part of it
+        out.analyses.carry(node_graph=graph.analyses.node_graph)
     return out
 
 

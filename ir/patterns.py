@@ -38,6 +38,7 @@ never imports ``autopar``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -158,26 +159,20 @@ class Index:
     def key(self, op: Op) -> tuple[str, str, str]:
         return self.keys[op.id]
 
-    @property
+    @functools.cached_property
     def keys(self) -> dict[int, tuple[str, str, str]]:
         """Op id -> (source line, site, module path): what a backward op shares with its
         forward."""
-        cache = self.__dict__.get("_keys")
-        if cache is None:
-            paths: dict[str, str] = {}
-            cache = self.__dict__["_keys"] = {
-                op.id: (op.source, op.site, paths.setdefault(op.name, module_path(op.name)))
+        paths: dict[str, str] = {}
+        return {op.id: (op.source, op.site, paths.setdefault(op.name, module_path(op.name)))
                 for op in self.ops}
-        return cache
 
-    @property
+    @functools.cached_property
     def by_key(self) -> dict[tuple[str, str, str], list[Op]]:
-        cache = self.__dict__.get("_by_key")
-        if cache is None:
-            cache = self.__dict__["_by_key"] = defaultdict(list)
-            for op in self.ops:
-                cache[self.keys[op.id]].append(op)
-        return cache
+        out: dict[tuple[str, str, str], list[Op]] = defaultdict(list)
+        for op in self.ops:
+            out[self.keys[op.id]].append(op)
+        return out
 
     def local_producer(self, v: int, op: Op) -> Op | None:
         """The producer of ``v`` if it is in the same region as ``op``."""
@@ -188,12 +183,18 @@ class Index:
         """``v`` is (a loop slice of) a graph input: a parameter or state, not an activation."""
         return self.origin(v) in self._graph_inputs
 
-    @property
+    @functools.cached_property
     def _graph_inputs(self) -> frozenset[int]:
-        cache = self.__dict__.get("_gi")
-        if cache is None:
-            cache = self.__dict__["_gi"] = frozenset(self.graph.inputs)
-        return cache
+        return frozenset(self.graph.inputs)
+
+    @functools.cached_property
+    def returned(self) -> frozenset[int]:
+        """Values the graph or a region returns."""
+        vals = set(self.graph.outputs)
+        for op in self.ops:
+            for r in op.regions:
+                vals.update(r.outputs)
+        return frozenset(vals)
 
 
 def cone(index: Index, outputs: Iterable[int], stops: Iterable[int], anchor: Op) -> set[int]:
@@ -226,24 +227,13 @@ def externals(index: Index, op_ids: Iterable[int]) -> list[int]:
 def produced_outside(index: Index, op_ids: Iterable[int]) -> list[int]:
     """Values the ops produce that something else reads (or a region/graph returns)."""
     ids = set(op_ids)
-    returned = _returned(index)
+    returned = index.returned
     out = []
     for i in sorted(ids, key=index.order.__getitem__):
         for v in index.ops[index.order[i]].outs:
             if v in returned or any(c.id not in ids for c in index.consumers.get(v, ())):
                 out.append(v)
     return out
-
-
-def _returned(index: Index) -> frozenset[int]:
-    cache = index.__dict__.get("_ret")
-    if cache is None:
-        vals = set(index.graph.outputs)
-        for op in index.ops:
-            for r in op.regions:
-                vals.update(r.outputs)
-        cache = index.__dict__["_ret"] = frozenset(vals)
-    return cache
 
 
 # ---- the pass ---------------------------------------------------------------------------------

@@ -139,7 +139,7 @@ def test_depth_shortcuts_keep_the_plan(hf_graphs, hf_plans, monkeypatch):
 
 def test_a_graph_is_fused_once_for_all_its_plans(hf_graphs, hf_plans, monkeypatch):
     """A second plan of one graph (``compare`` plans it once per strategy) reuses the fusion,
-    schedule and kernel bytes cached on the graph, and plans exactly as a fresh copy of the
+    schedule and kernel bytes kept with its analyses, and plans exactly as a fresh copy of the
     graph, which computes them again."""
     from ir import fusion
 
@@ -150,7 +150,7 @@ def test_a_graph_is_fused_once_for_all_its_plans(hf_graphs, hf_plans, monkeypatc
     copy = dataclasses.replace(g)      # the same graph without its caches
     fresh = _plan(copy)
     assert computed == [copy]
-    assert g.__dict__["_schedule"][0] is fusion.fuse(g)
+    assert problem.facts(g)._schedule[0] is fusion.fuse(g)
     for plan in (again, fresh):
         assert plan.choices == hf_plans[4].choices and plan.pins == hf_plans[4].pins
         assert plan.cost == hf_plans[4].cost

@@ -13,7 +13,7 @@ import autopar
 import cost_models
 import ir
 from autopar.models import gpt, hf
-from autopar.options import PlannerOptions
+from autopar.options import PlannerOptions, Request
 from autopar.planner import descent, make_plan, problem
 from ir.fold import fold
 
@@ -76,7 +76,7 @@ def test_a_global_norm_clip_folds_and_its_plan_matches_unsharded_step():
     g = ir.trace(step, state, batch)
     f = fold(g)
     assert f is not None and f.removed == LAYERS - 4
-    ops = g._op_index()
+    ops = g.analyses.op_index
     # the running total's adds: one per removed layer's parameter leaves (12 in a GPT-2 block)
     assert len(f.passed) == 12 * (LAYERS - 4)
     assert all(ops[i].prim == "add" and g.values[ops[i].outs[0]].shape == () for i in f.passed)
@@ -188,7 +188,8 @@ def _plans():
     hw = cost_models.hardware("h100")
     cm = cost_models.CostModel(hw, MESH)
     opts = PlannerOptions(memory_budget=hw.memory_bytes, time_limit_s=60, deterministic=True)
-    return make_plan(g, MESH, cm, opts), make_plan(g, MESH, cm, opts.replace(fold=False))
+    return (make_plan(Request(g, MESH, cm, opts)),
+            make_plan(Request(g, MESH, cm, opts.replace(fold=False))))
 
 
 def test_folded_plan_predicts_the_full_plans_figures():

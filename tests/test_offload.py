@@ -25,7 +25,7 @@ import cost_models
 import ir
 from autopar import hlo, planner
 from autopar.models import gpt, mlp
-from autopar.options import PlannerOptions
+from autopar.options import PlannerOptions, Request
 from autopar.plan import Offload
 from autopar.planner import offload
 from autopar.sharding import shard_factor
@@ -53,8 +53,8 @@ def gpt_step():
 def _make_plan(graph, budget, **options):
     sizes = dict(_mesh().shape)
     cm = cost_models.CostModel(cost_models.hardware(options.pop("hardware", "cpu")), sizes)
-    return planner.make_plan(graph, sizes, cm, PlannerOptions(memory_budget=budget,
-                                                              time_limit_s=5, **options))
+    return planner.make_plan(Request(graph, sizes, cm, PlannerOptions(
+        memory_budget=budget, time_limit_s=5, **options)))
 
 
 def test_moments_move_in_groups_parameters_stay(gpt_step):

@@ -381,7 +381,7 @@ def _unseeded_gpt(name: str, batch: int, mesh: dict, remat: bool = False):
     alone: no hand-written start or seed."""
     import cost_models
     import ir
-    from autopar.options import PlannerOptions
+    from autopar.options import PlannerOptions, Request
     from autopar.planner import make_plan
 
     cfg = dataclasses.replace(gpt.GPT_CONFIGS[name], scan=True, remat=remat)
@@ -391,7 +391,7 @@ def _unseeded_gpt(name: str, batch: int, mesh: dict, remat: bool = False):
 
     def unseeded():
         opts = PlannerOptions(memory_budget=hw.memory_bytes, time_limit_s=60, deterministic=True)
-        return make_plan(graph, mesh, cm, opts)
+        return make_plan(Request(graph, mesh, cm, opts))
 
     return graph, hw, cm, unseeded
 
@@ -576,7 +576,7 @@ def test_the_descent_stops_when_the_time_limit_runs_out(monkeypatch):
     spent = Clock(time.perf_counter() - 100.0, 1.0, False)
     with pytest.raises(descent.OutOfTime):
         descent.edge_matrices(prob, cm, spent)
-    assert "_edge_matrices" not in prob.__dict__
+    assert prob.memo.edge_matrices is None
     # a deterministic clock never runs out: the matrices are built as before
     unary, pair = descent.edge_matrices(prob, cm, Clock(time.perf_counter() - 100.0, 1.0, True))
     assert unary and pair

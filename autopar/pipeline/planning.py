@@ -432,7 +432,7 @@ def price(model: StagedModel, params, costs: Costs, sizes: dict, axis: str, hw,
         timeline = loop_timeline(model, params, sizes, axis, hw, sch, ranges, duration,
                                  costs.act_bytes, costs=costs)
         slots = _buffer_slots(sch)
-        pad = _layout_overheads(cost_models.CostModel(hw, sizes), ranges, p, layer_bytes, axis,
+        pad = _layout_overheads(stage_cost_model(hw, sizes), ranges, p, layer_bytes, axis,
                                 model.num_layers)[1]
     whole = model.num_layers % p != 0        # the runtime keeps the stack whole on each stage
     memory = tuple(stage_bytes(model.num_layers if whole else sum(n), max(n), layer_bytes,
@@ -475,7 +475,7 @@ def fsdp_layer_s(model: StagedModel, params, costs: Costs, sizes: dict, axis: st
     reduce-scatters the gradient."""
     if not costs.fsdp:
         return {"F": costs.layer_f, "B": costs.layer_b}
-    cm = cost_models.CostModel(hw, sizes)
+    cm = stage_cost_model(hw, sizes)
     gathered = costs.sharded_bytes[1]
     gather = cm.collective_time_s("all-gather", gathered, costs.fsdp)
     scatter = cm.collective_time_s("reduce-scatter", gathered, costs.fsdp)
@@ -541,7 +541,7 @@ def loop_timeline(model: StagedModel, params, sizes: dict, axis: str, hw, sch: S
         return duration(a) + (longest - lengths[a.chunk]) * slot[a.kind]
 
     return S.price(sch, padded, cores=cores,
-                   tick_s=tick_overhead_s(cost_models.CostModel(hw, sizes), axis, act_bytes,
+                   tick_s=tick_overhead_s(stage_cost_model(hw, sizes), axis, act_bytes,
                                           carry))
 
 
@@ -555,6 +555,14 @@ def loop_timeline(model: StagedModel, params, sizes: dict, axis: str, hw, sch: S
 # accumulators (read both, write one: 3). benchmarks/pipeline_cpu.py times a padded chunk
 # against the unpadded one; per-op launch costs are not counted (they dominate at small widths).
 PADDED_SLOT_PASSES = {"F": 2, "B": 9}
+
+
+def stage_cost_model(hw, sizes: dict, device_nodes=None) -> cost_models.CostModel:
+    """The cost model the stage pricing prices its collectives and hops by: ``hw`` on the mesh
+    ``sizes``. The pricing sees mesh sizes only (the search prices meshes it has no devices
+    for), so the devices' nodes are inferred row-major from ``hw.devices_per_node``, as
+    ``boundary_hops_s`` infers them, unless ``device_nodes`` gives them."""
+    return cost_models.CostModel(hw, sizes, device_nodes=device_nodes)
 
 
 def padded_slot_s(hw, layer_bytes: float) -> dict[str, float]:
@@ -582,7 +590,7 @@ def after_loop_s(model: StagedModel, params, sizes: dict, axis: str, hw, ranges,
     pass over the busiest stage's parameters and, for unequal ranges, the layer moves
     (parameters in ``costs``' layouts: ``_param_bytes``)."""
     p = sizes[axis]
-    cm = cost_models.CostModel(hw, sizes)
+    cm = stage_cost_model(hw, sizes)
     length = [b - a for a, b in ranges]
     on = [[length[c] for c in range(s, len(ranges), p)] for s in range(p)]
     layer_bytes, rest_bytes = _param_bytes(model, params, sizes, costs)
@@ -696,7 +704,7 @@ def boundary_hops_s(sizes: dict, axis: str, hw, nbytes: float) -> tuple[float, .
     partner in stage ``k + 1`` sit in different nodes, devices numbered in mesh order)."""
     ids = np.arange(math.prod(sizes.values())).reshape(tuple(sizes.values()))
     nodes = np.moveaxis(ids, list(sizes).index(axis), 0) // hw.devices_per_node
-    cm = cost_models.CostModel(hw, sizes)
+    cm = stage_cost_model(hw, sizes)
     out = []
     for k in range(sizes[axis] - 1):
         link = hw.inter_node if np.any(nodes[k] != nodes[k + 1]) else hw.intra_node

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from autopar.errors import AutoparError, BudgetError, PlanError, ShardingError
-from autopar.options import PlannerOptions
+from autopar.options import PlannerOptions, Request
 from autopar.plan import Collective, CostBreakdown, Plan, SolverStats
 from autopar.planner import (
     combine,
@@ -106,10 +106,10 @@ def _filtered(prob: problem.Problem, op_filter, allowed: dict[int, set[int]]) ->
 def _group_origins(prob: problem.Problem) -> dict[int, tuple]:
     """Op-led group -> (``operand_origins`` of its leader, ``_origin_kinds`` of them): the same
     for every hand-written start, so computed once per problem."""
-    hit = prob.__dict__.get("_group_origins")
+    hit = prob.memo.group_origins
     if hit is None:
         kinds: dict[tuple, tuple] = {}     # origins -> _origin_kinds of them
-        hit = prob.__dict__["_group_origins"] = {}
+        hit = prob.memo.group_origins = {}
         for grp in prob.groups:
             if grp.leader >= 0:
                 mine = operand_origins(prob, prob.graph.op(grp.leader))
@@ -299,9 +299,9 @@ def _allowed_in_time(prob: problem.Problem, options: PlannerOptions, clock: Cloc
                         ) from None
 
 
-def make_plan(graph: Graph, mesh: Mapping[str, int], cost_model,
-              options: PlannerOptions | None = None, *, trace_s: float = 0.0) -> Plan:
-    """Plan ``graph`` on ``mesh`` under ``options`` (see ``autopar.options.PlannerOptions``).
+def make_plan(request: Request, *, trace_s: float = 0.0) -> Plan:
+    """Plan ``request.graph`` on ``request.mesh`` under ``request.options`` (see
+    ``autopar.options.Request``); ``trace_s``: seconds of the time limit already spent.
 
     With ``options.starts`` (hand-written strategies) each one's own plan is solved on the same
     problem (``_seeds``); the cheapest that fits the budget is the solver's starting point, every
@@ -312,7 +312,8 @@ def make_plan(graph: Graph, mesh: Mapping[str, int], cost_model,
     planned again with their saved values recomputed (``planner.recompute``), each policy in
     the whole time limit.
     """
-    options = options or PlannerOptions()
+    graph, mesh, cost_model = request.graph, dict(request.mesh), request.cost_model
+    options = request.options
     # the call's clock, for the error's advice alone (each plan below keeps its own)
     began = Clock(time.perf_counter() - trace_s, options.time_limit_s, options.deterministic)
     open_ = options.op_filter is None and options.memory_budget is not None
@@ -451,11 +452,11 @@ def _make_plan(graph: Graph, mesh: Mapping[str, int], cost_model, options: Plann
     warn_many_axes(mesh, clock)
     prob = problem.build(graph, mesh, cost_model, clock=clock, host_inputs=options.host_inputs,
                          folded=folded)
-    kernel_choice.prepare(prob, cost_model, options.kernels, clock)
+    prob = kernel_choice.prepare(prob, cost_model, options.kernels, clock)
     allowed = _allowed_in_time(prob, options, clock)
     if options.op_filter is not None:
         _filtered(prob, options.op_filter, allowed)
-    prob.untie(allowed)
+    prob = prob.untied(allowed)
     hint, hint_name, seeds = options.hint, "HINT", []
     if clock.spent(SEARCH_BEFORE):
         clock.note(f"building the problem ({len(prob.groups)} decision groups) spent the time "

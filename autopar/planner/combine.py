@@ -118,7 +118,7 @@ def _sites(prob) -> list[tuple]:
     of every op issuing an all-reduce over more than one device under some strategy, top level
     and scan bodies (memoised on the problem: the same for every start)."""
     key = tuple(sorted(prob.ties.items()))
-    hit = prob.__dict__.get("_launch_sites")
+    hit = prob.memo.launch_sites
     if hit is not None and hit[0] == key:
         return hit[1]
     where = regions(prob.graph)
@@ -136,7 +136,7 @@ def _sites(prob) -> list[tuple]:
                     and _group(c.axes, prob.mesh) > 1) for st in per_i]
             if any(axes):
                 out.append((g.id, prob.root(g.id), op_id, axes, region))
-    prob.__dict__["_launch_sites"] = (key, out)
+    prob.memo.launch_sites = (key, out)
     return out
 
 

@@ -41,7 +41,7 @@ def _dense(have, need, cost) -> np.ndarray:
 def edge_matrices(p: Problem, cm, clock=None):
     """(unary cost per root, [(src root, dst root, matrix)]); ``OutOfTime`` where ``clock``
     (a ``planner.budget.Clock``) runs past ``SEARCH_BEFORE`` of its budget meanwhile."""
-    memo = p.__dict__.get("_edge_matrices")
+    memo = p.memo.edge_matrices
     if memo is not None:
         return memo
     rs = p.reshard_s
@@ -59,7 +59,7 @@ def edge_matrices(p: Problem, cm, clock=None):
         m = _dense(have, e.need, lambda a, b, v=e.value: rs(v, a, b)) * e.mult
         if m.any():
             pair.append((s, d, m))
-    p.__dict__["_edge_matrices"] = (unary, pair)
+    p.memo.edge_matrices = (unary, pair)
     return unary, pair
 
 

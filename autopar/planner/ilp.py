@@ -769,7 +769,7 @@ def _memory_tables(p: Problem):
     """Per group, the bytes of its always-live values and of its values live at each check
     point, under each of its strategies (summed once per problem: descent asks per start), each
     table as (group ids, their per-strategy arrays concatenated, each array's offset)."""
-    hit = p.__dict__.get("_memory_tables")
+    hit = p.memo.memory_tables
     if hit is None:
         def table(values):
             out: dict[int, np.ndarray] = {}
@@ -783,8 +783,8 @@ def _memory_tables(p: Problem):
             offsets = np.cumsum(sizes) - sizes
             flat = np.concatenate(arrays) if arrays else np.zeros(0)
             return np.array(list(out), dtype=np.int64), flat, offsets
-        hit = p.__dict__["_memory_tables"] = (table(p.const_values),
-                                              [table(live) for live in p.mem_points])
+        hit = p.memo.memory_tables = (table(p.const_values),
+                                         [table(live) for live in p.mem_points])
     return hit
 
 

@@ -185,19 +185,21 @@ def _record(c: Chosen) -> KernelUse:
 
 
 # ---- the planner's two hooks ------------------------------------------------------------------
-def prepare(prob: problem.Problem, cm, mode: str, clock=None) -> None:
-    """Finds the kernel sites of ``prob`` (``mode`` "auto" or "always"; "never" finds none)
-    for the ILP. Skipped when the time limit has already cut the problem's build."""
+def prepare(prob: problem.Problem, cm, mode: str, clock=None) -> problem.Problem:
+    """``prob`` with its kernel sites (``mode`` "auto" or "always"; "never" finds none) for the
+    ILP. None are sought when the time limit has already cut the problem's build."""
     from autopar.planner.budget import SEARCH_BEFORE
     from autopar.planner.kernel_sites import find_sites
 
-    prob.kernel_mode = mode
-    if mode == "never":
-        return
-    if clock is not None and clock.spent(SEARCH_BEFORE):
+    sites, rejected = [], []
+    if mode != "never" and clock is not None and clock.spent(SEARCH_BEFORE):
         clock.note("time limit: no fused kernels considered")
-        return
-    prob.kernel_sites, prob.kernel_rejected = find_sites(prob, cm)
+    elif mode != "never":
+        sites, rejected = find_sites(prob, cm)
+    out = dataclasses.replace(prob, kernel_mode=mode, kernel_sites=sites,
+                              kernel_rejected=rejected)
+    out.memo = prob.memo      # the kernel sites feed none of it
+    return out
 
 
 def finish(plan: Plan, prob: problem.Problem, choice: Sequence[int], cm) -> Plan:

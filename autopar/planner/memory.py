@@ -586,11 +586,12 @@ def _schedule(prob: Problem):
 
 
 def _memo(prob: Problem, key: str, make):
-    """A plan-independent fact about ``prob``, computed on first use and kept on it (the
-    frozen problem's ``__dict__``; ``problem.build`` may have stored it already)."""
-    if key not in prob.__dict__:
-        prob.__dict__[key] = make()
-    return prob.__dict__[key]
+    """A plan-independent fact about ``prob``, computed on first use and kept in its memo
+    (``problem.Memo.memory``)."""
+    facts = prob.memo.memory
+    if key not in facts:
+        facts[key] = make()
+    return facts[key]
 
 
 def _copies(prob: Problem, choice):

@@ -19,10 +19,10 @@ import dataclasses
 
 from autopar.errors import BudgetError, PlanError
 from autopar.plan import Offload, Plan
+from autopar.planner.problem import facts
 from autopar.sharding import shard_factor
 from ir import offload as rewrite
 from ir.from_jaxpr import graph_of
-from ir.recompute import flat, is_call
 
 
 def offerable(graph, cost_model) -> bool:
@@ -31,22 +31,15 @@ def offerable(graph, cost_model) -> bool:
 
 
 def groups_of(graph) -> tuple[rewrite.Group, ...]:
-    """``ir.offload.find_groups`` of ``graph``'s step, every jit call inlined (cached)."""
-    hit = graph.__dict__.get("_offload_groups")
-    if hit is None:
-        from autopar.planner.problem import output_pairs
-
-        inlined = flat(graph.jaxpr, inline=is_call)
-        hit = (inlined, rewrite.find_groups(inlined, output_pairs(graph)))
-        graph.__dict__["_offload_groups"] = hit
-    return hit[1]
+    """``ir.offload.find_groups`` of ``graph``'s step, every jit call inlined (computed once
+    per graph: ``problem.GraphFacts``)."""
+    return facts(graph).offload_groups[1]
 
 
 def rewrite_graph(graph, inputs):
     """``graph`` traced again with the groups holding argument positions ``inputs`` offloaded
     (``ir.offload.apply``), its host values marked."""
-    groups_of(graph)
-    inlined, groups = graph.__dict__["_offload_groups"]
+    inlined, groups = facts(graph).offload_groups
     chosen = [g for g in groups if set(g.inputs) & set(inputs)]
     missing = set(inputs) - {k for g in chosen for k in g.inputs}
     if missing:

@@ -38,6 +38,7 @@ pays an edge from the body's carry-out back to its carry-in, ``trip_count`` time
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 
@@ -55,6 +56,8 @@ from ir.fusion import Fusion, fuse
 from ir.layers import _walk as walk_ops
 from ir.layers import node_graph
 from ir.layers import roles as layer_roles
+from ir.offload import find_groups
+from ir.recompute import flat, is_call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +89,34 @@ class Group:
         return len(self.strategies)
 
 
+@dataclasses.dataclass(eq=False)
+class Memo:
+    """What is computed about one ``Problem`` and reused (by the descent per start, by the
+    memory model per check point...): each slot filled on first use by the function named
+    beside it. Read a slot's value only: it is shared. A problem made from another
+    (``Problem.untied``, ``restrict``, ``kernel_choice.prepare``) starts with an empty memo
+    unless the function that makes it hands on what still holds."""
+
+    edge_sets: list | None = None         # Problem.edge_sets
+    merged: list | None = None            # Problem.merged_edge_sets (depends on the ties)
+    root_costs: dict | None = None        # Problem.root_costs (depends on the ties)
+    value_bytes: dict = dataclasses.field(default_factory=dict)   # value_bytes, by type/layouts
+    edge_matrices: tuple | None = None    # descent.edge_matrices (depends on the ties)
+    memory_tables: tuple | None = None    # ilp._memory_tables
+    group_origins: dict | None = None     # planner._group_origins
+    launch_sites: tuple | None = None     # combine._sites: (the ties they were found under, sites)
+    all_reduced: dict | None = None       # scatter._reduced
+    edges_by_value: dict | None = None    # scatter._edges_by_value
+    # memory.py's plan-independent facts (its ``_memo``), by the name of the function that
+    # makes each: fourteen private tables of one module, named at their one call site each
+    memory: dict = dataclasses.field(default_factory=dict)
+
+    def for_ties(self) -> Memo:
+        """This memo for a problem that differs only in its ties: the slots that depend on the
+        ties empty, the others shared."""
+        return dataclasses.replace(self, merged=None, root_costs=None, edge_matrices=None)
+
+
 @dataclasses.dataclass
 class Problem:
     graph: Graph
@@ -108,6 +139,9 @@ class Problem:
     # layers' values live across the gap, each the representative's value ``copies`` times
     phantoms: list[tuple[int, int, int, int]] = dataclasses.field(default_factory=list)
     gap: Gap | None = None                        # a folded graph's gap (``Gap``)
+    # what is computed about this problem and reused; a problem made by dataclasses.replace
+    # starts with an empty one (see ``Memo``)
+    memo: Memo = dataclasses.field(default_factory=Memo, init=False, repr=False, compare=False)
 
     def reshard_s(self, v: int, src: Sharding, dst: Sharding) -> float:
         return self.reshard(self.graph.values[v], src, dst)
@@ -120,26 +154,16 @@ class Problem:
         """Groups with variables of their own (the others are tied to a root)."""
         return len(self.groups) - len(self.ties)
 
-    def untie(self, allowed: Mapping[int, set[int]]) -> None:
-        """Split tie classes whose members a hand-written strategy restricts differently (it may
-        pin two parameters of one role to different layouts): each distinct restriction gets its
-        own root."""
-        ties = _untied(self.ties, allowed)
-        if ties != self.ties:
-            self.ties = ties
-            for memo in ("_merged", "_edge_matrices", "_root_costs"):
-                self.__dict__.pop(memo, None)
-
     def untied(self, allowed: Mapping[int, set[int]]) -> Problem:
-        """``untie`` without changing this problem: itself when no tie splits, else a copy
-        (sharing groups and edges) with the split ties."""
+        """This problem with the tie classes whose members a hand-written strategy restricts
+        differently split (it may pin two parameters of one role to different layouts): each
+        distinct restriction gets its own root. Itself when no tie splits, else a copy (sharing
+        groups, edges and what of the memo does not depend on the ties)."""
         ties = _untied(self.ties, allowed)
         if ties == self.ties:
             return self
         out = dataclasses.replace(self, ties=ties)
-        for memo in ("_edge_sets", "_value_bytes"):     # independent of the ties
-            if memo in self.__dict__:
-                out.__dict__[memo] = self.__dict__[memo]
+        out.memo = self.memo.for_ties()
         return out
 
     def merged_edge_sets(self) -> list[list[Edge]]:
@@ -148,7 +172,7 @@ class Problem:
         one set whose edges carry the summed multipliers. The solver and the descent see these,
         so their size does not grow with depth. The set semantics (each distinct move paid once)
         are kept: only edges that make the same move are folded."""
-        hit = self.__dict__.get("_merged")
+        hit = self.memo.merged
         if hit is None:
             # key -> (the first such set's edges, their multipliers summed over the sets, in
             # order): the folded edges are made once, not once per repeated layer
@@ -169,7 +193,7 @@ class Problem:
                 else:
                     sums = old[1] or [o.mult for o in old[0]]
                     merged[key] = (old[0], [m + e.mult for m, e in zip(sums, same_move.values())])
-            hit = self.__dict__["_merged"] = [
+            hit = self.memo.merged = [
                 es if sums is None else [dataclasses.replace(o, mult=m) for o, m in zip(es, sums)]
                 for es, sums in merged.values()]
         return hit
@@ -181,9 +205,9 @@ class Problem:
     def root_costs(self) -> dict[int, np.ndarray]:
         """Per root group: the summed compute and collective time of it and its tied groups
         (memoised: do not modify)."""
-        out = self.__dict__.get("_root_costs")
+        out = self.memo.root_costs
         if out is None:
-            out = self.__dict__["_root_costs"] = {}
+            out = self.memo.root_costs = {}
             for g in self.groups:
                 r = self.root(g.id)
                 out[r] = out[r] + g.compute_s + g.comm_s if r in out else g.compute_s + g.comm_s
@@ -193,12 +217,12 @@ class Problem:
         """Edges that move the same value from the same group in the same region: XLA reshards
         a value once per layout its readers need (identical reshards are common
         subexpressions), so a set costs each distinct needed layout once."""
-        memo = self.__dict__.get("_edge_sets")
+        memo = self.memo.edge_sets
         if memo is None:
             by_key: dict[tuple, list[Edge]] = {}
             for e in self.edges:
                 by_key.setdefault((e.src, e.value, e.mult), []).append(e)
-            memo = self.__dict__["_edge_sets"] = list(by_key.values())
+            memo = self.memo.edge_sets = list(by_key.values())
         return memo
 
     def transition_s(self, choice) -> float:
@@ -290,7 +314,7 @@ class _Builder:
         self.gop: dict[int, int] = {}
         self.reshard = ReshardCache(cost_model, mesh)
         self.fusion = fuse(graph) if fusion is None else fusion
-        self.kernel_bytes = _on_graph(graph, "_kernel_bytes", self.fusion, _kernel_bytes)
+        self.kernel_bytes = facts(graph).kernel_bytes(self.fusion)
         self.memo: dict = {}        # op structure (+ operand layouts) -> rule / _Planned
         self.rule_memo: dict = {}   # op_key's first int -> the op's rule
         self.follow_memo: dict = {}  # (op_key's second int, id of the followed layouts) -> _Planned
@@ -773,10 +797,12 @@ def output_pairs(graph: Graph) -> dict[int, int]:
     Paths are matched whole (``(state, batch) -> (state, loss)``: ``[0]['w']`` for ``[0]['w']``),
     then, for the outputs left, without their leading position, where that names one input
     left of the same type: a step that returns its new parameters alone (``['w']`` for
-    ``[0]['w']``) or in another position (``(loss, params)``) carries them all the same."""
-    hit = graph.__dict__.get("_output_pairs")
-    if hit is not None:
-        return hit
+    ``[0]['w']``) or in another position (``(loss, params)``) carries them all the same.
+    Computed once per graph (``GraphFacts``)."""
+    return facts(graph).output_pairs
+
+
+def _output_pairs(graph: Graph) -> dict[int, int]:
     by_path = {p: k for k, p in enumerate(graph.input_paths)}
     pairs = {}
     for j, p in enumerate(graph.output_paths):
@@ -794,7 +820,6 @@ def output_pairs(graph: Graph) -> dict[int, int]:
         ks = loose.get((_unplaced(p), graph.values[graph.outputs[j]]), [])
         if len(ks) == 1 and _unplaced(p):
             pairs[j] = ks.pop()
-    graph.__dict__["_output_pairs"] = pairs
     return pairs
 
 
@@ -906,19 +931,54 @@ def _intervals(ops: Sequence[Op], keep, fusion: Fusion) -> list[tuple[int, int, 
 
 
 def schedule_of(graph: Graph, fusion: Fusion) -> tuple:
-    """``(temporaries, body_peaks)`` of ``graph`` under its ``fusion`` (``_on_graph``: read
+    """``(temporaries, body_peaks)`` of ``graph`` under its ``fusion`` (``GraphFacts``: read
     only, the memory model and the memory points only read it)."""
-    return _on_graph(graph, "_schedule", fusion,
-                     lambda g, f: (temporaries(g, f), body_peaks(g, f)))
+    return facts(graph).schedule(fusion)
 
 
-def _on_graph(graph: Graph, key: str, fusion: Fusion, make):
-    """``make(graph, fusion)``, a plan-independent fact, cached on the graph beside the fusion
-    it was made under (``ir.fusion.fuse`` caches the graph's own fusion the same way)."""
-    hit = graph.__dict__.get(key)
-    if hit is None or hit[0] is not fusion:
-        hit = graph.__dict__[key] = (fusion, make(graph, fusion))
-    return hit[1]
+def facts(graph: Graph) -> GraphFacts:
+    """The planner's facts about ``graph``, kept with its analyses (``ir.analyses``)."""
+    return graph.analyses.attached(GraphFacts)
+
+
+class GraphFacts:
+    """What the planner computes about one graph, independent of any plan, and reuses across
+    its plans (``autopar.compare`` plans a graph once per strategy): one per graph, made by
+    ``graph.analyses.attached`` (``ir`` cannot hold the planner's slots itself). A fact made
+    under a fusion (``_Builder``'s may differ from the graph's own) is kept beside that fusion
+    and made again under another."""
+
+    def __init__(self, graph: Graph):
+        self._graph = graph
+        self._schedule: tuple[Fusion, tuple] | None = None
+        self._kernel_bytes: tuple[Fusion, dict[int, float]] | None = None
+
+    @functools.cached_property
+    def output_pairs(self) -> dict[int, int]:
+        """``output_pairs``: output index -> the input index it replaces."""
+        return _output_pairs(self._graph)
+
+    @functools.cached_property
+    def offload_groups(self) -> tuple:
+        """(the step's jaxpr with every jit call inlined, ``ir.offload.find_groups`` of it):
+        ``planner.offload``'s candidates."""
+        inlined = flat(self._graph.jaxpr, inline=is_call)
+        return inlined, find_groups(inlined, self.output_pairs)
+
+    def schedule(self, fusion: Fusion) -> tuple:
+        """``(temporaries, body_peaks)`` under ``fusion``."""
+        hit = self._schedule
+        if hit is None or hit[0] is not fusion:
+            g = self._graph
+            hit = self._schedule = (fusion, (temporaries(g, fusion), body_peaks(g, fusion)))
+        return hit[1]
+
+    def kernel_bytes(self, fusion: Fusion) -> dict[int, float]:
+        """``_kernel_bytes`` under ``fusion``."""
+        hit = self._kernel_bytes
+        if hit is None or hit[0] is not fusion:
+            hit = self._kernel_bytes = (fusion, _kernel_bytes(self._graph, fusion))
+        return hit[1]
 
 
 def temporaries(graph: Graph, fusion: Fusion) -> list[tuple[int, int, int]]:
@@ -1119,7 +1179,7 @@ def restrict(problem: Problem, candidates: Mapping[int, Sequence[int]]) -> Probl
              for e in es] for es in problem.merged_edge_sets()]   # the solver sees only these
     small = dataclasses.replace(problem, groups=groups, edges=[e for es in sets for e in es],
                                 ties=dict(problem.ties))
-    small.__dict__["_edge_sets"] = small.__dict__["_merged"] = sets   # already merged
+    small.memo.edge_sets = small.memo.merged = sets   # already merged
     return small
 
 
@@ -1128,7 +1188,7 @@ def value_bytes(problem: Problem, v: int) -> np.ndarray:
     layout list: an unrolled model asks for the same few thousands of times)."""
     layouts = problem.groups[problem.group_of_value[v]].shard[v]
     t = problem.graph.values[v]
-    memo = problem.__dict__.setdefault("_value_bytes", {})
+    memo = problem.memo.value_bytes
     hit = memo.get((t, id(layouts)))
     if hit is None:
         hit = np.array([t.nbytes / shard_factor(s, problem.mesh) for s in layouts])

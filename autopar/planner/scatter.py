@@ -55,9 +55,9 @@ def scattered_values(prob: Problem, choice) -> dict[int, int]:
 
 def _reduced(prob: Problem) -> dict[int, tuple[int, int]]:
     """Value -> (group, op) of every single-result op with an all-reduce among its strategies."""
-    hit = prob.__dict__.get("_all_reduced")
+    hit = prob.memo.all_reduced
     if hit is None:
-        hit = prob.__dict__["_all_reduced"] = {}
+        hit = prob.memo.all_reduced = {}
         for g in prob.groups:
             for op_id, per_i in g.members.items():
                 if op_id < 0 or not any(c.kind == "all-reduce" for st in per_i
@@ -70,9 +70,9 @@ def _reduced(prob: Problem) -> dict[int, tuple[int, int]]:
 
 
 def _edges_by_value(prob: Problem) -> dict[int, list]:
-    hit = prob.__dict__.get("_edges_by_value")
+    hit = prob.memo.edges_by_value
     if hit is None:
-        hit = prob.__dict__["_edges_by_value"] = {}
+        hit = prob.memo.edges_by_value = {}
         for e in prob.edges:
             hit.setdefault(e.value, []).append(e)
     return hit

@@ -18,7 +18,7 @@ from ir.fold import Folded
 def unfold(plan: Plan, folded: Folded) -> Plan:
     """``plan`` (of ``folded.graph``) as a plan of ``folded.full``."""
     full = folded.full
-    ops = full._op_index()
+    ops = full.analyses.op_index
     by_path: dict[tuple, list[Pin]] = {}
     for pin in plan.pins:
         by_path.setdefault(pin.path, []).append(pin)

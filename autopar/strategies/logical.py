@@ -15,9 +15,10 @@ projections, T5-style encoders, ViT and a plain dict of arrays all get names. Th
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
-from autopar.strategies.roles import ParamRole, analyse, path_keys
+from autopar.strategies.roles import Analysis, ParamRole, analyse, path_keys
 from ir import Graph
 
 Names = tuple["str | None", ...]
@@ -44,11 +45,35 @@ def _batch_names(shape: Sequence[int], dtype: str) -> Names:
 
 
 def annotate(graph: Graph) -> tuple[InputAxes, ...]:
-    """Name the dims of every input of ``graph`` (see the module docstring); cached on it."""
-    hit = graph.__dict__.get("_input_axes")
-    if hit is not None:
-        return hit
-    found = analyse(graph)
+    """Name the dims of every input of ``graph`` (see the module docstring); computed once per
+    graph (``StrategyFacts``)."""
+    return facts(graph).input_axes
+
+
+def facts(graph: Graph) -> StrategyFacts:
+    """The strategies' facts about ``graph``, kept with its analyses (``ir.analyses``)."""
+    return graph.analyses.attached(StrategyFacts)
+
+
+class StrategyFacts:
+    """What the hand-written strategies find in one graph and reuse: one per graph, made by
+    ``graph.analyses.attached`` (``ir`` cannot hold the strategies' slots itself)."""
+
+    def __init__(self, graph: Graph):
+        self._graph = graph
+
+    @functools.cached_property
+    def analysis(self) -> Analysis:
+        """``roles.analyse``: kinds of the inputs, roles of the parameters."""
+        return analyse(self._graph)
+
+    @functools.cached_property
+    def input_axes(self) -> tuple[InputAxes, ...]:
+        """``annotate``."""
+        return _annotate(self._graph, self.analysis)
+
+
+def _annotate(graph: Graph, found: Analysis) -> tuple[InputAxes, ...]:
     out = []
     for k, kind in enumerate(found.kinds):
         t = graph.values[graph.inputs[k]]
@@ -65,5 +90,4 @@ def annotate(graph: Graph) -> tuple[InputAxes, ...]:
             out.append(InputAxes("batch", _batch_names(t.shape, t.dtype)))
         else:
             out.append(InputAxes("scalar", ()))
-    hit = graph.__dict__["_input_axes"] = tuple(out)
-    return hit
+    return tuple(out)

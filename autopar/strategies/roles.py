@@ -63,11 +63,9 @@ class Analysis:
 
 
 def analyse(graph: Graph) -> Analysis:
-    """Kinds of all inputs and roles of the parameters (cached on the graph)."""
-    hit = graph.__dict__.get("_param_roles")
-    if hit is None:
-        hit = graph.__dict__["_param_roles"] = _Walker(graph).run()
-    return hit
+    """Kinds of all inputs and roles of the parameters, computed (``logical.facts(graph)`` keeps
+    them with the graph's analyses)."""
+    return _Walker(graph).run()
 
 
 class _Walker:
