@@ -142,6 +142,68 @@ def test_zb_h1_timeline(p, m):
     assert S.frontiers_async(whole, p) == (0,) * p
 
 
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_zb_v_places_its_chunks_in_a_v(p):
+    """Chunk ``k`` on stage ``k``, then back up: stage ``s`` holds chunks ``s`` and
+    ``2 P - 1 - s``, so the turn (chunks ``P - 1``, ``P``) and both ends share a stage; the
+    interleaved schedules keep ``k % P``."""
+    sch = S.build("ZB-V", p, 2, 2 * p)
+    assert sch.name == "zb_v"
+    assert [sch.stage_of(k) for k in range(2 * p)] == [*range(p), *range(p - 1, -1, -1)]
+    assert all(sch.chunks_on(s) == (s, 2 * p - 1 - s) for s in range(p))
+    assert S.placement("1f1b", p, 2) == tuple(k % p for k in range(2 * p))
+
+
+@pytest.mark.parametrize("p,m", [(2, 1), (2, 3), (2, 4), (3, 2), (3, 7), (4, 4), (4, 8),
+                                 (4, 16), (5, 9), (8, 12), (8, 32)])
+def test_zb_v_runs_every_action_once_after_its_inputs(p, m):
+    """Each stage's order holds ``F``, ``B`` and ``W`` of every microbatch for its two chunks
+    once, ``W`` after its ``B``; run asynchronously with uneven action times every action
+    starts after what it reads ended, and the lockstep ticks (``build``) finish too."""
+    sch = S.build("zb_v", p, 2, m)
+    for s, order in enumerate(S.orders("zb_v", p, 2, m)):
+        assert sorted((a.kind, a.mb, a.chunk) for a in order) == sorted(
+            (k, i, c) for k in "FBW" for i in range(m) for c in (s, 2 * p - 1 - s))
+        for i, a in enumerate(order):
+            if a.kind == "W":
+                assert S.Action("B", a.mb, a.chunk) in order[:i]
+    times = {"F": 1.0, "B": 1.7, "W": 0.6}
+    tl = S.price_async(sch, lambda a: times[a.kind] * (1 + 0.1 * (a.chunk % 3)))
+    span = {a: (s, t0, t1) for s, t0, t1, a in tl.spans}
+    assert len(span) == 3 * m * 2 * p
+    for a, (s, t0, _) in span.items():
+        assert s == sch.stage_of(a.chunk)
+        for d in S._deps(a, sch.chunks):
+            assert span[d][2] <= t0 + 1e-12, (a, d)
+    assert len(sch.when()) == 3 * m * 2 * p
+
+
+@pytest.mark.parametrize("p,m", [(2, 3), (2, 8), (4, 7), (4, 16), (8, 15), (8, 32)])
+def test_zb_v_bubble_at_equal_times(p, m):
+    """Equal ``F``, ``B`` and ``W`` chunk times, free hops, ``M >= 2 P - 1``: the step takes
+    ``6 M + P - 1`` (a stage idles only while the first forward goes down the V, which no
+    schedule avoids), half ZB-H1's idle at the same stage times; every stage holds ``2 P``
+    chunk inputs at its peak and stage ``s`` up to ``2 s + 1`` frontiers."""
+    sch = S.build("zb_v", p, 2, m)
+    tl = S.price_async(sch, lambda a: 1.0)
+    assert tl.makespan_s == pytest.approx(6 * m + p - 1)
+    assert tl.bubble_fraction == pytest.approx(S.ideal_bubble("zb_v", p, 2, m))
+    h1 = S.price_async(S.build("zb_h1", p, 1, m), lambda a: 2.0)     # a stage's whole share
+    assert h1.makespan_s - 6 * m == pytest.approx(2 * (p - 1))
+    assert tl.bubble_fraction < h1.bubble_fraction
+    assert S.in_flight(sch) == (2 * p,) * p
+    assert S.frontiers_async(tl, p) == tuple(2 * s + 1 for s in range(p))
+
+
+def test_zb_v_refuses_what_it_cannot_be():
+    with pytest.raises(AutoparError, match="needs virtual_stages=2, not 1"):
+        S.build("zb_v", 4, 1, 8)
+    with pytest.raises(AutoparError, match="needs stages >= 2"):
+        S.build("zb_v", 1, 2, 8)
+    with pytest.raises(AutoparError, match="unknown; use one of.*zb_v"):
+        S.build("zb_w", 2, 2, 4)
+
+
 def test_split_schedules_are_refused_where_they_cannot_run(setup):
     step, state, batch, *_ = setup
     model = PM.staged_model_of(step)
