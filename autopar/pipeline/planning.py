@@ -129,11 +129,15 @@ def parse(pipeline, sizes: dict, model: StagedModel, rows: int) -> Pins:
         if why:
             raise AutoparError(f"pipeline runtime='mpmd' cannot run this pipeline ({why}); "
                                f"leave runtime out (both priced) or use runtime='lockstep'")
-    if pins.schedule is not None or pins.microbatches is not None:
-        v = pins.virtual_stages or S.default_virtual(pins.schedule)
-        S.check(pins.schedule or "1f1b", stages, v, pins.microbatches or stages * v)
     v = pins.virtual_stages or S.default_virtual(pins.schedule)
+    if pins.schedule is not None or pins.microbatches is not None:
+        S.check(pins.schedule or "1f1b", stages, v, pins.microbatches or stages * v)
     name = S.check(pins.schedule, stages, v, stages * v) if pins.schedule is not None else None
+    if name in S.V_SHAPED and model.num_layers % (stages * v):
+        raise AutoparError(f"pipeline schedule={pins.schedule!r} runs {v} equal chunks per stage "
+                           f"in a V, and {model.num_layers} layers do not split into "
+                           f"{stages * v}; use a stage count whose double divides "
+                           f"{model.num_layers}, or schedule='zb_h1' (one chunk per stage)")
     if name in S.SPLIT:
         why = ("the lockstep runtime does not run it" if runtime == "lockstep" else
                mpmd_supports(S.build(name, stages, v, stages * v), model.num_layers,
@@ -144,12 +148,6 @@ def parse(pipeline, sizes: dict, model: StagedModel, rows: int) -> Pins:
                                f"({why}); choose one of {S.SCHEDULES}")
     if pins.microbatches is not None:
         _check_rows(rows, pins.microbatches, sizes, axis)
-    v = pins.virtual_stages or S.default_virtual(pins.schedule)
-    if name in S.V_SHAPED and model.num_layers % (stages * v):
-        raise AutoparError(f"pipeline schedule={pins.schedule!r} runs {v} equal chunks per stage "
-                           f"in a V, and {model.num_layers} layers do not split into "
-                           f"{stages * v}; use a stage count whose double divides "
-                           f"{model.num_layers}, or schedule='zb_h1' (one chunk per stage)")
     if v > 1 and model.num_layers % (stages * v):
         raise AutoparError(f"{model.num_layers} layers do not split into stages x virtual_stages"
                            f" = {stages * v} equal chunks (virtual stages need equal ones); "
@@ -436,7 +434,10 @@ def price(model: StagedModel, params, costs: Costs, sizes: dict, axis: str, hw,
         front = max(length) * costs.frontier_bytes / costs.act_bytes if split else 0.0
         working = split_working(costs, max(length), layer_bytes) if split else None
         slots = S.held_async(timeline, k, p, front, working)
-        pad = 0.0
+        # in a V the runtime copies each chunk's layers to its stage for the whole step
+        # (mpmd._Runner._chunk_view): a stage's share of the stack once more; joining their
+        # gradients back (_per_stage) comes after the loop has freed its buffers
+        pad = layer_bytes * model.num_layers / p if sch.virtual > 1 else 0.0
     else:
         timeline = loop_timeline(model, params, sizes, axis, hw, sch, ranges, duration,
                                  costs.act_bytes, costs=costs)
