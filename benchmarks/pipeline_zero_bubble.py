@@ -1,9 +1,10 @@
-"""ZB-H1 against 1F1B on the MPMD runtime, on CPU devices: step, bubble, memory and the split
-of the backward, predicted and measured.
+"""ZB-H1 and ZB-V against 1F1B on the MPMD runtime, on CPU devices: step, bubble, memory and
+the split of the backward, predicted and measured.
 
 A scanned GPT is pipelined over 2 and 4 CPU devices (``{"stage": P}``) at two microbatch counts.
-For each, 1F1B (the backward one program) and ZB-H1 (the backward split into its input half
-``B`` and its weight half ``W``, ``autopar.pipeline.split``) run on the same state and batch:
+For each, 1F1B (the backward one program), ZB-H1 (the backward split into its input half ``B``
+and its weight half ``W``, ``autopar.pipeline.split``) and ZB-V (split too, two chunks per
+stage in a V: ``schedules.placement``) run on the same state and batch:
 
 * **predicted**: ``autopar.plan(..., pipeline={schedule, microbatches, runtime: "mpmd"})`` on
   the cpu profile: step, bubble and peak, the weight half's share of a backward
@@ -12,17 +13,20 @@ For each, 1F1B (the backward one program) and ZB-H1 (the backward split into its
   in one process; the bubble inside the real step (``measured.measure_mpmd``: a profiler trace
   of the named stage programs); the peak by running the step one action at a time
   (``MpmdStep.measure_peak``); the weight half's share from the stage programs timed alone
-  (``MpmdStep.action_times``: ``W / (B + W)``, the 1F1B backward being ``B + W``'s work);
+  (``MpmdStep.action_times``: ``W / (B + W)`` per chunk, the 1F1B backward being ``B + W``'s
+  work);
 * **timeline over measured programs**: ``schedules.price_async`` over the programs timed alone
   and the controller's measured issuing cost per action, the bubble the schedule gives those
   times (what the planner's timeline would say with exact action costs).
 
 The emulated devices share the host's 2 cores, so a stage's idle time is another's compute time:
-the bubble ZB-H1 removes is not idle hardware here, and its measured step shows its costs (a
-third program launch per microbatch and stage, the frontier written and read back). The gain on
-devices of their own is a prediction (``benchmarks/megatron_table.py``).
+the bubble ZB-H1 and ZB-V remove is not idle hardware here, and their measured steps show their
+costs (a third program launch per microbatch and chunk, the frontier written and read back;
+ZB-V twice the launches, of half the layers, and each step's copies of the chunks' layers to the
+stages of the V). The gain on devices of their own is a prediction
+(``benchmarks/megatron_table.py``).
 
-    python benchmarks/pipeline_zero_bubble.py           # 4 configurations (~3 min on 2 cores)
+    python benchmarks/pipeline_zero_bubble.py           # 4 configurations (~5 min on 2 cores)
     python benchmarks/pipeline_zero_bubble.py --quick   # one small configuration
 
 Writes ``benchmarks/results/pipeline_zero_bubble.md`` and ``pipeline_zero_bubble.csv``.
@@ -43,7 +47,7 @@ from autopar.pipeline import model as PM
 from autopar.pipeline import planning as PL
 from autopar.pipeline import schedules as S
 
-SCHEDULES = ("1f1b", "zb_h1")
+SCHEDULES = ("1f1b", "zb_h1", "zb_v")
 
 
 def main() -> None:
@@ -75,11 +79,13 @@ def main() -> None:
         for name in SCHEDULES:
             pp, run = plans[name], runs[name]
             acts = run.action_times(state, batch, runs=3)
-            alone = _timeline(S.build(name, p, 1, m), acts, _issue_s(run, state, batch))
+            sch = S.build(name, p, S.default_virtual(name), m)
+            alone = _timeline(sch, acts, _issue_s(run, state, batch))
             meas = measured.measure_mpmd(run, state, batch)
-            w_meas = (statistics.median(acts[("W", s)] / (acts[("B", s)] + acts[("W", s)])
-                                        for s in range(p)) if name in S.SPLIT else float("nan"))
-            costs_w = _weight_fraction(step, state, batch, p, m) if name in S.SPLIT \
+            w_meas = (statistics.median(acts[("W", c)] / (acts[("B", c)] + acts[("W", c)])
+                                        for c in range(sch.chunks))
+                      if name in S.SPLIT else float("nan"))
+            costs_w = _weight_fraction(step, state, batch, m) if name in S.SPLIT \
                 else float("nan")
             peak = run.measure_peak(state, batch) if not args.quick else float("nan")
             pp = pp.pipeline
@@ -101,14 +107,14 @@ def main() -> None:
 
 
 def _timeline(sch: S.Schedule, acts: dict, issue_s: float) -> S.Timeline:
-    """``sch`` priced asynchronously over its programs timed alone (the last stage's forward
-    does nothing on this runtime)."""
+    """``sch`` priced asynchronously over its programs timed alone, per chunk (the last
+    chunk's forward does nothing on this runtime)."""
     last = sch.chunks - 1
     return S.price_async(sch, lambda a: 0.0 if a.kind == "F" and a.chunk == last
-                         else acts[(a.kind, sch.stage_of(a.chunk))], issue_s=issue_s)
+                         else acts[(a.kind, a.chunk)], issue_s=issue_s)
 
 
-def _weight_fraction(step, state, batch, p: int, m: int) -> float:
+def _weight_fraction(step, state, batch, m: int) -> float:
     """The planner's ``Costs.weight_fraction`` for a microbatch of this configuration."""
     model = PM.staged_model_of(step)
     layers, rest = model.split(state["params"])
@@ -127,9 +133,12 @@ def _write(args, cfg, rows, rounds, rows_n, wall_s) -> None:
     _common.write_csv(_common.out_dir(args) / "pipeline_zero_bubble.csv", header,
                       [[r[h] for h in header] for r in rows])
     pairs = []
-    for i in range(0, len(rows), 2):
-        one, zb = rows[i], rows[i + 1]
-        pairs.append([one["stages"], one["microbatches"],
+    by = {(r["stages"], r["microbatches"], r["schedule"]): r for r in rows}
+    for (p, m, name), zb in by.items():
+        if name == "1f1b":
+            continue
+        one = by[(p, m, "1f1b")]
+        pairs.append([p, m, name,
                       zb["predicted_ms"] / one["predicted_ms"],
                       zb["measured_ms"] / one["measured_ms"],
                       one["predicted_bubble"] - zb["predicted_bubble"],
@@ -138,7 +147,7 @@ def _write(args, cfg, rows, rounds, rows_n, wall_s) -> None:
     peaks = [r["predicted_peak_mib"] / r["measured_peak_mib"] for r in rows
              if r["measured_peak_mib"] == r["measured_peak_mib"]]
     text = "\n".join([
-        "# ZB-H1 against 1F1B on the MPMD runtime, CPU devices",
+        "# ZB-H1 and ZB-V against 1F1B on the MPMD runtime, CPU devices",
         "",
         _common.environment(),
         "",
@@ -153,10 +162,11 @@ def _write(args, cfg, rows, rounds, rows_n, wall_s) -> None:
                           "predicted W share", "measured W share"],
                          [[r[h] for h in header] for r in rows]),
         "",
-        "ZB-H1 against 1F1B, same configuration (step: below 1, ZB-H1 faster; bubble: 1F1B's "
-        "minus ZB-H1's):",
+        "Each zero-bubble schedule against 1F1B, same configuration (step: below 1, the "
+        "zero-bubble one faster; bubble: 1F1B's minus its):",
         "",
-        _common.md_table(["P", "M", "predicted step ZB / 1F1B", "measured step ZB / 1F1B",
+        _common.md_table(["P", "M", "schedule", "predicted step ZB / 1F1B",
+                          "measured step ZB / 1F1B",
                           "predicted bubble gain", "timeline bubble gain",
                           "measured bubble gain"], pairs),
         "",
@@ -166,7 +176,9 @@ def _write(args, cfg, rows, rounds, rows_n, wall_s) -> None:
         "of the programs timed alone); the prediction counts the halves' dot FLOPs.",
         "",
         "On 2 shared cores a stage's idle time is another stage's compute time, so the bubble "
-        "ZB-H1 removes is not idle hardware here; the measured step shows what splitting costs.",
+        "ZB-H1 and ZB-V remove is not idle hardware here; the measured step shows what "
+        "splitting (and, for ZB-V, twice the program launches and the copies of the chunks' "
+        "layers to the V's stages) costs.",
         "",
     ])
     _common.write_md(args, "pipeline_zero_bubble.md", text)

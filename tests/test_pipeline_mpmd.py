@@ -206,8 +206,15 @@ def test_runtime_pins(setup):
     step, state, batch, *_ = setup
     with pytest.raises(AutoparError, match="runtime='fast' must be one of"):
         autopar.plan(step, state, batch, mesh=MESH_A, pipeline={"runtime": "fast"})
-    with pytest.raises(AutoparError, match="runtime='mpmd' cannot run.*virtual_stages=2"):
+    with pytest.raises(AutoparError, match="runtime='mpmd' cannot run.*virtual_stages=4"):
         autopar.plan(step, state, batch, mesh=MESH_A,
-                     pipeline={"runtime": "mpmd", "virtual_stages": 2})
+                     pipeline={"runtime": "mpmd", "virtual_stages": 4})
+    with pytest.raises(AutoparError, match="runtime='mpmd' cannot run.*virtual_stages=2.*zb_v"):
+        autopar.plan(step, state, batch, mesh=MESH_A,
+                     pipeline={"runtime": "mpmd", "virtual_stages": 2, "schedule": "1f1b"})
+    # two chunks per stage run on the MPMD runtime in a V only
+    v = autopar.plan(step, state, batch, mesh=MESH_A, hardware="cpu",
+                     pipeline={"runtime": "mpmd", "virtual_stages": 2}).pipeline
+    assert (v.schedule, v.runtime) == ("zb_v", "mpmd")
     hw = cost_models.hardware("cpu")
     assert hw.pipeline_issue_s > 0

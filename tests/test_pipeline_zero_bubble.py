@@ -16,6 +16,7 @@ import autopar
 from autopar.errors import AutoparError
 from autopar.models import gpt
 from autopar.pipeline import model as PM
+from autopar.pipeline import mpmd
 from autopar.pipeline import planning as PL
 from autopar.pipeline import runtime as R
 from autopar.pipeline import schedules as S
@@ -142,6 +143,68 @@ def test_zb_h1_timeline(p, m):
     assert S.frontiers_async(whole, p) == (0,) * p
 
 
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_zb_v_places_its_chunks_in_a_v(p):
+    """Chunk ``k`` on stage ``k``, then back up: stage ``s`` holds chunks ``s`` and
+    ``2 P - 1 - s``, so the turn (chunks ``P - 1``, ``P``) and both ends share a stage; the
+    interleaved schedules keep ``k % P``."""
+    sch = S.build("ZB-V", p, 2, 2 * p)
+    assert sch.name == "zb_v"
+    assert [sch.stage_of(k) for k in range(2 * p)] == [*range(p), *range(p - 1, -1, -1)]
+    assert all(sch.chunks_on(s) == (s, 2 * p - 1 - s) for s in range(p))
+    assert S.placement("1f1b", p, 2) == tuple(k % p for k in range(2 * p))
+
+
+@pytest.mark.parametrize("p,m", [(2, 1), (2, 3), (2, 4), (3, 2), (3, 7), (4, 4), (4, 8),
+                                 (4, 16), (5, 9), (8, 12), (8, 32)])
+def test_zb_v_runs_every_action_once_after_its_inputs(p, m):
+    """Each stage's order holds ``F``, ``B`` and ``W`` of every microbatch for its two chunks
+    once, ``W`` after its ``B``; run asynchronously with uneven action times every action
+    starts after what it reads ended, and the lockstep ticks (``build``) finish too."""
+    sch = S.build("zb_v", p, 2, m)
+    for s, order in enumerate(S.orders("zb_v", p, 2, m)):
+        assert sorted((a.kind, a.mb, a.chunk) for a in order) == sorted(
+            (k, i, c) for k in "FBW" for i in range(m) for c in (s, 2 * p - 1 - s))
+        for i, a in enumerate(order):
+            if a.kind == "W":
+                assert S.Action("B", a.mb, a.chunk) in order[:i]
+    times = {"F": 1.0, "B": 1.7, "W": 0.6}
+    tl = S.price_async(sch, lambda a: times[a.kind] * (1 + 0.1 * (a.chunk % 3)))
+    span = {a: (s, t0, t1) for s, t0, t1, a in tl.spans}
+    assert len(span) == 3 * m * 2 * p
+    for a, (s, t0, _) in span.items():
+        assert s == sch.stage_of(a.chunk)
+        for d in S._deps(a, sch.chunks):
+            assert span[d][2] <= t0 + 1e-12, (a, d)
+    assert len(sch.when()) == 3 * m * 2 * p
+
+
+@pytest.mark.parametrize("p,m", [(2, 3), (2, 8), (4, 7), (4, 16), (8, 15), (8, 32)])
+def test_zb_v_bubble_at_equal_times(p, m):
+    """Equal ``F``, ``B`` and ``W`` chunk times, free hops, ``M >= 2 P - 1``: the step takes
+    ``6 M + P - 1`` (a stage idles only while the first forward goes down the V, which no
+    schedule avoids), half ZB-H1's idle at the same stage times; every stage holds ``2 P``
+    chunk inputs at its peak and stage ``s`` up to ``2 s + 1`` frontiers."""
+    sch = S.build("zb_v", p, 2, m)
+    tl = S.price_async(sch, lambda a: 1.0)
+    assert tl.makespan_s == pytest.approx(6 * m + p - 1)
+    assert tl.bubble_fraction == pytest.approx(S.ideal_bubble("zb_v", p, 2, m))
+    h1 = S.price_async(S.build("zb_h1", p, 1, m), lambda a: 2.0)     # a stage's whole share
+    assert h1.makespan_s - 6 * m == pytest.approx(2 * (p - 1))
+    assert tl.bubble_fraction < h1.bubble_fraction
+    assert S.in_flight(sch) == (2 * p,) * p
+    assert S.frontiers_async(tl, p) == tuple(2 * s + 1 for s in range(p))
+
+
+def test_zb_v_refuses_what_it_cannot_be():
+    with pytest.raises(AutoparError, match="needs virtual_stages=2, not 1"):
+        S.build("zb_v", 4, 1, 8)
+    with pytest.raises(AutoparError, match="needs stages >= 2"):
+        S.build("zb_v", 1, 2, 8)
+    with pytest.raises(AutoparError, match="unknown; use one of.*zb_v"):
+        S.build("zb_w", 2, 2, 4)
+
+
 def test_split_schedules_are_refused_where_they_cannot_run(setup):
     step, state, batch, *_ = setup
     model = PM.staged_model_of(step)
@@ -176,6 +239,60 @@ def test_a_zb_h1_plan_runs_round_trips_and_predicts_its_peak(setup):
     assert 0.8 <= ratio <= 1.2, ratio
 
 
+@pytest.mark.parametrize("shape,layers", [(MESH_A, 4), (MESH_B, 8)], ids=["2x2x2", "4x2"])
+def test_zb_v_on_mpmd_equals_unsharded(shape, layers):
+    """ZB-V on the MPMD runtime (each chunk's layers copied to the stage of its V, split
+    backwards, the last chunk on stage 0) computes the unsharded step's loss, Adam moments and
+    parameters, and hands the state back in the lockstep runtime's layout."""
+    cfg = dataclasses.replace(CFG, layers=layers)
+    step, init = PM.gpt_train_step(cfg, LR)
+    state, batch = init(jax.random.PRNGKey(0), 8), gpt.make_batch(cfg, 8)
+    ref_state, ref_loss = jax.jit(step)(state, batch)
+    run = mpmd.build_step(PM.staged_model_of(step), _mesh(shape),
+                          S.build("zb_v", shape["stage"], 2, 4))
+    new, loss = run(state, batch)
+    same_step(new, loss, ref_state, ref_loss)
+    assert new["params"]["layers"]["mlp"]["fc1"]["kernel"].sharding.spec[0] == "stage"
+
+
+def test_a_zb_v_plan_runs_round_trips_and_predicts_its_peak(setup):
+    """Pinned on {stage: 2, data: 2, model: 2}, ``zb_v`` plans two chunks per stage in a V on
+    the MPMD runtime, survives JSON, runs with the unsharded step's numbers, and its predicted
+    peak (stash, inboxes, frontiers and the chunks' copied layers) is within 20% of the
+    measured one."""
+    step, state, batch, ref_state, ref_loss = setup
+    plan = autopar.plan(step, state, batch, mesh=MESH_A, hardware="cpu",
+                        pipeline={"schedule": "ZB-V", "microbatches": 4})
+    pp = plan.pipeline
+    assert (pp.schedule, pp.virtual_stages, pp.runtime) == ("zb_v", 2, "mpmd")
+    assert pp.chunk_stages() == (0, 1, 1, 0)
+    back = autopar.Plan.from_json(plan.to_json())
+    assert back.pipeline == pp
+    new, loss = autopar.autoparallel(step, mesh=_mesh(MESH_A), plan=back)(state, batch)
+    same_step(new, loss, ref_state, ref_loss)
+    measured = PL.executable(plan, step, _mesh(MESH_A)).measure_peak(state, batch)
+    ratio = max(pp.stage_memory_bytes) / measured
+    print(f"zb_v predicted/measured peak {ratio:.3f}")
+    assert 0.8 <= ratio <= 1.2, ratio
+
+
+def test_zb_v_is_refused_where_it_cannot_run(setup):
+    step, state, batch, *_ = setup
+    model = PM.staged_model_of(step)
+    with pytest.raises(AutoparError, match="lockstep runtime's ticks do not run"):
+        R.build_step(model, _mesh(MESH_A), S.build("zb_v", 2, 2, 4))
+    with pytest.raises(AutoparError, match="MPMD runtime only.*lockstep runtime does not"):
+        autopar.plan(step, state, batch, mesh=MESH_A,
+                     pipeline={"schedule": "zb_v", "runtime": "lockstep"})
+    with pytest.raises(AutoparError, match="layers do not split into stages x virtual_stages = 8"):
+        mpmd.build_step(model, _mesh(MESH_B), S.build("zb_v", 4, 2, 4))
+    with pytest.raises(AutoparError, match="4 layers do not split into 8; use a stage count"):
+        autopar.plan(step, state, batch, mesh=MESH_B, pipeline={"schedule": "zb_v"})
+    with pytest.raises(AutoparError, match="needs virtual_stages=2, not 4"):
+        autopar.plan(step, state, batch, mesh=MESH_A,
+                     pipeline={"schedule": "zb_v", "virtual_stages": 4})
+
+
 # ---- the planner ------------------------------------------------------------------------------
 def test_planner_trades_zb_h1s_frontiers_for_its_bubble():
     """On H100s with layers of real size the planner picks ZB-H1 over 1F1B on the MPMD runtime
@@ -198,6 +315,31 @@ def test_planner_trades_zb_h1s_frontiers_for_its_bubble():
     lean = autopar.plan(step, state, batch, mesh=MESH_B, hardware="h100", memory_budget=budget,
                         pipeline={"microbatches": 16, "runtime": "mpmd"}).pipeline
     assert lean.schedule != "zb_h1" and max(lean.stage_memory_bytes) <= budget
+
+
+def _h100_plan(vocab: int, **pins):
+    cfg = gpt.GPTConfig(vocab=vocab, seq=1024, d_model=2048, heads=16, d_ff=8192, layers=8,
+                        scan=True)
+    step, init = PM.gpt_train_step(cfg, LR)
+    state = jax.eval_shape(lambda: init(jax.random.PRNGKey(0), 32))
+    batch = jax.eval_shape(lambda: gpt.make_batch(cfg, 32))
+    return autopar.plan(step, state, batch, mesh=MESH_B, hardware="h100",
+                        pipeline={"microbatches": 16, **pins}).pipeline
+
+
+def test_planner_picks_zb_v_where_it_is_predicted_faster():
+    """Searched on the MPMD runtime over four H100 stages, ZB-V is offered beside the others.
+    With a head of 8000 words it is chosen: half ZB-H1's bubble, the step faster. With 32000
+    the V's stage 0, which runs both the embedding and the head, is the slowest stage, and
+    ZB-H1 (the head on the last stage) stays ahead: the search weighs it, not a rule."""
+    small = _h100_plan(8000, runtime="mpmd")
+    h1 = _h100_plan(8000, schedule="zb_h1")
+    assert (small.schedule, small.virtual_stages) == ("zb_v", 2), small.why
+    assert small.step_time_s < h1.step_time_s and small.bubble_fraction < h1.bubble_fraction
+    big = _h100_plan(32000, runtime="mpmd")
+    assert big.schedule == "zb_h1" and "zb_v V=2" in big.why, big.why
+    v = _h100_plan(32000, schedule="zb_v")
+    assert v.stage_time_s[0] == max(v.stage_time_s) > big.stage_time_s[0]
 
 
 def test_unsplittable_layers_leave_zb_out():

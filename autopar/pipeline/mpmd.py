@@ -43,7 +43,14 @@ gradients and the loss are summed over the stages by one program over the whole 
 every process runs, as the optimizer is. Within one process a hop is a ``jax.device_put``.
 
 Runs one chunk per stage (``virtual_stages=1``), equal layer ranges and no FSDP inside stages:
-the state's layout gives stage ``s`` exactly layers ``[s L / P, (s + 1) L / P)`` then.
+the state's layout gives stage ``s`` exactly layers ``[s L / P, (s + 1) L / P)`` then. It also
+runs two chunks per stage placed in a V (``schedules.V_SHAPED``: ``zb_v``): programs,
+accumulators of the layers' gradients, stashes and inboxes are per chunk, on the stage
+``schedule.stage_of(chunk)`` (the embedding's and head's gradients and the loss per stage);
+a hop goes to the stage of the chunk that reads it, none at the V's turn. The state's layout
+stays the same, so each step copies every chunk's layers from the stage holding them to the
+stage of its V and joins their gradients back (``_chunk_view``, ``_per_stage``); within one
+process only.
 """
 from __future__ import annotations
 
@@ -72,14 +79,18 @@ KINDS = {"fwd": "F", "bwd": "B", "bin": "B", "wgrad": "W"}
 
 
 def supports(schedule: S.Schedule, layers: int, ranges=None, fsdp: bool = False) -> str:
-    """Why this runtime cannot run the choice, or ``""`` when it can."""
-    if schedule.virtual != 1:
+    """Why this runtime cannot run the choice, or ``""`` when it can: one chunk per stage, or
+    two in a V (``schedules.V_SHAPED``), of equal layers."""
+    if schedule.virtual != 1 and schedule.name not in S.V_SHAPED:
         return (f"virtual_stages={schedule.virtual}: the state's layout holds a stage's own "
-                f"layers, not chunks v P + s")
+                f"layers, not chunks v P + s (two chunks per stage run in a V: zb_v)")
     if layers % schedule.stages:
         return f"{layers} layers do not split into {schedule.stages} equal stages"
+    if layers % schedule.chunks:
+        return (f"{layers} layers do not split into {schedule.chunks} equal chunks "
+                f"({schedule.virtual} per stage)")
     if ranges is not None and tuple(map(tuple, ranges)) != R.equal_ranges(layers,
-                                                                         schedule.stages):
+                                                                         schedule.chunks):
         return f"unequal layer ranges {list(ranges)}"
     if fsdp:
         return "FSDP inside stages"
@@ -99,6 +110,10 @@ def build_step(model: StagedModel, mesh, schedule: S.Schedule, axis: str = "stag
     tensor_axis = tensor_axis if tensor_axis in mesh.axis_names else None
     sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
     runner = _Runner(model, mesh, schedule, axis, tensor_axis, sizes, layouts)
+    if schedule.virtual > 1 and not all(runner.mine):
+        raise AutoparError(f"schedule {schedule.name!r} moves each chunk's layers to the stage "
+                           f"of its V with device_put, which needs every stage in this process; "
+                           f"under jax.distributed use schedule='zb_h1' or '1f1b'")
 
     def shardings(state, batch):
         st = jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), runner.specs(state))
@@ -172,7 +187,7 @@ class MpmdStep(R.PipelinedStep):
         return peak[0]
 
     def action_times(self, state, batch, runs: int = 5) -> dict:
-        """``{("F", "B" or "W", stage): seconds}``: each stage's forward and backward programs
+        """``{("F", "B" or "W", chunk): seconds}``: each chunk's forward and backward programs
         (a split schedule's input and weight halves as B and W) run alone (the devices
         otherwise idle, each call waited for), the median of ``runs`` calls, on the arguments
         one step gives them. The inputs of ``schedules.price_async`` when it predicts a
@@ -182,8 +197,8 @@ class MpmdStep(R.PipelinedStep):
         out: dict = {}
 
         def watch(program, args, outs, held):
-            what, stage = self.runner.made(program)
-            key = (KINDS[what], stage)
+            what, chunk = self.runner.made(program)
+            key = (KINDS[what], chunk)
             if key in out:
                 return
             jax.block_until_ready(outs)
@@ -277,31 +292,32 @@ class _Runner:
         return jax.tree_util.tree_map(
             lambda x: P(None, self.data or None) if x.ndim >= 2 else P(), micro)
 
-    def _program(self, kind: str, s: int, args):
-        key = (kind, s, validate.signature(args, jax.tree_util.tree_leaves(args)))
+    def _program(self, kind: str, k: int, args):
+        key = (kind, k, validate.signature(args, jax.tree_util.tree_leaves(args)))
         if key not in self.programs:
-            self.programs[key] = getattr(self, f"_build_{kind}")(s, args)
-            self._made[id(self.programs[key])] = (kind, s)
+            self.programs[key] = getattr(self, f"_build_{kind}")(k, args)
+            self._made[id(self.programs[key])] = (kind, k)
         return self.programs[key]
 
     def made(self, program) -> tuple[str, int]:
-        """``(kind, stage)`` of a program ``_program`` built (kind: "fwd", "bwd", ...)."""
+        """``(kind, chunk)`` of a program ``_program`` built (kind: "fwd", "bwd", ...; the
+        chunk is the stage with one chunk per stage)."""
         return self._made[id(program)]
 
-    def _shard_map(self, body, s: int, in_specs, out_specs):
+    def _shard_map(self, body, k: int, in_specs, out_specs):
         if not self.data:       # no data axes: the body runs on the whole stage as it is
             return body
-        return jax.shard_map(body, mesh=self.subs[s], in_specs=in_specs, out_specs=out_specs,
-                             axis_names=frozenset(self.data), check_vma=False)
+        return jax.shard_map(body, mesh=self.subs[self.sch.stage_of(k)], in_specs=in_specs,
+                             out_specs=out_specs, axis_names=frozenset(self.data), check_vma=False)
 
-    def _chunk(self, s: int):
+    def _chunk(self, k: int):
         """``f(layers, rest, x_in, micro, m) -> (y, loss)`` of stage ``s``'s chunk on
         microbatch ``m`` of the local rows ``micro`` (M, b, ...)."""
-        model, last = self.model, s == self.sch.stages - 1
+        model, last = self.model, k == self.sch.chunks - 1
 
         def f(layers, rest, x_in, micro, m):
             batch = jax.tree_util.tree_map(lambda x: x[m], micro)
-            x = model.embed(rest, batch) if s == 0 else x_in
+            x = model.embed(rest, batch) if k == 0 else x_in
             y, _ = jax.lax.scan(lambda h, lp: (model.layer(lp, h), None), x, layers)
             loss = (model.head_loss(rest, y, batch).astype(jnp.float32) if last
                     else jnp.zeros((), jnp.float32))
@@ -309,20 +325,20 @@ class _Runner:
 
         return f
 
-    def _build_fwd(self, s: int, args):
-        chunk = self._chunk(s)
+    def _build_fwd(self, k: int, args):
+        chunk = self._chunk(k)
 
         def body(layers, rest, x_in, micro, m):
             return chunk(layers, rest, x_in, micro, m)[0]
 
         rows = self._rows()
-        mapped = self._shard_map(_named(body, f"forward_{s}"), s,
+        mapped = self._shard_map(_named(body, f"forward_{k}"), k,
                                  (P(), P(), rows, self._micro_specs(args[3]), P()), rows)
         return jax.jit(mapped)
 
-    def _build_bwd(self, s: int, args):
-        chunk = self._chunk(s)
-        last, m_count = s == self.sch.stages - 1, self.sch.microbatches
+    def _build_bwd(self, k: int, args):
+        chunk = self._chunk(k)
+        last, m_count = k == self.sch.chunks - 1, self.sch.microbatches
 
         def body(layers, rest, x_in, dy, micro, m, g_layers, g_rest, loss):
             (y, mb_loss), vjp = jax.vjp(lambda p, r, x: chunk(p, r, x, micro, m),
@@ -335,36 +351,36 @@ class _Runner:
 
         rows = acc = self._rows()
         mapped = self._shard_map(
-            _named(body, f"backward_{s}"), s,
+            _named(body, f"backward_{k}"), k,
             (P(), P(), rows, rows, self._micro_specs(args[4]), P(), acc, acc, acc),
             (rows, acc, acc, acc))
         return jax.jit(mapped, donate_argnums=DONATED["bwd"])
 
-    def _layer_split(self, s: int, layers, x) -> SP.LayerSplit:
+    def _layer_split(self, k: int, layers, x) -> SP.LayerSplit:
         """Stage ``s``'s layer backward cut into its halves at one layer of ``layers`` and the
         activation ``x`` (traced inside the input-gradient program, so the weight-gradient
         program that follows reads the same frontier)."""
         one = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
                                      layers)
-        key = (s, validate.signature((one, x), jax.tree_util.tree_leaves((one, x))))
+        key = (k, validate.signature((one, x), jax.tree_util.tree_leaves((one, x))))
         if key not in self._splits:
             self._splits[key] = SP.split_layer(self.model.layer, one, x)
-        self._traced[s] = self._splits[key]
-        return self._traced[s]
+        self._traced[k] = self._splits[key]
+        return self._traced[k]
 
-    def _build_bin(self, s: int, args):
+    def _build_bin(self, k: int, args):
         """A split schedule's ``B``: the chunk recomputed, each layer's input gradient (and the
         embedding's and head's whole gradients); returns the cotangent of the chunk's input,
         the layers' frontiers (a leading dim per data shard) and the accumulators."""
-        model, last, m_count = self.model, s == self.sch.stages - 1, self.sch.microbatches
+        model, last, m_count = self.model, k == self.sch.chunks - 1, self.sch.microbatches
 
         def body(layers, rest, x_in, dy, micro, m, g_rest, loss):
             batch = jax.tree_util.tree_map(lambda x: x[m], micro)
-            if s == 0:
+            if k == 0:
                 x, embed_vjp = jax.vjp(lambda r: model.embed(r, batch), rest)
             else:
                 x = x_in
-            sp = self._layer_split(s, layers, x)
+            sp = self._layer_split(k, layers, x)
             y, saved = jax.lax.scan(lambda h, p: sp.forward(p, h), x, layers)
             dr = jax.tree_util.tree_map(jnp.zeros_like, rest)
             mb_loss = jnp.zeros((), jnp.float32)
@@ -374,7 +390,7 @@ class _Runner:
                 dr, dy = head_vjp(jnp.float32(1.0 / m_count))
             dx, front = jax.lax.scan(lambda d, pf: sp.input_grad(pf[0], pf[1], d),
                                      dy.astype(y.dtype), (layers, saved), reverse=True)
-            if s == 0:
+            if k == 0:
                 dr = jax.tree_util.tree_map(jnp.add, dr, embed_vjp(dx)[0])
             g_rest = jax.tree_util.tree_map(lambda g, d: g + d[None], g_rest, dr)
             return (dx, [f[None] for f in front], g_rest,
@@ -382,15 +398,15 @@ class _Runner:
 
         rows = acc = self._rows()
         mapped = self._shard_map(
-            _named(body, f"backward_input_{s}"), s,
+            _named(body, f"backward_input_{k}"), k,
             (P(), P(), rows, rows, self._micro_specs(args[4]), P(), acc, acc),
             (rows, acc, acc, acc))
         return jax.jit(mapped, donate_argnums=DONATED["bin"])
 
-    def _build_wgrad(self, s: int, args):
+    def _build_wgrad(self, k: int, args):
         """A split schedule's ``W``: the layers' weight gradients from their frontiers (the
         equations ``_build_bin`` left), added to the stage's accumulator."""
-        sp = self._traced[s]
+        sp = self._traced[k]
 
         def body(layers, front, g_layers):
             dp = jax.lax.scan(lambda c, pf: (c, sp.weight_grad(pf[0], pf[1])), None,
@@ -398,10 +414,10 @@ class _Runner:
             return jax.tree_util.tree_map(lambda g, d: g + d[None], g_layers, dp)
 
         acc = self._rows()
-        mapped = self._shard_map(_named(body, f"backward_weight_{s}"), s, (P(), acc, acc), acc)
+        mapped = self._shard_map(_named(body, f"backward_weight_{k}"), k, (P(), acc, acc), acc)
         return jax.jit(mapped, donate_argnums=DONATED["wgrad"])
 
-    def _build_zeros(self, s: int, args):
+    def _build_zeros(self, k: int, args):
         """Stage ``s``'s accumulators: per data shard (a leading dim split over the data
         axes) a zero gradient of its layers and of the rest, and a zero loss."""
         layers, rest = args
@@ -409,21 +425,21 @@ class _Runner:
 
         def acc_sharding(x):
             inner = tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))
-            return NamedSharding(self.subs[s], P(self.data or None, *inner))
+            return NamedSharding(self.subs[self.sch.stage_of(k)], P(self.data or None, *inner))
 
         outs = (jax.tree_util.tree_map(acc_sharding, layers),
                 jax.tree_util.tree_map(acc_sharding, rest),
-                NamedSharding(self.subs[s], P(self.data or None)))
+                NamedSharding(self.subs[self.sch.stage_of(k)], P(self.data or None)))
         return jax.jit(lambda: (
             jax.tree_util.tree_map(lambda x: jnp.zeros((n, *x.shape), x.dtype), layers),
             jax.tree_util.tree_map(lambda x: jnp.zeros((n, *x.shape), x.dtype), rest),
             jnp.zeros((n,), jnp.float32)), out_shardings=outs)
 
-    def _build_reduce(self, s: int, args):
+    def _build_reduce(self, k: int, args):
         """Accumulators -> the stage's gradients (the mean over the data shards) and loss, in
         the layouts of the stage's views of the state."""
         (g_layers, g_rest, _), (layers, rest) = args
-        sub = self.subs[s]
+        sub = self.subs[self.sch.stage_of(k)]
         outs = (jax.tree_util.tree_map(lambda x: x.sharding, layers),
                 jax.tree_util.tree_map(lambda x: NamedSharding(sub, P(None, *x.sharding.spec)),
                                        rest),
@@ -439,74 +455,125 @@ class _Runner:
     # ---- one step ----------------------------------------------------------------------------
     def loss_and_grads(self, params, batch, watch=None):
         """``(loss, grads)`` of ``params`` (the whole-mesh state layout) on ``batch``, the
-        schedule issued stage by stage; ``watch(program, args, outputs)``, when given, is called
-        after each stage program is issued (``MpmdStep.measure_peak``)."""
+        schedule issued chunk by chunk on the chunks' stages; ``watch(program, args, outputs)``,
+        when given, is called after each stage program is issued (``MpmdStep.measure_peak``).
+        Accumulators: the layers' gradient per chunk, the rest's and the loss per stage."""
         sch, model = self.sch, self.model
-        p, last = sch.stages, sch.stages - 1
+        p, last = sch.stages, sch.chunks - 1
         specs = self.specs(params)
         st = jax.tree_util.tree_map(lambda sp: NamedSharding(self.mesh, sp), specs)
         params = jax.device_put(params, st)
         R._check_rows(batch, sch.microbatches, {a: self.sizes[a] for a in self.data})
         micro = _microbatches(batch, sch.microbatches, self.mesh, self.data, self.programs)
         layers, rest = model.split(params)
-        mine = self.mine
-        views = [(jax.tree_util.tree_map(functools.partial(self._view, s=s), layers),
-                  jax.tree_util.tree_map(functools.partial(self._view, s=s), rest))
-                 if mine[s] else None for s in range(p)]
+        mine = [self.mine[sch.stage_of(k)] for k in range(sch.chunks)]     # per chunk
+        views = [(jax.tree_util.tree_map(functools.partial(self._chunk_view, k=k), layers),
+                  jax.tree_util.tree_map(functools.partial(self._view, s=sch.stage_of(k)), rest))
+                 if mine[k] else None for k in range(sch.chunks)]
         micros = [jax.tree_util.tree_map(functools.partial(self._view, s=s), micro)
-                  if mine[s] else None for s in range(p)]
-        acc = [self._program("zeros", s, views[s])() if mine[s] else None for s in range(p)]
+                  if self.mine[s] else None for s in range(p)]
+        acc_l, acc_r = [None] * sch.chunks, [None] * p
+        for k in range(sch.chunks):
+            if mine[k]:
+                g_layers, *g_rest = self._program("zeros", k, views[k])()
+                acc_l[k] = g_layers
+                acc_r[sch.stage_of(k)] = acc_r[sch.stage_of(k)] or tuple(g_rest)
         aval = jax.eval_shape(  # one microbatch's activation, as a stage's submesh holds it
             model.embed, jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(
                 x.shape, x.dtype), rest), jax.tree_util.tree_map(
                 lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), micro))
         inbox_f, inbox_b, stash, fronts = {}, {}, {}, {}
-        held = (micro, acc, stash, inbox_f, inbox_b, fronts)
+        held = (micro, views, acc_l, acc_r, stash, inbox_f, inbox_b, fronts)
         split = sch.name in S.SPLIT
         act = None
         for s, a in S.dispatch_order(sch):
-            if a.kind == "F" and s < last and (mine[s] or mine[s + 1]):
+            k = a.chunk
+            if a.kind == "F" and k < last and (mine[k] or mine[k + 1]):
                 y = None
-                if mine[s]:
-                    x_in = inbox_f.pop((a.mb, s), None)
-                    if x_in is None:              # stage 0 embeds: a placeholder input
+                if mine[k]:
+                    x_in = inbox_f.pop((a.mb, k), None)
+                    if x_in is None:              # chunk 0 embeds: a placeholder input
                         x_in = act if act is not None else jax.device_put(
                             jnp.zeros(aval.shape, aval.dtype), self._act_sharding(0))
                         act = x_in
-                    y = self._run("fwd", s, (*views[s], x_in, micros[s], np.int32(a.mb)),
+                    y = self._run("fwd", k, (*views[k], x_in, micros[s], np.int32(a.mb)),
                                   watch, held)
-                    stash[(a.mb, s)] = x_in
-                got = self._hop(y, s, s + 1, aval)
-                if mine[s + 1]:
-                    inbox_f[(a.mb, s + 1)] = got
-            elif a.kind == "F" and s == last and mine[s]:   # the backward recomputes it all
-                stash[(a.mb, s)] = inbox_f.pop((a.mb, s), None)
-            elif a.kind == "W" and mine[s]:
-                g_layers = self._run("wgrad", s, (views[s][0], fronts.pop((a.mb, s)),
-                                                  acc[s][0]), watch, held)
-                acc[s] = (g_layers, *acc[s][1:])
-            elif a.kind == "B" and (mine[s] or (s > 0 and mine[s - 1])):
+                    stash[(a.mb, k)] = x_in
+                got = self._move(y, s, sch.stage_of(k + 1), aval)
+                if mine[k + 1]:
+                    inbox_f[(a.mb, k + 1)] = got
+            elif a.kind == "F" and k == last and mine[k]:   # the backward recomputes it all
+                stash[(a.mb, k)] = inbox_f.pop((a.mb, k), None)
+            elif a.kind == "W" and mine[k]:
+                acc_l[k] = self._run("wgrad", k, (views[k][0], fronts.pop((a.mb, k)), acc_l[k]),
+                                     watch, held)
+            elif a.kind == "B" and (mine[k] or (k > 0 and mine[k - 1])):
                 dx = None
-                if mine[s]:
-                    x_in = stash.pop((a.mb, s))
-                    dy = inbox_b.pop((a.mb, s), None)
+                if mine[k]:
+                    x_in = stash.pop((a.mb, k))
+                    dy = inbox_b.pop((a.mb, k), None)
                     if dy is None:
                         dy = x_in
-                    args = (*views[s], x_in, dy, micros[s], np.int32(a.mb))
+                    args = (*views[k], x_in, dy, micros[s], np.int32(a.mb))
                     if split:
-                        dx, fronts[(a.mb, s)], *new = self._run(
-                            "bin", s, (*args, *acc[s][1:]), watch, held)
-                        acc[s] = (acc[s][0], *new)
+                        dx, fronts[(a.mb, k)], *new = self._run(
+                            "bin", k, (*args, *acc_r[s]), watch, held)
                     else:
-                        dx, *new = self._run("bwd", s, (*args, *acc[s]), watch, held)
-                        acc[s] = tuple(new)
-                if s > 0:
-                    got = self._hop(dx, s, s - 1, aval)
-                    if mine[s - 1]:
-                        inbox_b[(a.mb, s - 1)] = got
-        reduced = [self._program("reduce", s, (acc[s], views[s]))(acc[s]) if mine[s] else None
-                   for s in range(p)]
-        return self._gather(params, st, reduced)
+                        dx, acc_l[k], *new = self._run("bwd", k, (*args, acc_l[k], *acc_r[s]),
+                                                       watch, held)
+                    acc_r[s] = tuple(new)
+                if k > 0:
+                    got = self._move(dx, s, sch.stage_of(k - 1), aval)
+                    if mine[k - 1]:
+                        inbox_b[(a.mb, k - 1)] = got
+        reduced = [self._program("reduce", k, ((acc_l[k], *acc_r[sch.stage_of(k)]), views[k]))(
+            (acc_l[k], *acc_r[sch.stage_of(k)])) if mine[k] else None for k in range(sch.chunks)]
+        return self._gather(params, st, self._per_stage(layers, reduced))
+
+    def _move(self, x, s: int, t: int, aval):
+        """``x`` from stage ``s`` to stage ``t``'s submesh (``_hop``); itself when ``s == t``
+        (the turn of a V-shaped schedule)."""
+        return x if s == t else self._hop(x, s, t, aval)
+
+    def _chunk_view(self, x, k: int):
+        """Chunk ``k``'s layers of the whole-mesh stacked leaf ``x`` on the submesh of the stage
+        that runs it. One chunk per stage: that stage's own shards (``_view``, no copy). In a V
+        (``schedules.placement``) the state's layout still gives stage ``s`` the ``s``-th
+        ``L / P`` layers, two chunks that are not the two it runs: the chunk is sliced from the
+        stage holding it and copied over (``planning`` prices the moves and the copies)."""
+        sch = self.sch
+        s = sch.stage_of(k)
+        if sch.chunks == sch.stages:
+            return self._view(x, s)
+        per, block = x.shape[0] // sch.chunks, x.shape[0] // sch.stages
+        owner = k * per // block
+        held = self._view(x, owner)
+        part = held[k * per - owner * block:(k + 1) * per - owner * block]
+        return jax.device_put(part, NamedSharding(self.subs[s], held.sharding.spec))
+
+    def _per_stage(self, layers, reduced) -> list:
+        """Per stage ``s`` of this process: ``(its share of the layers' gradient in the state's
+        layout, its rest's gradient, its loss)`` from the chunks' ``reduced`` ones: the chunks
+        its ``L / P`` layers hold, copied to it and joined in order (themselves with one chunk
+        per stage); the rest's and the loss from its first chunk (the stage's accumulators)."""
+        sch = self.sch
+        out = []
+        for s in range(sch.stages):
+            if not self.mine[s]:
+                out.append(None)
+                continue
+            first = reduced[sch.chunks_on(s)[0]]
+            if sch.chunks == sch.stages:
+                out.append(first)
+                continue
+            owned = range(s * sch.virtual, (s + 1) * sch.virtual)   # its layers' chunks
+            joined = jax.tree_util.tree_map(
+                lambda x, *g, s=s: jax.device_put(jnp.concatenate(
+                    [jax.device_put(d, NamedSharding(self.subs[s], d.sharding.spec))
+                     for d in g]), self._view(x, s).sharding),
+                layers, *[reduced[c][0] for c in owned])
+            out.append((joined, *first[1:]))
+        return out
 
     def _hop(self, x, s: int, t: int, aval):
         """Stage ``s``'s activation or cotangent ``x`` (None where this process does not run

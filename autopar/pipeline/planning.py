@@ -121,18 +121,26 @@ def parse(pipeline, sizes: dict, model: StagedModel, rows: int) -> Pins:
                 pipeline.get("virtual_stages"), _layer_ranges(pipeline, model, stages), fsdp,
                 runtime)
     if runtime == "mpmd":
-        why = mpmd_supports(S.build("gpipe", stages, pins.virtual_stages or 1, stages),
-                            model.num_layers, fsdp=bool(fsdp))
+        v = pins.virtual_stages or S.default_virtual(pins.schedule)
+        probe = pins.schedule if pins.schedule in S.ALL + tuple(S.ALIASES) else (
+            "zb_v" if v == 2 else "gpipe")          # the schedule, or one the runtime might run
+        why = mpmd_supports(S.build(probe, stages, v, stages * v), model.num_layers,
+                            fsdp=bool(fsdp))
         if why:
             raise AutoparError(f"pipeline runtime='mpmd' cannot run this pipeline ({why}); "
                                f"leave runtime out (both priced) or use runtime='lockstep'")
+    v = pins.virtual_stages or S.default_virtual(pins.schedule)
     if pins.schedule is not None or pins.microbatches is not None:
-        S.check(pins.schedule or "1f1b", stages, pins.virtual_stages or 1,
-                pins.microbatches or stages * (pins.virtual_stages or 1))
-    name = S.check(pins.schedule, stages, 1, stages) if pins.schedule is not None else None
+        S.check(pins.schedule or "1f1b", stages, v, pins.microbatches or stages * v)
+    name = S.check(pins.schedule, stages, v, stages * v) if pins.schedule is not None else None
+    if name in S.V_SHAPED and model.num_layers % (stages * v):
+        raise AutoparError(f"pipeline schedule={pins.schedule!r} runs {v} equal chunks per stage "
+                           f"in a V, and {model.num_layers} layers do not split into "
+                           f"{stages * v}; use a stage count whose double divides "
+                           f"{model.num_layers}, or schedule='zb_h1' (one chunk per stage)")
     if name in S.SPLIT:
         why = ("the lockstep runtime does not run it" if runtime == "lockstep" else
-               mpmd_supports(S.build(name, stages, 1, stages), model.num_layers,
+               mpmd_supports(S.build(name, stages, v, stages * v), model.num_layers,
                              fsdp=bool(fsdp)))
         if why:
             raise AutoparError(f"pipeline schedule={pins.schedule!r} splits each backward into "
@@ -140,8 +148,7 @@ def parse(pipeline, sizes: dict, model: StagedModel, rows: int) -> Pins:
                                f"({why}); choose one of {S.SCHEDULES}")
     if pins.microbatches is not None:
         _check_rows(rows, pins.microbatches, sizes, axis)
-    v = pins.virtual_stages
-    if v is not None and v > 1 and model.num_layers % (stages * v):
+    if v > 1 and model.num_layers % (stages * v):
         raise AutoparError(f"{model.num_layers} layers do not split into stages x virtual_stages"
                            f" = {stages * v} equal chunks (virtual stages need equal ones); "
                            f"choose virtual_stages so that {stages} x it divides "
@@ -417,7 +424,7 @@ def price(model: StagedModel, params, costs: Costs, sizes: dict, axis: str, hw,
         return length[a.chunk] * per_layer[a.kind] * share + ends
 
     layer_bytes, rest_bytes = _param_bytes(model, params, sizes, costs)
-    on = [[length[c] for c in range(s, k, p)] for s in range(p)]     # chunk lengths of stage s
+    on = [[length[c] for c in sch.chunks_on(s)] for s in range(p)]  # chunk lengths of stage s
     working = None
     if runtime == "mpmd":
         timeline = mpmd_timeline(sch, sizes, axis, hw, duration, costs.act_bytes)
@@ -427,7 +434,10 @@ def price(model: StagedModel, params, costs: Costs, sizes: dict, axis: str, hw,
         front = max(length) * costs.frontier_bytes / costs.act_bytes if split else 0.0
         working = split_working(costs, max(length), layer_bytes) if split else None
         slots = S.held_async(timeline, k, p, front, working)
-        pad = 0.0
+        # in a V the runtime copies each chunk's layers to its stage for the whole step
+        # (mpmd._Runner._chunk_view): a stage's share of the stack once more; joining their
+        # gradients back (_per_stage) comes after the loop has freed its buffers
+        pad = layer_bytes * model.num_layers / p if sch.virtual > 1 else 0.0
     else:
         timeline = loop_timeline(model, params, sizes, axis, hw, sch, ranges, duration,
                                  costs.act_bytes, costs=costs)
@@ -441,7 +451,7 @@ def price(model: StagedModel, params, costs: Costs, sizes: dict, axis: str, hw,
     return PipelinePlan(axis, p, ranges, microbatches, sch.name, virtual,
                         timeline.bubble_fraction, timeline.busy_s, memory, S.in_flight(sch),
                         timeline.makespan_s + after_loop_s(model, params, sizes, axis, hw,
-                                                           ranges, costs),
+                                                           ranges, costs, sch.place),
                         costs.act_bytes, costs.layer_f, costs.layer_b, fsdp=bool(costs.fsdp),
                         runtime=runtime)
 
@@ -458,8 +468,10 @@ def mpmd_timeline(sch: S.Schedule, sizes: dict, axis: str, hw, duration,
     last = sch.chunks - 1
 
     def hop(a: S.Action) -> float:
+        """The hop of producer ``a``'s result to the stage of the chunk that reads it (only
+        called across stages: the V's turn stays on its stage)."""
         here = sch.stage_of(a.chunk)
-        there = here + 1 if a.kind == "F" else here - 1
+        there = sch.stage_of(a.chunk + 1 if a.kind == "F" else a.chunk - 1)
         return hops[min(here, there)] / 2
 
     return S.price_async(sch, lambda a: 0.0 if a.kind == "F" and a.chunk == last
@@ -585,14 +597,16 @@ def tick_overhead_s(cm, axis: str, act_bytes: float, carry_bytes: float) -> floa
 
 
 def after_loop_s(model: StagedModel, params, sizes: dict, axis: str, hw, ranges,
-                 costs: Costs | None = None) -> float:
+                 costs: Costs | None = None, place: tuple[int, ...] | None = None) -> float:
     """Seconds the step spends after the tick loop: the gradient reductions, the optimizer's
-    pass over the busiest stage's parameters and, for unequal ranges, the layer moves
-    (parameters in ``costs``' layouts: ``_param_bytes``)."""
+    pass over the busiest stage's parameters and, for unequal ranges or chunks off their
+    stage's own layers, the layer moves (parameters in ``costs``' layouts: ``_param_bytes``);
+    ``place``: chunk -> stage (``Schedule.place``; default interleaved, ``k % P``)."""
     p = sizes[axis]
     cm = stage_cost_model(hw, sizes)
     length = [b - a for a, b in ranges]
-    on = [[length[c] for c in range(s, len(ranges), p)] for s in range(p)]
+    place = place or tuple(k % p for k in range(len(ranges)))
+    on = [[n for n, s_ in zip(length, place) if s_ == s] for s in range(p)]
     layer_bytes, rest_bytes = _param_bytes(model, params, sizes, costs)
     # FSDP-sharded leaves were reduce-scattered in the loop: only the rest is all-reduced here
     synced = costs.sharded_bytes[2] if costs is not None and costs.fsdp else layer_bytes
@@ -742,13 +756,13 @@ def candidates(pins: Pins, model: StagedModel, rows: int, sizes: dict):
     shards = _data_shards(sizes, pins.axis)
     ms = [pins.microbatches] if pins.microbatches else [
         m for m in (p, 2 * p, 4 * p, 8 * p) if rows_split(rows, m, shards)]
-    vs = [pins.virtual_stages] if pins.virtual_stages else [1] if pins.runtime == "mpmd" else [
-        v for v in (1, 2, 4)
+    # the MPMD runtime runs two chunks per stage only in a V (zb_v); the lockstep one up to 4
+    vs = [pins.virtual_stages] if pins.virtual_stages else [
+        v for v in ((1, 2) if pins.runtime == "mpmd" else (1, 2, 4))
         if (v == 1 and pins.layer_ranges == "auto") or model.num_layers % (p * v) == 0]
-    names = [S.check(pins.schedule, p, 1, p)] if pins.schedule else list(
-        S.SCHEDULES if pins.runtime == "lockstep" else S.ALL)
-    out = [(n, v, m) for n in names for v in vs for m in ms
-           if not (v > 1 and (m % p or n == "eager_1f1b" or n in S.SPLIT))]
+    names = [S.check(pins.schedule, p, S.default_virtual(pins.schedule), p)] if pins.schedule \
+        else list(S.SCHEDULES if pins.runtime == "lockstep" else S.ALL)
+    out = [(n, v, m) for n in names for v in vs for m in ms if S.allows(n, p, v, m)]
     if not out:
         raise AutoparError(f"no pipeline of {p} stages fits a batch of {rows} rows on "
                            f"{shards} data shards and {model.num_layers} layers: the batch "

@@ -1,7 +1,8 @@
 """``PipelinePlan``: the pipeline a plan chose, what it predicts, and its JSON form.
 
 ``plan.pipeline`` of a plan made with ``autopar.plan(..., pipeline=...)``. Chunk ``k`` of
-``layer_ranges`` (layers ``[start, end)``) runs on stage ``k % stages``; per-stage figures are
+``layer_ranges`` (layers ``[start, end)``) runs on stage ``chunk_stages()[k]``, the schedule's
+placement (``schedules.placement``: ``k % stages``, or a V for ``zb_v``); per-stage figures are
 per device of that stage and per step.
 """
 from __future__ import annotations
@@ -48,6 +49,12 @@ class PipelinePlan:
     # (each stage its own programs, issued asynchronously: autopar.pipeline.mpmd); older plans
     # read as "lockstep"
     runtime: str = "lockstep"
+
+    def chunk_stages(self) -> tuple[int, ...]:
+        """Chunk ``k`` -> the stage holding its layers (``schedules.placement``)."""
+        from autopar.pipeline.schedules import placement
+
+        return placement(self.schedule, self.stages, self.virtual_stages)
 
     def stage_layouts(self):
         """``(layer_layouts, rest_layouts)`` for ``runtime.state_specs``, or None for a plan

@@ -1,10 +1,12 @@
 """Pipeline schedules: which microbatch, chunk and phase each stage runs at each tick.
 
 Notation: ``P`` stages (the devices along the pipeline axis), ``V`` virtual stages per device,
-``K = P * V`` chunks of consecutive layers; chunk ``k`` runs on stage ``k % P`` as its virtual
-stage ``v = k // P``. ``M`` microbatches. An action is ``F(m, k)`` (chunk ``k``'s forward ops on
-microbatch ``m``) or ``B(m, k)`` (its backward ops). Dependencies: ``F(m, k)`` after
-``F(m, k-1)``; ``B(m, k)`` after ``F(m, k)`` and ``B(m, k+1)``. Zero-bubble schedules split
+``K = P * V`` chunks of consecutive layers; chunk ``k`` runs on stage ``Schedule.stage_of(k)``,
+the schedule's *placement* (``placement``): ``k % P`` as its virtual stage ``v = k // P``
+(interleaved), or in a V (``zb_v``: ``k`` for ``k < P``, ``2 P - 1 - k`` after). ``M``
+microbatches. An action is ``F(m, k)`` (chunk ``k``'s forward ops on microbatch ``m``) or
+``B(m, k)`` (its backward ops). Dependencies: ``F(m, k)`` after ``F(m, k-1)``; ``B(m, k)``
+after ``F(m, k)`` and ``B(m, k+1)``. Zero-bubble schedules split
 the backward: ``B(m, k)`` is then only the gradient with respect to the chunk's input, and
 ``W(m, k)``, after ``B(m, k)``, the gradient with respect to its weights
 (``autopar.pipeline.split``).
@@ -25,6 +27,25 @@ Each stage follows a fixed *order* of its actions (the schedule):
               1F1B's memory on stage 0; stage ``s`` also holds ``s`` frontiers (what ``W``
               reads). Bubble ``(P - 1)(t_F + t_B - t_W)`` in place of 1F1B's
               ``(P - 1)(t_F + t_B + t_W)``; run by the MPMD runtime only (``SPLIT``).
+  ``zb_v``    zero-bubble V (Qi et al., "Pipeline Parallelism with Controllable Memory", 2024;
+              the ZB-V of the zero-bubble authors' code), ``V = 2`` in a V: stage ``s`` holds
+              chunks ``s`` and ``2 P - 1 - s``, so the model runs down the stages and back up,
+              the turn needs no hop and stage 0 holds the embedding and the head. Each stage
+              warms up with ``2 (P - s) - 1`` forwards of its first chunk, then runs each
+              chunk's forward, input gradient and weight gradient in turn, and defers its
+              last weight gradients into the cool-down (``_zb_v``). Memory: every stage holds
+              ``2 P`` chunk inputs at its peak (``M >= 2 P - 1``), each of ``L / (2 P)``
+              layers: in stored activations 1F1B's stage-0 peak, on every stage; this
+              runtime stashes a chunk's input only and recomputes the rest (module
+              ``runtime``), so that is twice 1F1B's stage-0 stash of chunk inputs, with half
+              the backward's working set (chunks of half the layers); stage ``s`` also holds
+              up to ``2 s + 1`` half-chunk frontiers. Bubble, asynchronously with free hops
+              and equal chunk times ``T_F = T_B = T_W`` (``t = 2 T`` for a whole stage's
+              share): ``(P - 1) T_F`` per stage, only the first forward's way down (no
+              schedule starts stage ``P - 1`` sooner), half ZB-H1's ``(P - 1)(t_F + t_B -
+              t_W)``; so ``(P - 1) / (6 M + P - 1)`` of the step, ``M >= 2 P - 1``
+              (``ideal_bubble``). Any ``M >= 1`` runs, with a longer ramp below ``2 P - 1``.
+              Run by the MPMD runtime only.
 
 Execution is *lockstep*, as one SPMD program runs it: in every tick each stage walks its order and
 runs at most one forward and at most one backward, each only once its inputs arrived in an earlier
@@ -61,10 +82,12 @@ from collections.abc import Callable, Mapping, Sequence
 from autopar.errors import AutoparError
 
 SCHEDULES = ("gpipe", "1f1b", "eager_1f1b")
-SPLIT = ("zb_h1",)                  # schedules whose backward is split into B and W
+SPLIT = ("zb_h1", "zb_v")           # schedules whose backward is split into B and W
+V_SHAPED = ("zb_v",)                # schedules whose two chunks per stage sit in a V
 ALL = SCHEDULES + SPLIT
 ALIASES = {"interleaved": "1f1b", "circular": "gpipe", "1F1B": "1f1b", "GPipe": "gpipe",
-           "zb-h1": "zb_h1", "ZB-H1": "zb_h1", "zero_bubble": "zb_h1"}
+           "zb-h1": "zb_h1", "ZB-H1": "zb_h1", "zero_bubble": "zb_h1",
+           "zb-v": "zb_v", "ZB-V": "zb_v", "zbv": "zb_v", "ZBV": "zb_v"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,13 +109,24 @@ class Schedule:
     virtual: int
     microbatches: int
     ticks: tuple[tuple[tuple[Action, ...], ...], ...]
+    # chunk -> the stage that holds its layers and runs its actions (``placement``); () for the
+    # schedule's own placement
+    place: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if not self.place:
+            object.__setattr__(self, "place", placement(self.name, self.stages, self.virtual))
 
     @property
     def chunks(self) -> int:
         return self.stages * self.virtual
 
     def stage_of(self, chunk: int) -> int:
-        return chunk % self.stages
+        return self.place[chunk]
+
+    def chunks_on(self, stage: int) -> tuple[int, ...]:
+        """The chunks stage ``stage`` holds, in model order."""
+        return tuple(k for k, s in enumerate(self.place) if s == stage)
 
     def when(self) -> dict[Action, int]:
         """Action -> tick."""
@@ -115,6 +149,9 @@ def check(name: str, stages: int, virtual: int, microbatches: int) -> str:
                     ("microbatches", microbatches)):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise AutoparError(f"pipeline {what}={n!r} must be an integer >= 1")
+    if canon in V_SHAPED:
+        _check_v(canon, stages, virtual, microbatches)
+        return canon
     if virtual > 1 and microbatches % stages:
         raise AutoparError(f"a pipeline with virtual_stages={virtual} sends microbatches through "
                            f"the virtual stages in groups of stages={stages}, so microbatches="
@@ -124,6 +161,42 @@ def check(name: str, stages: int, virtual: int, microbatches: int) -> str:
         raise AutoparError(f"pipeline schedule {canon!r} runs one chunk per stage; use "
                            f"virtual_stages=1")
     return canon
+
+
+def _check_v(name: str, stages: int, virtual: int, microbatches: int) -> None:
+    """A V-shaped schedule's own rules: two chunks per stage, at least two stages."""
+    if virtual != 2:
+        raise AutoparError(f"pipeline schedule {name!r} places two chunks on each stage (chunk "
+                           f"k on stage k, then on stage 2 P - 1 - k), so it needs "
+                           f"virtual_stages=2, not {virtual}; use virtual_stages=2 (the layer "
+                           f"count a multiple of 2 x stages)")
+    if stages < 2:
+        raise AutoparError(f"pipeline schedule {name!r} needs stages >= 2 (one stage has no V "
+                           f"to turn); use a pipeline axis of 2 or more, or schedule='1f1b'")
+
+
+def default_virtual(name: str | None) -> int:
+    """The virtual stages a schedule runs when none are given: 2 for a V-shaped one, else 1."""
+    return 2 if ALIASES.get(name, name) in V_SHAPED else 1
+
+
+def allows(name: str, stages: int, virtual: int, microbatches: int) -> bool:
+    """Whether ``check`` accepts the combination (a search's filter; ``check`` says why not)."""
+    try:
+        check(name, stages, virtual, microbatches)
+    except AutoparError:
+        return False
+    return not (virtual > 1 and ALIASES.get(name, name) == "eager_1f1b")
+
+
+def placement(name: str, stages: int, virtual: int) -> tuple[int, ...]:
+    """Chunk ``k`` -> the stage that holds it: ``k % P`` (each stage's virtual stages
+    interleaved), or for a V-shaped schedule (``V_SHAPED``, ``V = 2``) ``k`` for ``k < P`` and
+    ``2 P - 1 - k`` after, so the model goes down the stages and back up, and the turn
+    (chunks ``P - 1`` and ``P``) and the ends (chunks ``0`` and ``2 P - 1``) share a stage."""
+    if ALIASES.get(name, name) in V_SHAPED:
+        return tuple(k if k < stages else 2 * stages - 1 - k for k in range(stages * virtual))
+    return tuple(k % stages for k in range(stages * virtual))
 
 
 def orders(name: str, stages: int, virtual: int, microbatches: int) -> list[list[Action]]:
@@ -149,6 +222,8 @@ def _order(name: str, s: int, stages: int, virtual: int, microbatches: int) -> l
     bwd = [Action("B", m, k) for m, k in _chunk_sequence(s, stages, virtual, microbatches, True)]
     if name == "zb_h1":
         return _zb_h1(fwd, bwd, s, stages)
+    if name == "zb_v":
+        return _zb_v(s, stages, microbatches)
     if name == "gpipe":
         return fwd + bwd
     n = len(fwd)
@@ -183,6 +258,45 @@ def _zb_h1(fwd: list[Action], bwd: list[Action], s: int, stages: int) -> list[Ac
     return out + weights[w:]
 
 
+def _zb_v(s: int, stages: int, microbatches: int) -> list[Action]:
+    """Stage ``s``'s ZB-V order over its chunks ``lo = s`` and ``hi = 2 P - 1 - s`` (Qi et al.
+    2024's V schedule; the phases as the zero-bubble authors lay them out). Warm-up:
+    ``2 (P - s) - 1`` forwards of ``lo``; ``s`` pairs of forwards (``hi``, ``lo``); ``P - s``
+    rounds of ``hi``'s forward, input gradient and weight gradient. Steady state: ``lo``'s
+    forward, input and weight gradients, then ``hi``'s, until every forward ran. Cool-down:
+    ``s`` pairs of input gradients (``lo``, ``hi``) whose weight gradients wait, ``P - s``
+    rounds of ``lo``'s input and weight gradients, then the waiting weight gradients (``hi``'s,
+    then ``lo``'s). Each step of a phase is skipped once its chunk has nothing left, so fewer
+    microbatches than the warm-up's ``2 P - 1`` still make a complete order."""
+    lo, hi = s, 2 * stages - 1 - s
+    n = {(k, c): 0 for k in "FBW" for c in (lo, hi)}       # actions issued per kind and chunk
+    out: list[Action] = []
+
+    def run(kind: str, c: int) -> None:
+        before = {"F": microbatches, "B": n[("F", c)], "W": n[("B", c)]}[kind]
+        if n[(kind, c)] < before:
+            out.append(Action(kind, n[(kind, c)], c))
+            n[(kind, c)] += 1
+
+    def phase(times: int, *steps: tuple[str, int]) -> None:
+        for _ in range(times):
+            for kind, c in steps:
+                run(kind, c)
+
+    phase(2 * (stages - s) - 1, ("F", lo))
+    phase(s, ("F", hi), ("F", lo))
+    phase(stages - s, ("F", hi), ("B", hi), ("W", hi))
+    while n[("F", lo)] < microbatches or n[("F", hi)] < microbatches:
+        phase(1, ("F", lo), ("B", lo), ("W", lo), ("F", hi), ("B", hi), ("W", hi))
+    phase(s, ("B", lo), ("B", hi))
+    phase(stages - s, ("B", lo), ("W", lo))
+    phase(microbatches, ("B", hi))                  # what is left (fewer microbatches)
+    phase(microbatches, ("B", lo))
+    phase(microbatches, ("W", hi))
+    phase(microbatches, ("W", lo))
+    return out
+
+
 def build(name: str, stages: int, virtual: int = 1, microbatches: int = 1) -> Schedule:
     """The lockstep ticks of schedule ``name`` (see the module docstring)."""
     name = check(name, stages, virtual, microbatches)
@@ -191,22 +305,26 @@ def build(name: str, stages: int, virtual: int = 1, microbatches: int = 1) -> Sc
     pos = [0] * stages
     ticks = []
     total = sum(len(o) for o in order)
+    place = placement(name, stages, virtual)
     while len(done) < total:
-        row = tuple(_run_tick(order[s], pos, s, done, len(ticks), stages * virtual)
+        row = tuple(_run_tick(order[s], pos, s, done, len(ticks), place)
                     for s in range(stages))
         if not any(row):
             raise AssertionError(f"schedule {name} deadlocked at tick {len(ticks)}")
         ticks.append(row)
-    return Schedule(name, stages, virtual, microbatches, tuple(ticks))
+    return Schedule(name, stages, virtual, microbatches, tuple(ticks), place)
 
 
-def _ready(a: Action, done: Mapping[Action, int], t: int, here: set, chunks: int,
-           stages: int) -> bool:
-    """Inputs arrived: from another stage in an earlier tick, from this stage any time before."""
+def _ready(a: Action, done: Mapping[Action, int], t: int, here: set,
+           place: tuple[int, ...]) -> bool:
+    """Inputs arrived: from another stage in an earlier tick, from this stage any time before
+    (``place``: chunk -> stage)."""
+    chunks = len(place)
+
     def arrived(dep: Action) -> bool:
         if dep in here:
             return True
-        return dep in done and (done[dep] < t or dep.chunk % stages == a.chunk % stages)
+        return dep in done and (done[dep] < t or place[dep.chunk] == place[a.chunk])
 
     if a.kind == "F":
         return a.chunk == 0 or arrived(Action("F", a.mb, a.chunk - 1))
@@ -218,13 +336,12 @@ def _ready(a: Action, done: Mapping[Action, int], t: int, here: set, chunks: int
 
 
 def _run_tick(order: list[Action], pos: list[int], s: int, done: dict[Action, int], t: int,
-              chunks: int) -> tuple[Action, ...]:
-    stages = len(pos)
+              place: tuple[int, ...]) -> tuple[Action, ...]:
     ran: list[Action] = []
     here: set[Action] = set()
     while pos[s] < len(order):
         a = order[pos[s]]
-        if any(r.kind == a.kind for r in ran) or not _ready(a, done, t, here, chunks, stages):
+        if any(r.kind == a.kind for r in ran) or not _ready(a, done, t, here, place):
             break
         ran.append(a)
         here.add(a)
@@ -284,8 +401,11 @@ def price(schedule: Schedule, duration: Callable[[Action], float],
                 spans.append((s, start, start + d, a))
                 start += d
             busy[s] += work[s] * stretch
-        fwd = any(a.kind == "F" and a.chunk < schedule.chunks - 1 for acts in row for a in acts)
-        bwd = any(a.kind == "B" and a.chunk > 0 for acts in row for a in acts)
+        fwd = any(a.kind == "F" and a.chunk < schedule.chunks - 1
+                  and schedule.stage_of(a.chunk + 1) != s
+                  for s, acts in enumerate(row) for a in acts)
+        bwd = any(a.kind == "B" and a.chunk > 0 and schedule.stage_of(a.chunk - 1) != s
+                  for s, acts in enumerate(row) for a in acts)
         comm = transfer(t, fwd, bwd) if (fwd or bwd) else 0.0
         ticks.append(longest + comm + tick_s)
         clock += longest + comm + tick_s
@@ -485,7 +605,11 @@ def _most_held(spans, weights=None):
 
 
 def ideal_bubble(name: str, stages: int, virtual: int, microbatches: int) -> float:
-    """The textbook bubble with equal forward and backward times: ``(P-1)/(V M + P - 1)``."""
+    """The textbook bubble with equal forward and backward times: ``(P-1)/(V M + P - 1)``;
+    ZB-V's with equal ``F``, ``B`` and ``W`` chunk times, run asynchronously (module
+    docstring; ``M >= 2 P - 1``): ``(P - 1)/(6 M + P - 1)``."""
+    if ALIASES.get(name, name) in V_SHAPED:
+        return (stages - 1) / (6 * microbatches + stages - 1)
     return (stages - 1) / (virtual * microbatches + stages - 1)
 
 

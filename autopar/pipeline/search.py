@@ -76,8 +76,8 @@ def evaluate(model, params, costs: PL.Costs, sizes: dict, hw, budget: float, sch
     it differs (``virtual_stages=1`` only, on the lockstep runtime); ``None`` when neither
     exists."""
     p = sizes[axis]
-    if virtual > 1 and (model.num_layers % (p * virtual) or microbatches % p
-                        or S.ALIASES.get(schedule, schedule) in ("eager_1f1b", *S.SPLIT)):
+    if not S.allows(schedule, p, virtual, microbatches) or (
+            virtual > 1 and model.num_layers % (p * virtual)):
         return None
     plan = None
     if model.num_layers % (p * virtual) == 0:
