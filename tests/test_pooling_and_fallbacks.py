@@ -259,9 +259,9 @@ def test_compare_seeds_auto_with_its_rows_and_unseeded_plans_as_autopar_plan(mon
     seen = []
     real = request.make_plan
 
-    def spy(graph, sizes, cm, opts, **kw):
-        seen.append(opts)
-        return real(graph, sizes, cm, opts, **kw)
+    def spy(req, **kw):
+        seen.append(req.options)
+        return real(req, **kw)
 
     monkeypatch.setattr(request, "make_plan", spy)
     step, state, batch = mlp.abstract(64, 256, 2, 64)

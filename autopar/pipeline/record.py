@@ -2,8 +2,8 @@
 
 ``plan.pipeline`` of a plan made with ``autopar.plan(..., pipeline=...)``. Chunk ``k`` of
 ``layer_ranges`` (layers ``[start, end)``) runs on stage ``chunk_stages()[k]``, the schedule's
-placement (``schedules.placement``: ``k % stages``, or a V for ``zb_v``); per-stage figures are
-per device of that stage and per step.
+placement (``placement``: ``k % stages``, or a V for ``zb_v``); per-stage figures are per device
+of that stage and per step.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from autopar.errors import PlanError
 
 RUNTIMES = ("lockstep", "mpmd")
 FIELDS_INT = ("stages", "microbatches", "virtual_stages")
+V_SHAPED = ("zb_v",)            # schedules whose two chunks per stage sit in a V
 LAYOUTS = ("layer_layouts", "rest_layouts")     # absent in plans written before them: ()
 FIELDS_NUM = ("bubble_fraction", "step_time_s", "p2p_bytes", "layer_forward_s",
               "layer_backward_s")
@@ -51,9 +52,7 @@ class PipelinePlan:
     runtime: str = "lockstep"
 
     def chunk_stages(self) -> tuple[int, ...]:
-        """Chunk ``k`` -> the stage holding its layers (``schedules.placement``)."""
-        from autopar.pipeline.schedules import placement
-
+        """Chunk ``k`` -> the stage holding its layers (``placement``)."""
         return placement(self.schedule, self.stages, self.virtual_stages)
 
     def stage_layouts(self):
@@ -121,3 +120,15 @@ def _range(x, where: str) -> tuple[int, int]:
     if not start < end:
         raise PlanError(f"{where} must be [start, end) with 0 <= start < end; got {x!r}")
     return start, end
+
+
+def placement(schedule: str, stages: int, virtual: int) -> tuple[int, ...]:
+    """Chunk ``k`` -> the stage that holds it under the canonical ``schedule`` name: ``k % P``
+    (each stage's virtual stages interleaved), or for a V-shaped schedule (``V_SHAPED``,
+    ``V = 2``) ``k`` for ``k < P`` and ``2 P - 1 - k`` after, so the model goes down the stages
+    and back up, and the turn (chunks ``P - 1`` and ``P``) and the ends (chunks ``0`` and
+    ``2 P - 1``) share a stage. Here, below the schedules (``autopar.pipeline.schedules``), as
+    the plan's record reads it too."""
+    if schedule in V_SHAPED:
+        return tuple(k if k < stages else 2 * stages - 1 - k for k in range(stages * virtual))
+    return tuple(k % stages for k in range(stages * virtual))

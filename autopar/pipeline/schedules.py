@@ -80,10 +80,11 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 
 from autopar.errors import AutoparError
+from autopar.pipeline import record
 
 SCHEDULES = ("gpipe", "1f1b", "eager_1f1b")
 SPLIT = ("zb_h1", "zb_v")           # schedules whose backward is split into B and W
-V_SHAPED = ("zb_v",)                # schedules whose two chunks per stage sit in a V
+V_SHAPED = record.V_SHAPED         # schedules whose two chunks per stage sit in a V
 ALL = SCHEDULES + SPLIT
 ALIASES = {"interleaved": "1f1b", "circular": "gpipe", "1F1B": "1f1b", "GPipe": "gpipe",
            "zb-h1": "zb_h1", "ZB-H1": "zb_h1", "zero_bubble": "zb_h1",
@@ -190,13 +191,9 @@ def allows(name: str, stages: int, virtual: int, microbatches: int) -> bool:
 
 
 def placement(name: str, stages: int, virtual: int) -> tuple[int, ...]:
-    """Chunk ``k`` -> the stage that holds it: ``k % P`` (each stage's virtual stages
-    interleaved), or for a V-shaped schedule (``V_SHAPED``, ``V = 2``) ``k`` for ``k < P`` and
-    ``2 P - 1 - k`` after, so the model goes down the stages and back up, and the turn
-    (chunks ``P - 1`` and ``P``) and the ends (chunks ``0`` and ``2 P - 1``) share a stage."""
-    if ALIASES.get(name, name) in V_SHAPED:
-        return tuple(k if k < stages else 2 * stages - 1 - k for k in range(stages * virtual))
-    return tuple(k % stages for k in range(stages * virtual))
+    """Chunk ``k`` -> the stage that holds it (``autopar.pipeline.record.placement`` of the
+    canonical name): interleaved, or in a V for ``V_SHAPED`` schedules."""
+    return record.placement(ALIASES.get(name, name), stages, virtual)
 
 
 def orders(name: str, stages: int, virtual: int, microbatches: int) -> list[list[Action]]:
