@@ -173,10 +173,10 @@ def verify(plan: Plan, compiled, *, comm_tolerance: float = COMM_TOLERANCE,
         p, m = plan.cost.peak_memory_bytes, mem["peak"]
         checks.append(Check("peak memory", p, m, memory_tolerance,
                             _relative_ok(p, m, memory_tolerance)))
-        host = sum(o.host_bytes for o in plan.offload)
-        if host or mem.get("host"):
-            checks.append(Check("host memory", host, mem.get("host", 0.0), memory_tolerance,
-                                _relative_ok(host, mem.get("host", 0.0), memory_tolerance)))
+        p, m = sum(o.host_bytes for o in plan.offload), mem["host"]
+        if p or m:
+            checks.append(Check("host memory", p, m, memory_tolerance,
+                                _relative_ok(p, m, memory_tolerance)))
     measured_hbm = hlo.cost(compiled).get("bytes accessed", 0.0)
     if any(ins.opcode == "while" for comp in module.computations.values() for ins in comp):
         checks.append(Check("HBM bytes", plan.cost.hbm_bytes, measured_hbm, hbm_tolerance, None,

@@ -96,14 +96,15 @@ def big_rows() -> list[tuple]:
     return rows
 
 
-def _least(step, state, batch, mesh) -> float:
-    """The smallest peak the planner finds for the step without host offload."""
-    graph = ir.trace(step, state, batch, donate_argnums=(0,))
+def _least(step, state, batch, mesh, donate_argnums=(0,), deterministic=False) -> float:
+    """The smallest peak the planner finds for the step without host offload (also
+    ``verify_matrix.py --memory-decisions``' budget)."""
+    graph = ir.trace(step, state, batch, donate_argnums=donate_argnums)
     sizes = dict(mesh.shape)
     cm = cost_models.CostModel(cost_models.hardware("cpu"), sizes)
     try:
         planner.make_plan(Request(graph, sizes, cm, PlannerOptions(
-            memory_budget=1e4, time_limit_s=10, offload=False)))
+            memory_budget=1e4, time_limit_s=10, offload=False, deterministic=deterministic)))
     except autopar.BudgetError as e:
         return e.least_bytes
     raise AssertionError("a 10 kB budget fitted")

@@ -72,26 +72,9 @@ def row(label, model, mesh_name, strategy):
             mem.ok, _ratio(hbm), "not compared (loop)" if hbm.ok is None else hbm.ok)
 
 
-# --memory-decisions: the models of benchmarks/recompute.py's and benchmarks/offload.py's
-# measured parts, whose activations (recompute) and moments (offload) are worth trading
-RECOMPUTE_GPT = gpt.GPTConfig(scan=True, layers=4, d_model=32, seq=128, d_ff=128, heads=4,
-                              vocab=64)
-OFFLOAD_GPT = gpt.GPTConfig(scan=False, layers=2, d_model=128, seq=8, d_ff=512, heads=4,
-                            vocab=512)
 MEMORY_HEADER = ("model", "mesh", "budget KiB", "decided", "collectives ok",
                  "peak memory KiB pred", "peak memory KiB XLA", "memory pred/XLA", "memory ok",
                  "host KiB pred", "host KiB XLA", "host ok", "loss - unsharded loss")
-
-
-def _least_peak(step_fn, state, batch, mesh, donate=()) -> float:
-    """The smallest peak the planner finds for the step with no memory decision."""
-    try:
-        autopar.plan(step_fn, state, batch, mesh=mesh, hardware="cpu", memory_budget=1e4,
-                     memory_decisions=(), time_limit_s=10, deterministic=True,
-                     donate_argnums=donate)
-    except autopar.BudgetError as e:
-        return e.least_bytes
-    raise AssertionError("a 10 kB budget fitted")
 
 
 def memory_row(label, model, mesh_name, budget_of, donate=()) -> tuple:
@@ -125,11 +108,23 @@ def memory_decisions(args) -> None:
             return fraction * plain.cost.peak_memory_bytes
         return budget
 
-    offload = gpt.concrete(OFFLOAD_GPT, 8)
-    cases = [("GPT scan, recompute", gpt.concrete(RECOMPUTE_GPT, 32), under_plain(0.6), ()),
-             ("GPT unrolled, offload, state donated", offload,
-              lambda *a: 0.9 * _least_peak(*a), (0,)),
-             ("GPT unrolled, offload", offload, lambda *a: 0.9 * _least_peak(*a), ())]
+    # the models of benchmarks/recompute.py's and benchmarks/offload.py's measured parts, whose
+    # activations (recompute) and moments (offload) are worth trading
+    import offload as offload_bench
+    import recompute as recompute_bench
+
+    def under_least(fraction):
+        def budget(step_fn, state, batch, mesh, donate):
+            return fraction * offload_bench._least(step_fn, state, batch, mesh,
+                                                   donate_argnums=donate, deterministic=True)
+        return budget
+
+    offload = gpt.concrete(offload_bench.SMALL, offload_bench.SMALL_ROWS)
+    cases = [("GPT scan, recompute",
+              gpt.concrete(recompute_bench.SMALL, recompute_bench.SMALL_ROWS), under_plain(0.6),
+              ()),
+             ("GPT unrolled, offload, state donated", offload, under_least(0.9), (0,)),
+             ("GPT unrolled, offload", offload, under_least(0.9), ())]
     rows = []
     for label, model, budget_of, donate in cases:
         for m in ("1x8", "2x4"):
