@@ -59,7 +59,7 @@ from autopar.pipeline import dp
 from autopar.pipeline import schedules as S
 from autopar.pipeline.model import StagedModel, key_names
 from autopar.pipeline.mpmd import supports as mpmd_supports
-from autopar.pipeline.record import RUNTIMES, PipelinePlan
+from autopar.pipeline.record import RUNTIMES, PipelinePlan, placement
 from autopar.pipeline.runtime import TENSOR_AXIS, data_axes, equal_ranges, rows_split
 from autopar.pipeline.split import split_layer
 from autopar.strategies.roles import path_keys
@@ -120,8 +120,8 @@ def parse(pipeline, sizes: dict, model: StagedModel, rows: int) -> Pins:
     pins = Pins(axis, stages, pipeline.get("microbatches"), pipeline.get("schedule"),
                 pipeline.get("virtual_stages"), _layer_ranges(pipeline, model, stages), fsdp,
                 runtime)
+    v = pins.virtual_stages or S.default_virtual(pins.schedule)
     if runtime == "mpmd":
-        v = pins.virtual_stages or S.default_virtual(pins.schedule)
         probe = pins.schedule if pins.schedule in S.ALL + tuple(S.ALIASES) else (
             "zb_v" if v == 2 else "gpipe")          # the schedule, or one the runtime might run
         why = mpmd_supports(S.build(probe, stages, v, stages * v), model.num_layers,
@@ -129,7 +129,6 @@ def parse(pipeline, sizes: dict, model: StagedModel, rows: int) -> Pins:
         if why:
             raise AutoparError(f"pipeline runtime='mpmd' cannot run this pipeline ({why}); "
                                f"leave runtime out (both priced) or use runtime='lockstep'")
-    v = pins.virtual_stages or S.default_virtual(pins.schedule)
     if pins.schedule is not None or pins.microbatches is not None:
         S.check(pins.schedule or "1f1b", stages, v, pins.microbatches or stages * v)
     name = S.check(pins.schedule, stages, v, stages * v) if pins.schedule is not None else None
@@ -605,7 +604,7 @@ def after_loop_s(model: StagedModel, params, sizes: dict, axis: str, hw, ranges,
     p = sizes[axis]
     cm = stage_cost_model(hw, sizes)
     length = [b - a for a, b in ranges]
-    place = place or tuple(k % p for k in range(len(ranges)))
+    place = place or placement("1f1b", p, len(ranges) // p)
     on = [[n for n, s_ in zip(length, place) if s_ == s] for s in range(p)]
     layer_bytes, rest_bytes = _param_bytes(model, params, sizes, costs)
     # FSDP-sharded leaves were reduce-scattered in the loop: only the rest is all-reduced here
