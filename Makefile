@@ -24,7 +24,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 test: lint
-	$(VPY) -m pytest -n $(JOBS) --dist loadfile tests
+	$(VPY) -m pytest -n $(JOBS) --dist loadfile --durations=15 tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info

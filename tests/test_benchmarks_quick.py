@@ -30,6 +30,7 @@ CASES = {
     "zoo.py": ("zoo.md", "zoo.csv"),
     "recompute.py": ("recompute.md",),
     "nnx_call.py": ("nnx_call.md", "nnx_call.csv"),
+    "call_overhead.py": ("call_overhead.md",),
     "megatron_table.py": ("megatron_table.md", "megatron_table.csv"),
     "mesh_choice.py": ("mesh_choice.md", "mesh_choice.csv"),
 }
