@@ -409,10 +409,13 @@ def _output_slots(prob: Problem, nbytes) -> list[tuple[float, int, int]]:
                        if g.donated[k]}
             host = (g.host & set(g.outputs)) - set(g.inputs)
             resident |= host
+            # ... read in place where its moved copy is (``_moved_in_place``)
+            alias = {op.outs[0]: op.ins[0] for op in g.ops
+                     if op.prim == "device_put" and op.ins[0] in g.host}
             last = {}
             for t, op in enumerate(g.ops):
                 for v in op.ins:
-                    last[v] = t
+                    last[alias.get(v, v)] = t
             busy = {v: last.get(donated[v], 0) for v in host if v in donated}
         # a folded graph's results stand for their removed twins too (``problem.Problem.gap``:
         # ``const_values`` repeats them): one buffer each, written where the kept one is
