@@ -349,7 +349,7 @@ class AutoParallel:
             if (not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer)
                     or x.is_deleted()):
                 return None
-            sig.append((x.shape, x.dtype, x.weak_type))
+            sig.append((x.shape, x.dtype, getattr(x, "weak_type", False)))  # a PRNG key has none
         hit = self._fast.get((treedef, tuple(sig)))
         return None if hit is None else (hit, leaves, treedef)
 

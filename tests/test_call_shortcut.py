@@ -105,6 +105,24 @@ def test_a_new_signature_static_leaves_and_numpy_arrays_take_the_whole_path(
     assert prepared_calls[0] == n + 2
 
 
+def test_a_typed_prng_key_argument_takes_the_shortcut(mesh_2x4, prepared_calls):
+    """A ``jax.random.key`` is a ``jax.Array`` without ``weak_type``."""
+    params, batch = _data()
+
+    def noisy(p, b, key):
+        noise = jax.random.normal(key, b["x"].shape) * 0.01
+        new, loss = _step(p, {"x": b["x"] + noise, "y": b["y"]}, 0.1)
+        return new, loss, jax.random.split(key)[0]
+
+    step = autopar.autoparallel(noisy, mesh=mesh_2x4, strategy="dp", time_limit_s=5)
+    key = jax.random.key(1)
+    got = step(params, batch, key)
+    again = step(params, batch, key)
+    assert prepared_calls[0] == 1
+    _close(again[:2], got[:2])
+    _close(again[:2], jax.jit(noisy)(params, batch, key)[:2])
+
+
 def test_a_donated_array_passed_again_is_still_an_autopar_error(mesh_2x4, prepared_calls):
     params, batch = _data()
     step = autopar.autoparallel(lambda p, b: _step(p, b, 0.1), mesh=mesh_2x4, strategy="dp",
