@@ -25,6 +25,18 @@ not cut gives the same plan on every run. With ``deterministic=True`` the wall c
 under any load, however long that takes. ``AUTOPAR_DETERMINISTIC=1`` makes that the default (the
 test suite sets it, as its golden plans must not depend on the machine's load).
 
+Where no plan fits the memory budget, the memory decisions (``planner.recompute``'s policies,
+``planner.offload``'s sets; Mist's trade after a plan that fits, ``planner._traded``, the
+same) are searched in one more time limit L, shared: the search keeps its
+own clock, started when the plain plan failed, and plans each rewritten step with that clock's
+time already spent (so the stages above stop at the same multiples of L from the search's
+start). Once a plan fits, no further rewritten step is started after START_BEFORE * L (a
+heuristic cut, written in the plan's notes); before one fits every rewritten step is planned,
+those after SEARCH_BEFORE * L greedily. Rewritten steps whose bound proves they cannot beat
+the plan in hand are skipped unplanned at any time (``planner.prune``). So such a call returns
+in about 2 * BUDGET_FACTOR * L, plus what the rewrites themselves take (a few seconds on a 7B
+model) and, where none fits, the smallest-budget search of the error's advice.
+
 Progress goes to the ``"autopar"`` logger: INFO while the call is young, WARNING (which Python
 prints on stderr when logging is not configured) once it has run PROGRESS_AFTER_S seconds, and
 at most a handful of lines per call.
