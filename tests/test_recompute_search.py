@@ -73,20 +73,20 @@ class _Spy:
     spent search clock changes which plans are made, not how each is made)."""
 
     def __init__(self):
-        self.graphs = []
+        self.spent = []
 
     def __call__(self, g, mesh, cm, options, *, trace_s=0.0):
-        self.graphs.append(g)
+        self.spent.append(trace_s)
         return _plan_layouts(g, mesh, cm, options)
 
 
-def _search(graph, budget, clock=None):
+def _search(graph, budget, clock=None, spy=None):
     request = make_request(graph, MESH, hardware="h100", time_limit_s=2, memory_budget=budget)
-    spy = _Spy()
+    spy = spy or _Spy()
     plan = planner_recompute.plan_recomputed(
         graph, MESH, request.cost_model, request.options, BudgetError("plain", None), spy,
         clock=clock)
-    return plan, len(spy.graphs)
+    return plan, len(spy.spent)
 
 
 def test_the_search_plans_only_the_policies_its_bounds_leave(graph, plain_peak):
@@ -103,14 +103,17 @@ def test_a_spent_time_limit_stops_the_search_once_a_plan_fits(graph, plain_peak,
     _, all_calls = _search(graph, budget)
     assert all_calls == len(planner_recompute.TRIED)
     # the search's clock long spent: after the first policy that fits, none is started
-    spent = Clock(time.perf_counter() - 1e3, 1.0, deterministic=False)
-    plan, calls = _search(graph, budget, clock=spent)
+    spent, spy = Clock(time.perf_counter() - 1e3, 1.0, deterministic=False), _Spy()
+    plan, calls = _search(graph, budget, clock=spent, spy=spy)
     (first_fit,) = [r.policy for r in plan.recompute]
     assert calls == planner_recompute.TRIED.index(first_fit) + 1
+    assert spy.spent == [0.0] * calls     # until one fits, each plans in a limit of its own
     assert any("not tried" in n and "time limit" in n for n in plan.notes), plan.notes
     # deterministic: the wall clock cuts nothing, every policy is planned
-    still = Clock(time.perf_counter() - 1e3, 1.0, deterministic=True)
-    assert _search(graph, budget, clock=still)[1] == len(planner_recompute.TRIED)
+    still, spy = Clock(time.perf_counter() - 1e3, 1.0, deterministic=True), _Spy()
+    assert _search(graph, budget, clock=still, spy=spy)[1] == len(planner_recompute.TRIED)
+    fit = planner_recompute.TRIED.index(first_fit) + 1
+    assert spy.spent[:fit] == [0.0] * fit and min(spy.spent[fit:]) >= 1e3  # the search's time
 
 
 def test_the_bounds_are_below_the_plan(graph, plain_peak):

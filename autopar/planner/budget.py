@@ -26,16 +26,16 @@ under any load, however long that takes. ``AUTOPAR_DETERMINISTIC=1`` makes that 
 test suite sets it, as its golden plans must not depend on the machine's load).
 
 Where no plan fits the memory budget, the memory decisions (``planner.recompute``'s policies,
-``planner.offload``'s sets; Mist's trade after a plan that fits, ``planner._traded``, the
-same) are searched in one more time limit L, shared: the search keeps its
-own clock, started when the plain plan failed, and plans each rewritten step with that clock's
-time already spent (so the stages above stop at the same multiples of L from the search's
-start). Once a plan fits, no further rewritten step is started after START_BEFORE * L (a
-heuristic cut, written in the plan's notes); before one fits every rewritten step is planned,
-those after SEARCH_BEFORE * L greedily. Rewritten steps whose bound proves they cannot beat
-the plan in hand are skipped unplanned at any time (``planner.prune``). So such a call returns
-in about 2 * BUDGET_FACTOR * L, plus what the rewrites themselves take (a few seconds on a 7B
-model) and, where none fits, the smallest-budget search of the error's advice.
+``planner.offload``'s sets) are searched on a clock of their own, started when the plain plan
+failed. Until a rewritten step fits, each is planned in a whole limit of its own (a shared one
+left a tight step's first fitting policy unfitted on a loaded machine). Once a plan is in hand
+(or, for Mist's trade, ``planner._traded``, from the start), the later steps are planned with
+the search's time already spent, and none is started after START_BEFORE * L (a heuristic cut,
+written in the plan's notes). A rewritten step whose bound proves it cannot beat the plan in
+hand is skipped unplanned (``planner.prune``). So a call whose step breaks its budget returns
+in about (2 + k) * BUDGET_FACTOR * L, k the rewritten steps planned before one fits (0 where
+the first policy tried fits; at worst the four policies and two offload sets when none does),
+plus what the rewrites take (a few seconds on a 7B model).
 
 Progress goes to the ``"autopar"`` logger: INFO while the call is young, WARNING (which Python
 prints on stderr when logging is not configured) once it has run PROGRESS_AFTER_S seconds, and

@@ -95,7 +95,8 @@ def plan_offloaded(graph, mesh, cost_model, options, error: BudgetError, plan_la
             if b is not None and b.step_s >= best_s:   # proved unable to beat the plan in hand
                 continue
             plan = plan_layouts(g, mesh, cost_model, options.replace(
-                seed_plans=(), explain_budget=False), trace_s=clock.elapsed_s())
+                seed_plans=(), explain_budget=False),
+                trace_s=clock.elapsed_s() if found or beat_s is not None else 0.0)
         except BudgetError as e:
             last = e
             continue
