@@ -34,8 +34,8 @@ the search's time already spent, and none is started after START_BEFORE * L (a h
 written in the plan's notes). A rewritten step whose bound proves it cannot beat the plan in
 hand is skipped unplanned (``planner.prune``). So a call whose step breaks its budget returns
 in about (2 + k) * BUDGET_FACTOR * L, k the rewritten steps planned before one fits (0 where
-the first policy tried fits; at worst the four policies and two offload sets when none does),
-plus what the rewrites take (a few seconds on a 7B model).
+the first policy tried fits; where nothing fits, every policy, offload set and pairing of the
+two), plus what the rewrites take (a few seconds on a 7B model).
 
 Progress goes to the ``"autopar"`` logger: INFO while the call is young, WARNING (which Python
 prints on stderr when logging is not configured) once it has run PROGRESS_AFTER_S seconds, and
