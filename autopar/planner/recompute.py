@@ -136,19 +136,19 @@ def _fastest(graph, mesh, cost_model, options, error: BudgetError, plan_layouts,
                          f"its time limit ({clock.elapsed_s():.1f} s of "
                          f"time_limit_s={clock.limit_s:g}) with a plan in hand")
             break
-        closed = rewritten(policy)
-        if closed is None:
-            continue
-        new = graph_of(closed, graph)
         best_s = min([f[0] for f in found] + ([beat_s] if beat_s is not None else []),
                      default=None)
-        skip, why = (_bounded_out(new, mesh, cost_model, options, policy, best_s) if bounded
-                     else (False, ""))
-        if skip:
-            notes.append(why)
-            continue
         last_try = policy == TRIED[-1]
-        try:
+        try:      # the rewrite, as the plan, may fail: as before, that policy is passed over
+            closed = rewritten(policy)
+            if closed is None:
+                continue
+            new = graph_of(closed, graph)
+            skip, why = (_bounded_out(new, mesh, cost_model, options, policy, best_s)
+                         if bounded else (False, ""))
+            if skip:
+                notes.append(why)
+                continue
             plan = plan_layouts(new, mesh, cost_model, options.replace(
                 seed_plans=(), explain_budget=last_try and not found and options.explain_budget),
                                 trace_s=_spent_s(clock, in_hand))
