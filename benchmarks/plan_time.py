@@ -19,8 +19,9 @@ vocabulary 51200, bfloat16 compute) on 64 devices ``{data: 8, model: 8}``:
   its blocks apart, so it was planned unfolded);
 * ``GPT-175B scan+remat``: the paper configuration (96 layers, 1 sequence per device);
 * ``transformers Llama-7B``: transformers' Flax Llama at 7B shapes (32 unrolled layers, float32,
-  seq 2048) at 1 and 0.5 sequences per device under the H100's 80 GB, where memory is tight
-  (meta-pytorch/autoparallel publishes about 52 s for Llama3-8B on 64 GPUs).
+  seq 2048) at 0.5, 1 and 2 sequences per device under the H100's 80 GB, where memory is tight
+  (at 2 it fits only with the memory decisions: the status names what was recomputed;
+  meta-pytorch/autoparallel publishes about 52 s for Llama3-8B on 64 GPUs).
 
 First-call table: ``@autopar.autoparallel`` on transformers' 2-layer, 64-wide Flax T5, BART,
 Whisper and GPT-2 on the 8 CPU devices as a 2x4 mesh, from the call to the result (trace, plan,
@@ -89,7 +90,9 @@ def _all_depth_rows():
         rows.append(("Equinox LM unrolled, width 4096", "eqx", layers, MESH64, DEPTH_BATCH,
                      LIFTED_BUDGET))
     rows.append(("GPT-175B scan+remat", "175B", 96, MESH64, 64, None))
-    for rows_ in (32, 64):          # 0.5 and 1 sequence per device: the latter is memory-tight
+    # 0.5, 1 and 2 sequences per device: 1 is memory-tight, 2 fits only with the memory
+    # decisions (recomputation of the unrolled layers)
+    for rows_ in (32, 64, 128):
         rows.append((f"transformers Llama-7B, {rows_} sequences", "llama7b", 32, MESH64, rows_,
                      None))
     return rows
@@ -151,7 +154,9 @@ def child_depth(spec: dict) -> dict:
                 plan_s=t2 - t1,
                 trace_cpu_s=c1 - c0, plan_cpu_s=c2 - c1,
                 peak_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                status=s.status + (f" ({s.candidates} cand.)" if s.candidates else ""),
+                status=s.status + (f" ({s.candidates} cand.)" if s.candidates else "")
+                + "".join(f", recomputed: {r.policy}" for r in p.recompute[:1])
+                + (", offloaded" if p.offload else ""),
                 gap=s.gap, groups=s.num_groups, vars=s.num_vars, step_ms=p.cost.step_time_s * 1e3,
                 objective_s=p.cost.step_time_s - p.cost.dispatch_s)
 

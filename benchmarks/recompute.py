@@ -36,6 +36,7 @@ rounds (medians), the plain and the recomputing plan side by side.
 
     python benchmarks/recompute.py            # all parts (about 8 minutes on 2 cores)
     python benchmarks/recompute.py --quick    # parts 2 and 3 only
+    python benchmarks/recompute.py --predicted    # parts 1 and 1b only, to predicted.md
 
 Writes ``benchmarks/results/recompute.md``.
 """
@@ -244,7 +245,13 @@ def small_rows(runs: int = RUNS) -> tuple[list[tuple], float]:
 
 
 def main() -> None:
-    args = _common.parser(__doc__).parse_args()
+    ap = _common.parser(__doc__)
+    ap.add_argument("--predicted", action="store_true",
+                    help="parts 1 and 1b only (planning at scale, predicted: their plan times), "
+                         "written to predicted.md")
+    args = ap.parse_args()
+    if args.predicted:
+        return _predicted(args)
     out = _common.out_dir(args)
     t0 = time.perf_counter()
     text = ["# Recomputation as a planner decision", "",
@@ -296,6 +303,24 @@ def main() -> None:
              f"{_common.environment()}.", "",
              "Reproduce: `python benchmarks/recompute.py`.", ""]
     (out / "recompute.md").write_text("\n".join(text))
+    print("\n".join(text))
+
+
+def _predicted(args) -> None:
+    """Parts 1 and 1b alone: the rows whose planning time the memory decisions' search sets."""
+    out = _common.out_dir(args)
+    t0 = time.perf_counter()
+    text = ["## GPT-6.7B (scanned, bf16, 64 x 2048 unless said), H100 profile, predicted", "",
+            _common.md_table(("model", "strategy", "mesh", "pred step ms", "pred peak GiB",
+                              "recomputed", "plan s", "status"), big_rows()), "",
+            "## transformers' Flax Llama-7B (32 unrolled layers, float32), H100 profile, "
+            "predicted", "",
+            _common.md_table(("sequences", "mesh", "pred step ms", "pred peak GiB",
+                              "recomputed", "plan s", "status"), llama_rows()), "",
+            f"Wall time {time.perf_counter() - t0:.0f} s. Environment: "
+            f"{_common.environment()}.", "",
+            "Reproduce: `python benchmarks/recompute.py --predicted`.", ""]
+    (out / "predicted.md").write_text("\n".join(text))
     print("\n".join(text))
 
 

@@ -42,6 +42,15 @@ A ``Hardware`` describes one kind of device and how devices are wired:
     (MPMD) pipelined step (``autopar.pipeline.mpmd``: one jitted call of a stage's program and
     the ``device_put`` of its result to the next stage); the controller runs ahead of the
     devices, so it costs time only where actions are shorter than it.
+  * ``shared_compute_devices``: how many devices compute on one shared pool of processors.
+    Emulated CPU devices are threads on the host's cores, and ``profile()`` measures every rate
+    with all of them busy at once (``measure._on_every_device``), so a device's figures are its
+    share of the host: while only ``k`` of them compute, each gets ``shared_compute_devices /
+    k`` of those rates (a program on 1 of 8 CPU devices ran 4.6-8.7x faster than its sub-plan
+    priced it; the same matmul on 1, 2, 4 and 8 devices at once took time growing with the
+    count). The pipeline timelines share the pool among the stages busy at each moment
+    (``autopar.pipeline.schedules``). 1, the default: each device computes on its own (GPUs,
+    TPUs).
   * ``host_bytes_per_s``: what one device moves to or from its host's memory per second, per
     direction (the PCIe link on a GPU; a copy within memory on CPU devices): the price of
     ``autopar``'s host offload (``ir.offload``); 0, the default, offers no offload.
@@ -140,6 +149,7 @@ class Hardware:
     dispatch_s: float = 0.0          # launching one compiled program (once per step, not per op)
     pipeline_tick_s: float = 0.0     # one tick of a pipelined schedule's loop (autopar.pipeline)
     pipeline_issue_s: float = 0.0    # issuing one action of an MPMD pipeline (host side)
+    shared_compute_devices: int = 1  # devices computing on one shared pool (1: each its own)
     host_bytes_per_s: float = 0.0    # device <-> host memory, per direction (0: no host offload)
     host_memory_bytes: float = 0.0   # host memory per device for offloaded state (0: unbounded)
     platform: str = ""               # XLA backend compiling for it: "cpu", "gpu", "tpu" or ""
@@ -279,7 +289,7 @@ _FRACTIONS = ("matmul_efficiency", "memory_efficiency", "collective_efficiency")
 _FLOORS = ("kernel_launch_s", "kernel_floor_s", "collective_launch_s", "dispatch_s",
            "transcendental_s", "pipeline_tick_s", "pipeline_issue_s", "select_scatter_s",
            "select_scatter_fixed_s")
-_COUNTS = ("memory_bytes", "devices_per_node")
+_COUNTS = ("memory_bytes", "devices_per_node", "shared_compute_devices")
 _SIZES = ("kernel_floor_bytes", "host_memory_bytes")
 # Plausibility bounds: figures outside them are unit mistakes, and would push predicted times past
 # what a float (or the ILP's integer nanoseconds) can hold.

@@ -353,6 +353,9 @@ def hardware_from_fits(
         kernel_launch_s=compute.kernel_launch_s,
         collective_launch_s=coll_launch,
         platform=devices[0].platform if devices[0].platform in PLATFORMS else "",
+        # CPU devices are threads on the host's cores, every rate above measured with all of
+        # them busy: a device alone gets the whole pool (Hardware.shared_compute_devices)
+        shared_compute_devices=len(devices) if devices[0].platform == "cpu" else 1,
         # host offload's link: the reference sheet's, else (CPU devices) a copy within memory
         host_bytes_per_s=ref.host_bytes_per_s if ref else hbm / 2,
         host_memory_bytes=ref.host_memory_bytes if ref else _device_memory_bytes(devices),
@@ -365,6 +368,8 @@ def hardware_from_fits(
             ("inter_node", ref.name if ref else "not measurable in one process: intra copy"),
             ("efficiencies", fitted),
             ("host_bytes_per_s", ref.name if ref else "a copy within memory: hbm_bytes_per_s / 2"),
+            ("shared_compute_devices", "cpu devices: threads on the host's cores, every rate "
+                                       "measured with all of them busy; else 1"),
         ),
     )
 

@@ -271,6 +271,22 @@ def test_cpu_profile_loads() -> None:
     assert hw.is_finite() and hw.devices_per_node == 8
 
 
+def test_shared_compute_devices_is_read_and_checked() -> None:
+    """The CPU profile's 8 devices compute on the host's shared cores (its rates measured with
+    all 8 busy); the GPU sheets' devices each on their own; a profile without the field reads
+    as 1; a count below 1 is refused."""
+    cpu = cost_models.hardware("cpu")
+    assert cpu.shared_compute_devices == 8 and "shared_compute_devices" in dict(cpu.citations)
+    assert all(cost_models.hardware(n).shared_compute_devices == 1
+               for n in ("a100", "h100", "h200"))
+    d = cpu.to_dict()
+    del d["shared_compute_devices"]
+    assert Hardware.from_dict(d).shared_compute_devices == 1
+    assert Hardware.from_json(cpu.to_json()) == cpu
+    with pytest.raises(CostModelError, match="shared_compute_devices=0"):
+        dataclasses.replace(cpu, shared_compute_devices=0)
+
+
 def test_unknown_profile_name_raises() -> None:
     with pytest.raises(CostModelError, match="Known profiles"):
         cost_models.hardware("tpu-v9")

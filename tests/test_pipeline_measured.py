@@ -36,6 +36,24 @@ def test_summarise_follows_the_planner_definition():
         MP.summarise(ev, ops, {0: 0, 1: 1, 2: 2})
 
 
+def _traced_python_marker():
+    return sum(range(3))
+
+
+def test_traces_record_no_python_calls(tmp_path):
+    """The measurement's traces leave the Python controller untraced: recording its calls slows
+    an MPMD step's issuing loop, which the bubble would then measure (module docstring)."""
+    from jax.profiler import ProfileData
+
+    with jax.profiler.trace(str(tmp_path), profiler_options=MP.options()):
+        for _ in range(3):
+            _traced_python_marker()
+    [pb] = tmp_path.rglob("*.xplane.pb")
+    names = [e.name for plane in ProfileData.from_file(str(pb)).planes for line in plane.lines
+             for e in line.events]
+    assert not [n for n in names if "_traced_python_marker" in n]
+
+
 def test_loop_ops_needs_a_pipeline():
     text = jax.jit(lambda x: x + 1).lower(np.ones(3, np.float32)).compile().as_text()
     with pytest.raises(AutoparError, match="tick loop"):

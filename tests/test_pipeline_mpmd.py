@@ -63,6 +63,29 @@ def test_async_timeline_pays_hops_on_its_critical_path_and_issue_time():
     assert slow.makespan_s >= len(S.dispatch_order(sch)) * 1.0
 
 
+def test_cpu_stages_share_the_host():
+    """The cpu profile's devices share the host (``shared_compute_devices``): the planner's
+    timelines get a pool of 8 devices over a stage's devices, none on a GPU profile; the MPMD
+    timeline of actions far longer than the issuing and hops is then ``price_async``'s over
+    that pool."""
+    cpu, h100 = cost_models.hardware("cpu"), cost_models.hardware("h100")
+    assert PL.compute_pool(cpu, {"stage": 4}, "stage") == 8
+    assert PL.compute_pool(cpu, {"stage": 2, "data": 2, "model": 2}, "stage") == 2
+    assert PL.compute_pool(h100, {"stage": 4}, "stage") is None
+    sch = S.build("1f1b", 4, 1, 8)
+
+    def cost(a):
+        return 0.0 if a.kind == "F" and a.chunk == 3 else (1.0 if a.kind == "F" else 2.0)
+
+    shared = PL.mpmd_timeline(sch, {"stage": 4}, "stage", cpu, cost, 1.0)
+    own = PL.mpmd_timeline(sch, {"stage": 4}, "stage",
+                           dataclasses.replace(cpu, shared_compute_devices=1), cost, 1.0)
+    assert shared.makespan_s == pytest.approx(S.price_async(sch, cost, pool=8.0).makespan_s,
+                                              rel=1e-2)
+    assert own.makespan_s == pytest.approx(S.price_async(sch, cost).makespan_s, rel=1e-2)
+    assert shared.makespan_s < own.makespan_s
+
+
 def test_dispatch_order_keeps_each_stage_order_and_issues_inputs_first():
     sch = S.build("1f1b", 4, 1, 8)
     order = S.dispatch_order(sch)

@@ -88,6 +88,51 @@ def test_price_scales_with_cores_and_transfers():
     assert moved.makespan_s == pytest.approx(alone.makespan_s + 0.5 * hops)
 
 
+def test_shared_ends_split_the_pool_evenly():
+    """Three jobs of 1, 2 and 3 s (at the priced speed) on a pool worth 1.5 workers: 3 jobs at
+    0.5 each until the first ends (2 s), 2 at 0.75 until the second (+4/3 s), the last at 1.5
+    (+2/3 s): all the work over the pool. A job of no work ends at once."""
+    assert S.shared_ends([3.0, 1.0, 2.0, 0.0], 1.5) == pytest.approx([4.0, 2.0, 2 + 4 / 3, 0.0])
+
+
+def test_lockstep_ticks_share_the_pool():
+    """With a pool, a tick's work lasts its sum over the pool: one stage busy runs faster than
+    priced, a pool of one worker serialises every stage (GPipe's 16 F and 16 B of 1 and 2 s:
+    48 s), and the busy time is each stage's own share."""
+    sch = S.build("gpipe", 4, 1, 4)
+    one = S.price(sch, _unit, pool=1.0)
+    assert one.makespan_s == pytest.approx(4 * 4 * 3.0)
+    assert one.tick_s[0] == pytest.approx(1.0)               # only stage 0's first forward
+    fast = S.price(sch, _unit, pool=4.0)
+    assert fast.tick_s[0] == pytest.approx(0.25)              # alone on a pool of four
+    assert fast.makespan_s < S.price(sch, _unit).makespan_s
+
+
+def test_async_stages_share_the_pool():
+    """``price_async`` with a pool: one microbatch through two stages is a chain, one action
+    at a time, each at the whole pool's speed (F 1, B 2 on a pool of 2: 6 s of work in 3 s);
+    on a pool worth one stage the pool never idles while an action may start, so the makespan
+    is all the work, however the schedule orders it (a stage counts as busy while its action
+    is in flight, slowed or not, as a trace of the running step counts it); without a pool,
+    the old timeline."""
+    chain = S.price_async(S.build("1f1b", 2, 1, 1), _unit, pool=2.0)
+    assert chain.makespan_s == pytest.approx(3.0) and sum(chain.busy_s) == pytest.approx(3.0)
+    for name in ("gpipe", "1f1b", "zb_h1", "zb_v"):
+        sch = S.build(name, 2, S.default_virtual(name), 4)
+        tl = S.price_async(sch, _unit, pool=1.0)
+        assert tl.makespan_s == pytest.approx(sum(_unit(a) for a in sch.when()))
+    # two stages busy at once each run at half the pool: the spans show it
+    tl = S.price_async(S.build("gpipe", 2, 1, 2), lambda a: 1.0, pool=2.0)
+    spans = {(s, a.kind, a.mb): (t0, t1) for s, t0, t1, a in tl.spans}
+    assert spans[(0, "F", 0)] == pytest.approx((0.0, 0.5))              # alone: twice as fast
+    assert spans[(0, "F", 1)] == pytest.approx((0.5, 1.5))              # beside F(0, 1)
+    assert spans[(1, "F", 0)] == pytest.approx((0.5, 1.5))
+    # the controller's issuing still gates each start
+    slow = S.price_async(S.build("1f1b", 2, 1, 1), _unit, issue_s=10.0, pool=2.0)
+    assert slow.makespan_s == pytest.approx(40.0 + 1.0)      # the last B issued at 40 s
+    assert S.price_async(sch, _unit, pool=None) == S.price_async(sch, _unit)
+
+
 def test_every_tick_pays_the_runtime_overhead():
     """``tick_s`` lengthens every tick, idle ones too, so it raises the bubble."""
     sch = S.build("1f1b", 4, 1, 8)

@@ -537,11 +537,12 @@ def test_recomputation_is_traded_for_speed_only_where_the_budget_binds(monkeypat
         stats = SolverStats("OPTIMAL", 0.0, 0.0, 0.0, 0.0, 1, 1, 1, ruled_out=ruled)
         return types.SimpleNamespace(cost=cost, solver=stats)
 
-    tried = []
+    tried, beats = [], []
 
     def recomputed(step_s):
-        def plan_recomputed(graph, mesh, cm, options, error, plan_layouts):
+        def plan_recomputed(graph, mesh, cm, options, error, plan_layouts, *, beat_s=None):
             tried.append(str(error))
+            beats.append(beat_s)
             return plan_of(step_s)
         return plan_recomputed
 
@@ -550,6 +551,7 @@ def test_recomputation_is_traded_for_speed_only_where_the_budget_binds(monkeypat
     monkeypatch.setattr(PL.recompute, "plan_recomputed", recomputed(1.8))
     assert PL._traded(None, {}, None, options, bound).cost.step_time_s == 1.8
     assert "'dp' is predicted 1.33x faster" in tried[0]
+    assert beats[0] == 2.0      # a policy that cannot beat the plan in hand is not planned
     monkeypatch.setattr(PL.recompute, "plan_recomputed", recomputed(2.1))  # the trade loses
     assert PL._traded(None, {}, None, options, bound) is bound
     tried.clear()

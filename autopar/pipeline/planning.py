@@ -462,7 +462,8 @@ def mpmd_timeline(sch: S.Schedule, sizes: dict, axis: str, hw, duration,
     chunk's forward, which only keeps its input (its backward recomputes it); a hop to the
     neighbouring stage on the link its boundary crosses (``boundary_hops_s``: half of one
     activation forward and one cotangent back); the controller's ``pipeline_issue_s`` per
-    action."""
+    action; where the profile's devices share their compute (``compute_pool``), the stages
+    busy at each moment share it."""
     hops = boundary_hops_s(sizes, axis, hw, act_bytes)
     last = sch.chunks - 1
 
@@ -474,7 +475,23 @@ def mpmd_timeline(sch: S.Schedule, sizes: dict, axis: str, hw, duration,
         return hops[min(here, there)] / 2
 
     return S.price_async(sch, lambda a: 0.0 if a.kind == "F" and a.chunk == last
-                         else duration(a), hop, hw.pipeline_issue_s)
+                         else duration(a), hop, hw.pipeline_issue_s,
+                         compute_pool(hw, sizes, axis))
+
+
+def compute_pool(hw, sizes: dict, axis: str) -> float | None:
+    """The stages' shared compute in stages at the speed the sub-plans price
+    (``schedules.price_async``'s ``pool``), or None where each device computes on its own: the
+    profile's ``shared_compute_devices`` (emulated CPU devices, whose rates were measured with
+    that many busy) over the devices of one stage (``sizes`` less ``axis``), all of which
+    compute when their stage does. The MPMD timeline (``mpmd_timeline``) shares it; the
+    lockstep tick loop (``loop_timeline``) does not yet (``schedules.price`` can: its
+    ``pool``), so on the cpu profile the two runtimes' predictions are priced unlike each other
+    (docs/concepts/known-limits.md)."""
+    shared = hw.shared_compute_devices
+    if shared <= 1:
+        return None
+    return shared / (math.prod(sizes.values()) // sizes[axis])
 
 
 def fsdp_layer_s(model: StagedModel, params, costs: Costs, sizes: dict, axis: str,
@@ -540,8 +557,9 @@ def loop_timeline(model: StagedModel, params, sizes: dict, axis: str, hw, sch: S
     every tick the runtime's overhead (``tick_overhead_s``) for the busiest stage's
     state (the longest chunk's accumulators). ``cores``: how many stages compute at once at
     the speed ``duration`` assumes (emulated CPU devices sharing a host's cores; ``None``:
-    each stage has its own device, what the planner assumes); ``costs``: the stage costs whose
-    parameter layouts size the state (``_param_bytes``)."""
+    each stage has its own device, what the planner assumes: the profile's shared compute,
+    ``compute_pool``, is priced for the MPMD runtime only, not yet measured on this one);
+    ``costs``: the stage costs whose parameter layouts size the state (``_param_bytes``)."""
     layer_bytes, rest_bytes = _param_bytes(model, params, sizes, costs)
     lengths = [b - a for a, b in ranges]
     longest = max(lengths)

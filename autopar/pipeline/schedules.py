@@ -372,7 +372,8 @@ class Timeline:
 
 def price(schedule: Schedule, duration: Callable[[Action], float],
           transfer: Callable[[int, bool, bool], float] = lambda t, f, b: 0.0,
-          cores: float | None = None, tick_s: float = 0.0) -> Timeline:
+          cores: float | None = None, tick_s: float = 0.0,
+          pool: float | None = None) -> Timeline:
     """Lockstep timing of ``schedule``.
 
     Args:
@@ -382,22 +383,30 @@ def price(schedule: Schedule, duration: Callable[[Action], float],
       tick_s: the runtime's fixed cost of every tick, whatever runs in it.
       cores: when the stages share ``cores`` processors (emulated CPU devices), a tick lasts at
         least its total work over ``cores``; ``None``: each stage has its own.
+      pool: when the stages compute on one shared pool worth ``pool`` stages at the speed
+        ``duration`` assumes, the busy stages share it (``shared_ends``): a tick's work lasts
+        its sum over ``pool``, a stage busy until its own share is done; ``None``: each stage
+        its own device.
     """
     spans, busy, ticks = [], [0.0] * schedule.stages, []
     clock = moved = 0.0
     for t, row in enumerate(schedule.ticks):
         work = [sum(duration(a) for a in acts) for acts in row]
-        longest = max(work)
-        if cores is not None:
-            longest = max(longest, sum(work) / cores)
-        stretch = longest / max(work) if max(work) else 1.0
+        if pool is not None:
+            ends = shared_ends(work, pool)
+        else:
+            longest = max(work)
+            if cores is not None:
+                longest = max(longest, sum(work) / cores)
+            ends = [w * (longest / max(work) if max(work) else 1.0) for w in work]
+        longest = max(ends)
         for s, acts in enumerate(row):
-            start = clock
+            start, stretch = clock, ends[s] / work[s] if work[s] else 1.0
             for a in acts:
                 d = duration(a) * stretch
                 spans.append((s, start, start + d, a))
                 start += d
-            busy[s] += work[s] * stretch
+            busy[s] += ends[s]
         fwd = any(a.kind == "F" and a.chunk < schedule.chunks - 1
                   and schedule.stage_of(a.chunk + 1) != s
                   for s, acts in enumerate(row) for a in acts)
@@ -409,6 +418,20 @@ def price(schedule: Schedule, duration: Callable[[Action], float],
         moved += comm
     return Timeline(clock, tuple(busy), tuple(ticks), moved, tuple(spans),
                     tick_s * len(schedule.ticks))
+
+
+def shared_ends(work: Sequence[float], pool: float) -> list[float]:
+    """When each of ``work`` (seconds at a priced speed), started together, ends on one shared
+    pool worth ``pool`` workers at that speed: the pool is split evenly among the unfinished
+    (processor sharing, ``k`` of them each at ``pool / k`` of the priced speed, faster than it
+    while fewer than ``pool`` are busy), so the last ends at ``sum(work) / pool``."""
+    order = sorted(range(len(work)), key=lambda i: work[i])
+    ends, clock, done = [0.0] * len(work), 0.0, 0.0
+    for n, i in enumerate(order):
+        clock += (len(order) - n) * (work[i] - done) / pool
+        done = work[i]
+        ends[i] = clock if work[i] else 0.0
+    return ends
 
 
 # ---- asynchronous (MPMD) execution --------------------------------------------------------------
@@ -448,7 +471,7 @@ def dispatch_order(schedule: Schedule) -> list[tuple[int, Action]]:
 
 def price_async(schedule: Schedule, duration: Callable[[Action], float],
                 hop_s: Callable[[Action], float] = lambda a: 0.0,
-                issue_s: float = 0.0) -> Timeline:
+                issue_s: float = 0.0, pool: float | None = None) -> Timeline:
     """Asynchronous timing of ``schedule``: each stage runs its order as soon as its inputs are
     there, with no ticks. An action starts when its stage is free, when what it reads has
     arrived (a neighbour's result ``hop_s(producer)`` seconds after the producer ended) and
@@ -457,9 +480,16 @@ def price_async(schedule: Schedule, duration: Callable[[Action], float],
 
         start(a) = max(free(stage), max_d end(d) + hop(d), issued(a))
 
+    ``pool``: when the stages compute on one shared pool worth ``pool`` stages at the speed
+    ``duration`` assumes (emulated CPU devices, threads on the host's cores), the stages busy
+    at a moment share it evenly: ``k`` of them each run at ``pool / k`` of that speed
+    (``_price_shared``); ``None``: each stage its own device, running at that speed.
+
     ``spans`` and ``busy_s`` as for ``price``; ``transfer_s`` sums the hops (overlapped with
     compute: not on the makespan unless on its critical path); ``overhead_s`` is the
     controller's issuing time (likewise)."""
+    if pool is not None:
+        return _price_shared(schedule, duration, hop_s, issue_s, pool)
     end: dict[Action, float] = {}
     free = [0.0] * schedule.stages
     busy = [0.0] * schedule.stages
@@ -477,6 +507,78 @@ def price_async(schedule: Schedule, duration: Callable[[Action], float],
         busy[s] += end[a] - start
         spans.append((s, start, end[a], a))
     return Timeline(max(free), tuple(busy), (), moved, tuple(spans), host)
+
+
+def _price_shared(schedule: Schedule, duration: Callable[[Action], float],
+                  hop_s: Callable[[Action], float], issue_s: float, pool: float) -> Timeline:
+    """``price_async`` with the stages on one shared pool: an event simulation, since an
+    action's end depends on what else runs meanwhile. Each stage takes its actions in
+    ``dispatch_order``; at every moment the running ones advance at ``pool / k`` each
+    (``k`` running); a stage starts its next action once it is free, the action issued and its
+    inputs arrived, as ``price_async``'s rule says. An action of no work takes no time."""
+    p, chunks = schedule.stages, schedule.chunks
+    queue: list[list[tuple[Action, float]]] = [[] for _ in range(p)]
+    host = 0.0
+    for s, a in dispatch_order(schedule):
+        host += issue_s
+        queue[s].append((a, host))
+    pos, end = [0] * p, {}
+    running: dict[int, list] = {}              # stage -> [action, start, work left]
+    busy, spans = [0.0] * p, []
+    moved = now = 0.0
+
+    def ready(s: int) -> float:
+        """When stage ``s``'s next action may start (inf while an input is not made yet)."""
+        a, issued = queue[s][pos[s]]
+        at = issued
+        for d in _deps(a, chunks):
+            if d not in end:
+                return float("inf")
+            at = max(at, end[d] + (hop_s(d) if schedule.stage_of(d.chunk) != s else 0.0))
+        return at
+
+    def finish(s: int, a: Action, start: float, at: float) -> None:
+        end[a] = at
+        busy[s] += at - start
+        spans.append((s, start, at, a))
+
+    left = sum(map(len, queue))
+    while left:
+        started = True
+        while started:                       # start every action that may start now
+            started = False
+            for s in range(p):
+                if s in running or pos[s] == len(queue[s]) or ready(s) > now:
+                    continue
+                a = queue[s][pos[s]][0]
+                pos[s] += 1
+                for d in _deps(a, chunks):
+                    if schedule.stage_of(d.chunk) != s and d.kind == a.kind:
+                        moved += hop_s(d)
+                work = duration(a)
+                if work > 0:
+                    running[s] = [a, now, work]
+                else:
+                    finish(s, a, now, now)
+                    left -= 1
+                started = True
+        rate = pool / len(running) if running else 0.0
+        done_at = min((now + r[2] / rate for r in running.values()), default=float("inf"))
+        waits = [ready(s) for s in range(p) if s not in running and pos[s] < len(queue[s])]
+        nxt = min([done_at] + [w for w in waits if w > now])
+        if nxt == float("inf"):
+            raise AssertionError(f"schedule {schedule.name} deadlocks when run asynchronously")
+        for s in list(running):
+            a, start, work = running[s]
+            if now + work / rate <= nxt:         # ends now (the earliest, or at the same time)
+                finish(s, a, start, nxt)
+                del running[s]
+                left -= 1
+            else:
+                running[s][2] = work - rate * (nxt - now)
+        now = nxt
+    return Timeline(max(end.values(), default=0.0), tuple(busy), (), moved, tuple(spans),
+                    host)
 
 
 def held_async(timeline: Timeline, chunks: int, stages: int, frontier: float = 0.0,

@@ -309,8 +309,10 @@ def make_plan(request: Request, *, trace_s: float = 0.0) -> Plan:
     the solver's and the seeds' (``_never_worse``): auto is never predicted slower than a start.
 
     Where no plan fits ``options.memory_budget`` and the step has scanned layers, the step is
-    planned again with their saved values recomputed (``planner.recompute``), each policy in
-    the whole time limit.
+    planned again with their saved values recomputed (``planner.recompute``) or its state
+    offloaded (``planner.offload``), the whole search in one more time limit (see
+    ``planner.budget``), rewritten steps proved unable to win skipped unplanned
+    (``planner.prune``).
     """
     graph, mesh, cost_model = request.graph, dict(request.mesh), request.cost_model
     options = request.options
@@ -341,9 +343,9 @@ def _traded(graph, mesh, cost_model, options, plan: Plan) -> Plan:
     start it ruled out is predicted faster, ``SolverStats.ruled_out``; any gain at all, since
     a recomputed step can be predicted faster than the plain one: fewer saved values
     written), the step is planned again with its saved values recomputed
-    (``recompute.plan_recomputed``: every policy, each in the whole time limit), and the
-    faster of the two plans is returned. A step whose plan the budget does not bind is left as
-    it is, and costs nothing more."""
+    (``recompute.plan_recomputed``: the policies share one time limit, and one proved no faster
+    than the plan in hand is not planned), and the faster of the two plans is returned. A step
+    whose plan the budget does not bind is left as it is, and costs nothing more."""
     ruled = plan.solver.ruled_out
     # ruled_out is faster than the solver's plan; the assembled plan's own cost may differ
     if ruled is None or ruled[1] > plan.cost.step_time_s:
@@ -352,10 +354,10 @@ def _traded(graph, mesh, cost_model, options, plan: Plan) -> Plan:
     held = BudgetError(f"the start {ruled[0]!r} is predicted {gain:.2f}x faster than the plan "
                        f"but needs {ruled[2] / 2**30:.3f} GiB per device",
                        plan.cost.peak_memory_bytes)
-    try:
+    try:      # a policy that cannot beat the plan in hand is not planned (planner.prune)
         traded = recompute.plan_recomputed(graph, mesh, cost_model,
                                            options.replace(explain_budget=False), held,
-                                           _plan_layouts)
+                                           _plan_layouts, beat_s=plan.cost.step_time_s)
     except AutoparError:
         return plan
     return traded if traded.cost.step_time_s < plan.cost.step_time_s else plan
@@ -386,11 +388,22 @@ def _memory_decisions(graph, mesh, cost_model, options, error: BudgetError, may_
     tries = [(recompute.plan_recomputed, _plan_layouts)] if may_r else []
     tries += [(offload.plan_offloaded, _plan_layouts)] if may_o else []
     both = [(recompute.plan_recomputed, layouts_then_offload)] if may_r and may_o else []
+    # one time limit for the whole search (planner.budget: SEARCH_CLOCK)
+    clock = Clock(time.perf_counter(), options.time_limit_s, options.deterministic)
+    skipped = []
     for decide, plan_one in tries + both:
         if found and plan_one is layouts_then_offload:
             break
-        try:
-            found.append(decide(graph, mesh, cost_model, options, error, plan_one))
+        if found and clock.spent(START_BEFORE):   # heuristic, and said so in the plan's notes
+            skipped.append(f"{decide.__module__.rsplit('.', 1)[-1]}: not tried: the memory "
+                           f"decisions' search had spent its time limit "
+                           f"({clock.elapsed_s():.1f} s of time_limit_s={clock.limit_s:g}) with "
+                           f"a plan in hand")
+            continue
+        best_s = min((p.cost.step_time_s for p in found), default=None)
+        try:      # with offload after each policy its step's bound does not hold: none used
+            found.append(decide(graph, mesh, cost_model, options, error, plan_one, clock=clock,
+                                beat_s=best_s, bounded=plan_one is _plan_layouts))
         except BudgetError as e:
             failed.append(e)
     if not found:
@@ -404,7 +417,9 @@ def _memory_decisions(graph, mesh, cost_model, options, error: BudgetError, may_
                 failed.insert(0, e)
                 least = [e.least_bytes] if e.least_bytes is not None else []
         raise BudgetError(" ".join(str(e) for e in failed), min(least) if least else None)
-    return min(found, key=lambda p: p.cost.step_time_s)
+    best = min(found, key=lambda p: p.cost.step_time_s)
+    notes = [n for p in found if p is not best for n in p.notes if n not in best.notes]
+    return dataclasses.replace(best, notes=tuple(best.notes) + tuple(notes + skipped))
 
 
 def _plan_layouts(graph: Graph, mesh: Mapping[str, int], cost_model, options: PlannerOptions,

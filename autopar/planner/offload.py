@@ -16,9 +16,12 @@ offload even where it would let a faster layout fit.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from autopar.errors import BudgetError, PlanError
 from autopar.plan import Offload, Plan
+from autopar.planner import prune
+from autopar.planner.budget import Clock
 from autopar.planner.problem import facts
 from autopar.sharding import shard_factor
 from ir import offload as rewrite
@@ -51,10 +54,16 @@ def rewrite_graph(graph, inputs):
     return dataclasses.replace(g, host=rewrite.host_values(g, sorted(inputs)))
 
 
-def plan_offloaded(graph, mesh, cost_model, options, error: BudgetError, plan_layouts) -> Plan:
+def plan_offloaded(graph, mesh, cost_model, options, error: BudgetError, plan_layouts, *,
+                   clock: Clock | None = None, beat_s: float | None = None,
+                   bounded: bool = True) -> Plan:
     """The fastest plan of ``graph`` with some of its state in host memory that fits the budget
     ``error`` says the step breaks; ``plan_layouts(graph, mesh, cost_model, options,
-    trace_s=...)`` plans one graph. Raises ``error``, extended, if none fits."""
+    trace_s=...)`` plans one graph. ``clock``: the time limit the memory decisions' search
+    shares (by default one that starts now); ``bounded``: a set whose offloaded step's bound
+    (``planner.prune``) shows it has no plan faster than ``beat_s`` or a set's plan in hand is
+    not planned. Raises ``error``, extended, if none fits."""
+    clock = clock or Clock(time.perf_counter(), options.time_limit_s, options.deterministic)
     groups = groups_of(graph)
     if not groups:
         raise error
@@ -86,8 +95,15 @@ def plan_offloaded(graph, mesh, cost_model, options, error: BudgetError, plan_la
                 # (23 of 27 in the small GPT's 1x8 plan), which the memory model does not count;
                 # without them the early order under-predicts by 35-40%, the traced one by 12%
                 g = rewrite.updates_when_ready(g)
+            best_s = min([f[0] for f in found] + ([beat_s] if beat_s is not None else []),
+                         default=None)
+            b = (prune.bounds(g, mesh, cost_model, options) if bounded and best_s is not None
+                 else None)
+            if b is not None and b.step_s >= best_s:   # proved unable to beat the plan in hand
+                continue
             plan = plan_layouts(g, mesh, cost_model, options.replace(
-                seed_plans=(), explain_budget=False), trace_s=0.0)
+                seed_plans=(), explain_budget=False),
+                trace_s=clock.elapsed_s() if found or beat_s is not None else 0.0)
         except BudgetError as e:
             last = e
             continue
