@@ -359,10 +359,8 @@ class AutoParallel:
         if (call.nodes or self.host_local_argnums or entry.exe is None
                 or any(k != arguments.TRACED for k in call.kinds)):
             return
-        leaves, treedef = jax.tree_util.tree_flatten(call.dynamic)
+        treedef = jax.tree_util.tree_structure(call.dynamic)
         shardings = treedef.flatten_up_to(entry.in_shardings)
-        if len(leaves) != len(types):
-            return
         sig = tuple((tuple(t.shape), t.dtype, bool(getattr(t, "weak_type", False)))
                     for t in types)
         self._fast[(treedef, sig)] = (key, entry, tuple(shardings))

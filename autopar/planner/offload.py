@@ -97,10 +97,8 @@ def plan_offloaded(graph, mesh, cost_model, options, error: BudgetError, plan_la
                 g = rewrite.updates_when_ready(g)
             best_s = min([f[0] for f in found] + ([beat_s] if beat_s is not None else []),
                          default=None)
-            b = (prune.bounds(g, mesh, cost_model, options) if bounded and best_s is not None
-                 else None)
-            if b is not None and b.step_s >= best_s:   # proved unable to beat the plan in hand
-                continue
+            if bounded and prune.cannot_beat(g, mesh, cost_model, options, best_s):
+                continue                               # proved unable to beat the plan in hand
             plan = plan_layouts(g, mesh, cost_model, options.replace(
                 seed_plans=(), explain_budget=False),
                 trace_s=clock.elapsed_s() if found or beat_s is not None else 0.0)

@@ -48,3 +48,10 @@ def bounds(graph, mesh, cost_model, options) -> Bounds | None:
     t0 = time.perf_counter()
     prob = problem.build(graph, dict(mesh), cost_model, host_inputs=options.host_inputs)
     return Bounds(ilp.lower_bound_s(prob, cost_model, {}), time.perf_counter() - t0)
+
+
+def cannot_beat(graph, mesh, cost_model, options, best_s: float | None) -> Bounds | None:
+    """``graph``'s ``Bounds`` where they prove no plan of it is faster than ``best_s`` (the
+    step of the plan in hand; None: no plan in hand, nothing to prove); else None."""
+    b = None if best_s is None else bounds(graph, mesh, cost_model, options)
+    return b if b is not None and b.step_s >= best_s else None

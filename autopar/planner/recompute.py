@@ -181,8 +181,8 @@ def _bounded_out(new, mesh, cost_model, options, policy: str,
                  best_s: float | None) -> tuple[bool, str]:
     """(whether the rewritten step ``new`` is proved unable to beat ``best_s``, the note that
     says so): ``planner.prune``'s bound."""
-    b = None if best_s is None else prune.bounds(new, mesh, cost_model, options)
-    if b is None or b.step_s < best_s:
+    b = prune.cannot_beat(new, mesh, cost_model, options, best_s)
+    if b is None:
         return False, ""
     return True, (f"recompute: {policy} not planned: every plan of it is predicted at "
                   f"{b.step_s * 1e3:.1f} ms or more, no faster than the {best_s * 1e3:.1f} ms "
