@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import numpy as np
 
 import cost_models
 import ir
@@ -232,7 +233,7 @@ class AutoParallel:
                  strategy="auto", donate_argnums=(), time_limit_s: float = 30.0,
                  plan: Plan | None = None, deterministic: bool | None = None,
                  host_local_argnums=(), kernels: str = "never",
-                 memory_decisions=validate.MEMORY_DECISIONS):
+                 memory_decisions=validate.MEMORY_DECISIONS, tune=False):
         validate.callable_fn(fn, "autopar.autoparallel")
         functools.update_wrapper(self, fn)
         self.fn = fn
@@ -254,6 +255,13 @@ class AutoParallel:
             _check_options(self.options, self.mesh)
         self.donate_argnums = validate.donate_argnums(donate_argnums)
         self._given_plan = _given_plan(plan, self.options, self.mesh)
+        # tune=: the first call of a signature times auto's plan against the runners-up the
+        # cost model cannot tell apart from it (autopar.tune)
+        self._tune = validate.tune(tune, strategy, plan)
+        if self._tune is not None and host_local_argnums not in ((), None):
+            raise AutoparError("tune= times plans on the step's arguments, which host-local "
+                               "batches are not yet (each process holds other rows): drop "
+                               "tune= or host_local_argnums=")
         self._searched: dict[str, Plan] = {}    # graph fingerprint -> the mesh search's plan
         # Arguments holding this process's rows of the batch (see autopar.distributed).
         self.host_local_argnums = ((host_local_argnums,) if isinstance(host_local_argnums, int)
@@ -280,22 +288,40 @@ class AutoParallel:
         # placing arrays changes no type: one key for both
         return call, types, (call.key, validate.signature(call.dynamic, types))
 
-    def _compiled(self, call: arguments.Call, types, key, given: Plan | None = None) -> _Entry:
+    def _compiled(self, call: arguments.Call, types, key, given: Plan | None = None,
+                  measure: bool = False) -> _Entry:
+        """The entry of ``key``, planned (and built) on first use. ``measure``: ``call``'s
+        arguments are arrays on the mesh's devices, so a tuned step (``tune=``) times its
+        candidates on them; an entry planned without (``lower`` of abstract arguments) is
+        planned again, tuned, at the first call that can."""
         hit = self._cache.get(key)
-        if hit is None or given is not None:
+        tune = (self._tune is not None and measure and given is None
+                and self._given_plan is None)
+        if hit is None or given is not None or (tune and not hit.tuned):
             fn, results = call.function(self.fn, self.donate_argnums)
             traced = distributed.global_args(call.dynamic, self.host_local_argnums)
             if traced is not call.dynamic:
                 types = validate.leaf_types(traced, run=False)
             graph, trace_s = _trace(fn, traced, types, self.donate_argnums)
             distributed.check_same_graph(graph)       # no-ops in a one-process job
-            plan = self._plan_for(graph, trace_s, given, _user_layout(
-                self.options["strategy"], traced))
+            user = _user_layout(self.options["strategy"], traced)
+            exe = None
+            if tune:
+                from autopar import tune as tuning
+
+                self._searched.pop(graph.fingerprint(), None)   # tuned on the chosen mesh
+                plan, exe = tuning.choose(graph, self.mesh, self.options, traced,
+                                          validate.abstract(traced, types), trace_s=trace_s,
+                                          user_layout=user, within=self._tune)
+            else:
+                plan = self._plan_for(graph, trace_s, given, user)
             distributed.check_same_plan(plan)
             jitted, in_shardings = codegen.build(graph, plan, self.mesh, self.donate_argnums)
-            hit = _Entry(plan, jitted, in_shardings, graph, results)
+            hit = _Entry(plan, jitted, in_shardings, graph, results, tuned=tune)
             self._cache[key] = hit
             self._executables.pop(key, None)
+            if exe is not None and not self.donate_argnums:     # compiled as the step runs it
+                hit.exe = self._executables[key] = exe
             self._fast.clear()
         self._last = hit.plan
         return hit
@@ -329,7 +355,7 @@ class AutoParallel:
         self._choose_mesh(args)
         call, types, key = self._prepared(args, run=True)
         with on_mesh(self.mesh):
-            entry = self._compiled(call, types, key)     # the key's one lookup in this call
+            entry = self._compiled(call, types, key, measure=True)   # the key's one lookup
             if entry.exe is None:
                 entry.exe = self._executables[key] = self._compile(entry, self._abstract(call))
             self._remember_fast(call, types, key, entry)
@@ -442,7 +468,7 @@ class AutoParallel:
         self._choose_mesh(args)
         call, types, key = self._prepared(args, run=False)
         with on_mesh(self.mesh):
-            entry = self._compiled(call, types, key)
+            entry = self._compiled(call, types, key, measure=_arrays(call.dynamic))
             return self._compiled_for(key, lambda: self._compile(entry, self._abstract(call)))
 
     def _compiled_for(self, key, make) -> Compiled:
@@ -490,6 +516,13 @@ class _Entry:
     graph: ir.Graph
     results: arguments.Results
     exe: Any = None
+    tuned: bool = False      # planned by timing candidates (tune=)
+
+
+def _arrays(args) -> bool:
+    """Whether every leaf of ``args`` is an array with data (not a ShapeDtypeStruct or tracer)."""
+    return all(isinstance(x, (jax.Array, np.ndarray)) and not isinstance(x, jax.core.Tracer)
+               for x in jax.tree_util.tree_leaves(args))
 
 
 def _no_kwargs(step: AutoParallel, kwargs) -> None:
@@ -545,7 +578,8 @@ def autoparallel(fn: Callable | None = None, *, mesh=None, hardware=None,
                  memory_budget: float | None = None, strategy="auto", donate_argnums=(),
                  time_limit_s: float = 30.0, plan: Plan | None = None,
                  deterministic: bool | None = None, host_local_argnums=(), kernels: str = "never",
-                 pipeline=None, memory_decisions=validate.MEMORY_DECISIONS, **options):
+                 pipeline=None, memory_decisions=validate.MEMORY_DECISIONS, tune=False,
+                 **options):
     """Decorate a training step so it runs sharded over ``mesh`` by a plan autopar chooses.
 
     ``autoparallel(fn, mesh=...)`` and ``@autoparallel(mesh=...)`` both work. The first call with
@@ -558,13 +592,18 @@ def autoparallel(fn: Callable | None = None, *, mesh=None, hardware=None,
     ``jax.distributed`` every process calls the step alike; the arguments in
     ``host_local_argnums`` hold this process's rows of the batch (see ``autopar.distributed``).
     ``pipeline=`` (or ``plan=`` a pipelined plan) runs the step pipelined (``autopar.pipeline``).
+    ``tune=True`` (or a fraction, default 0.1) makes the first call of each signature time auto's
+    plan against every hand-written strategy's and the user's layout predicted within that
+    fraction of it, on the call's own arguments, and run the fastest (``autopar.tune``;
+    ``Plan.tuned`` holds the times): for machines and models where the cost model's error is
+    larger than the gaps between its best plans.
     """
     validate.reject_unknown(options, AUTOPARALLEL_OPTIONS, "autoparallel")
     staged = strategies.pipelined(strategy) if plan is None else None
     if pipeline is not None or getattr(plan, "pipeline", None) is not None or staged:
         _pipelined_only(strategy=None if staged else strategy, donate_argnums=donate_argnums,
                         host_local_argnums=host_local_argnums, kernels=kernels,
-                        deterministic=deterministic)
+                        deterministic=deterministic, tune=tune)
         options = dict(hardware=hardware, memory_budget=memory_budget, time_limit_s=time_limit_s)
         if staged:
             options["strategy"] = staged
@@ -576,7 +615,7 @@ def autoparallel(fn: Callable | None = None, *, mesh=None, hardware=None,
                             strategy=strategy, donate_argnums=donate_argnums,
                             time_limit_s=time_limit_s, plan=plan, deterministic=deterministic,
                             host_local_argnums=host_local_argnums, kernels=kernels,
-                            memory_decisions=memory_decisions)
+                            memory_decisions=memory_decisions, tune=tune)
 
     return wrap(fn) if fn is not None else wrap
 
@@ -586,7 +625,7 @@ def _pipelined_only(**given) -> None:
     """Options a pipelined step does not take yet (its stages' layouts and donation are the
     pipeline runtime's own)."""
     defaults = dict(strategy="auto", donate_argnums=(), host_local_argnums=(), kernels="never",
-                    deterministic=None)
+                    deterministic=None, tune=False)
     bad = [k for k, v in given.items() if v is not None and v != defaults[k]]
     if bad:
         raise AutoparError(f"autoparallel(pipeline=...) does not combine with "

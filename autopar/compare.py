@@ -34,7 +34,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from autopar import arguments, hlo, mesh_search, validate
+from autopar import arguments, hlo, mesh_search, tune, validate
 from autopar.api import autoparallel, plan_graph, trace_abstract
 from autopar.errors import PlanError
 from autopar.mesh import axis_sizes, concrete_mesh, hardware_for
@@ -305,7 +305,8 @@ def _compiled_row(row: Row, job: concurrent.futures.Future, args) -> tuple[Row, 
 
 def _timed(rows: dict[int, Row], ready: dict[int, tuple], runs: int) -> dict[int, Row]:
     """Each executable of ``ready`` run once to warm up, then ``runs`` rounds that run each once
-    (``block_until_ready``); a row's time is the median of its rounds."""
+    (``block_until_ready``), in an order rotated each round (``tune.rotated``); a row's time is
+    the median of its rounds."""
     times: dict[int, list[float]] = {i: [] for i in ready}
     failed: dict[int, Row] = {}
 
@@ -315,8 +316,8 @@ def _timed(rows: dict[int, Row], ready: dict[int, tuple], runs: int) -> dict[int
         jax.block_until_ready(compiled(*placed))
         return time.perf_counter() - t0
 
-    for round_ in range(max(1, runs) + 1):     # round 0 warms up
-        for i in times:
+    for round_ in range(max(1, runs) + 1):     # round 0 warms up; each round starts one later
+        for i in tune.rotated(list(times), round_):
             if i in failed:
                 continue
             try:

@@ -172,6 +172,16 @@ def agree(what: str, text: str, fix: str) -> None:
                            f"{jax.process_index()} with {text[:80]!r}); {fix}")
 
 
+def agreed_times(seconds: Sequence[float]) -> list[float]:
+    """Each of ``seconds`` (this process's timings of the same runs, in the same order on every
+    process) as the slowest process measured it: one collective, so every process that compares
+    them chooses alike (``autopar.tune``); unchanged in a one-process job."""
+    if not is_multiprocess():
+        return [float(s) for s in seconds]
+    everyone = _allgather(np.asarray(seconds, dtype=np.float32)).reshape(jax.process_count(), -1)
+    return [float(x) for x in everyone.max(axis=0)]
+
+
 def plan_layouts(plan) -> str:
     """The part of a plan every process must share to run one program: mesh, layouts, pins,
     kernels."""

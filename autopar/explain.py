@@ -85,6 +85,7 @@ def summary(plan, max_rows: int = 40) -> str:
              f"build {plan.solver.build_s:.2f}s + solve {plan.solver.solve_s:.2f}s", ""]
     header = f"{'input':<64} {'shape':<22} spec"
     lines += mesh_candidate_lines(plan)
+    lines += tuned_lines(plan)
     if plan.notes:
         lines += ["not placed as the strategy intends:"] + [f"  {n}" for n in plan.notes] + [""]
     rows = param_rows(plan)
@@ -118,6 +119,26 @@ def mesh_candidate_lines(plan) -> list[str]:
                     + ("   <- chosen" if k == 0 else
                        f"   ({c.step_time_s / plan.mesh_candidates[0].step_time_s:.2f}x)"))
         lines.append(f"  {shape:<28} {what}")
+    return lines + [""]
+
+
+def tuned_lines(plan) -> list[str]:
+    """The plans a tuned step timed before choosing (``autoparallel(tune=...)``), chosen first."""
+    if not plan.tuned:
+        return []
+    timed = [c for c in plan.tuned if c.measured_s is not None]
+    programs = sum(not c.same_as for c in timed)
+    lines = [f"chosen by timing {len(timed)} plans ({programs} programs) on the step's "
+             f"arguments (predicted, measured median):"]
+    for k, c in enumerate(plan.tuned):
+        if c.measured_s is None:
+            what = c.error.splitlines()[0][:100]
+        else:
+            what = (f"{c.step_time_s * 1e3:.3f} ms, {c.measured_s * 1e3:.3f} ms"
+                    + ("   <- chosen" if k == 0 else
+                       f"   ({c.measured_s / plan.tuned[0].measured_s:.2f}x)")
+                    + (f"   same program as {c.same_as}" if c.same_as else ""))
+        lines.append(f"  {c.strategy:<14} {what}")
     return lines + [""]
 
 
@@ -246,10 +267,10 @@ def html(plan) -> str:
     if host:
         again += (f"{esc(host[0])}<ul>" + "".join(f"<li>{esc(r.strip())}</li>" for r in host[1:])
                   + "</ul>")
-    shapes = mesh_candidate_lines(plan)
-    if shapes:
-        again += (f"{esc(shapes[0])}<ul>" + "".join(f"<li>{esc(r.strip())}</li>"
-                                                    for r in shapes[1:] if r) + "</ul>")
+    for shapes in (mesh_candidate_lines(plan), tuned_lines(plan)):
+        if shapes:
+            again += (f"{esc(shapes[0])}<ul>" + "".join(f"<li>{esc(r.strip())}</li>"
+                                                        for r in shapes[1:] if r) + "</ul>")
     return (f"<div><b>autopar plan</b> strategy={esc(plan.strategy)} mesh={esc(dict(plan.mesh))} "
             f"hardware={esc(plan.hardware)}<br>{esc(plan.cost)}<br>{again}"
             f"<table><tr><th>input</th><th>shape</th><th>spec</th></tr>{rows}</table>"

@@ -26,7 +26,8 @@ from autopar.sharding import Sharding, to_spec
 # 8: mesh_candidates: the mesh shapes the planner tried where the call left the shape open.
 # 9: pipeline.runtime: "lockstep" or "mpmd" (an 8 plan's pipeline ran lockstep).
 # 10: solver.ruled_out: the faster start the memory budget ruled out (optional on load).
-FORMAT_VERSION = 10
+# 11: tuned: the plans a tuned step timed before it chose (``autoparallel(tune=...)``).
+FORMAT_VERSION = 11
 # Prefix of the strategy names of ops run replicated for want of a rule (planner.rules uses it).
 FALLBACK = "replicated: "
 PIN_SLOTS = ("out", "in", "arg", "res")
@@ -197,6 +198,20 @@ class MeshCandidate:
 
 
 @dataclasses.dataclass(frozen=True)
+class TunedCandidate:
+    """One plan a tuned step (``autoparallel(tune=...)``, ``autopar.tune``) compiled and timed on
+    its own arguments before choosing: its strategy, predicted step, the median of its timed
+    rounds (None when it could not be timed, ``error`` saying why) and the candidate whose
+    program it shares (equal lowered text: timed once, under that name)."""
+
+    strategy: str
+    step_time_s: float
+    measured_s: float | None
+    same_as: str = ""
+    error: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     """A sharding plan for one function and one abstract signature.
 
@@ -231,6 +246,7 @@ class Plan:
     recompute: tuple[Recompute, ...] = ()   # what the backward pass recomputes (memory)
     offload: tuple[Offload, ...] = ()       # what lives in host memory between steps (memory)
     mesh_candidates: tuple[MeshCandidate, ...] = ()   # shapes tried for an open mesh= (best first)
+    tuned: tuple[TunedCandidate, ...] = ()   # plans timed before choosing (the chosen first)
 
     # ---- views ------------------------------------------------------------------------------
     @property
@@ -348,7 +364,8 @@ def _plan_from_dict(d) -> Plan:
             J.seq(d["recompute"], "recompute"))),
         offload=_offloads(d["offload"], len(ins), len(outs)),
         mesh_candidates=tuple(_mesh_candidate(x, k) for k, x in enumerate(
-            J.seq(d["mesh_candidates"], "mesh_candidates"))))
+            J.seq(d["mesh_candidates"], "mesh_candidates"))),
+        tuned=tuple(_tuned(x, k) for k, x in enumerate(J.seq(d["tuned"], "tuned"))))
 
 
 def _pipeline(x, sizes):
@@ -516,6 +533,19 @@ def _mesh_candidate(x, k: int) -> MeshCandidate:
                          None if step is None else J.number(step, f"{where}.step_time_s"),
                          None if peak is None else J.number(peak, f"{where}.peak_memory_bytes"),
                          J.text(d["error"], f"{where}.error") if d["error"] else "")
+
+
+def _tuned(x, k: int) -> TunedCandidate:
+    where = f"tuned[{k}]"
+    d = J.fields(x, where, [f.name for f in dataclasses.fields(TunedCandidate)])
+    measured = d["measured_s"]
+    if (measured is None) == (not d["error"]):
+        raise AutoparError(f"{where}: a timed candidate has a measured step or an error")
+    return TunedCandidate(J.text(d["strategy"], f"{where}.strategy"),
+                          J.number(d["step_time_s"], f"{where}.step_time_s"),
+                          None if measured is None else J.number(measured, f"{where}.measured_s"),
+                          J.text(d["same_as"], f"{where}.same_as"),
+                          J.text(d["error"], f"{where}.error"))
 
 
 def _spec_entry(x, where: str) -> tuple[str, str, tuple[int, ...]]:

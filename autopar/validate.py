@@ -74,6 +74,32 @@ def flag(name: str, value: Any) -> bool:
     return value
 
 
+TUNE_WITHIN = 0.10     # tune=True: time the plans predicted within 10% of auto's step
+
+
+def tune(value: Any, strategy: Any, plan: Any) -> float | None:
+    """``tune=``: None when off (False), else the fraction of auto's predicted step within which
+    other plans are timed (True: ``TUNE_WITHIN``). Only auto has runners-up to time."""
+    if value is False or value is None:
+        return None
+    if value is True:
+        within = TUNE_WITHIN
+    else:
+        within = _real("tune", value, "True, or the fraction of auto's predicted step within "
+                                      "which to time other plans, e.g. tune=0.1")
+        if not 0 < within <= 10:
+            raise AutoparError(f"tune={value!r}: give True, or a fraction of auto's predicted "
+                               f"step in (0, 10], e.g. tune=0.1 (plans predicted within 10%)")
+    if plan is not None:
+        raise AutoparError("tune= chooses among plans by timing them, plan= applies a saved one "
+                           "without planning: drop one of them")
+    if strategy not in (None, "auto"):
+        raise AutoparError(f"tune= times auto's plan against the runners-up the cost model cannot "
+                           f"tell apart from it; with strategy={short(strategy)} there is one "
+                           f"plan to run: drop tune= or strategy=")
+    return within
+
+
 KERNEL_MODES = ("auto", "always", "never")
 
 

@@ -11,9 +11,11 @@ accumulation over microbatches in a ``lax.scan``, and bf16 mixed precision (floa
 
 On each mesh ({data: 8} and {data: 2, model: 4}) every hand-written strategy is planned
 (``autopar.compare(..., measure=False)``), then auto seeded (compare's rows handed to it) and
-unseeded (``autopar.plan(strategy="auto")``). Every plan is compiled with autopar's codegen and,
-with the user's own ``jax.jit``, timed in interleaved rounds (each executable once per round,
-after a warm-up round; medians), so every row of a model sees the same load. Reported per row:
+unseeded (``autopar.plan(strategy="auto")``), and auto tuned (``autoparallel(tune=True)``:
+its near-equal candidates timed in its own rounds, the fastest kept). Every plan is compiled
+with autopar's codegen and, with the user's own ``jax.jit``, timed in interleaved rounds (each
+executable once per round, after a warm-up round, the order rotated each round; medians), so
+every row of a model sees the same load. Reported per row:
 predicted and measured step, the cost model's error (predicted / measured), and per model and
 mesh auto's predicted and measured ratio against the best other plan.
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import re
 import statistics
 import time
 
@@ -39,6 +42,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import autopar  # noqa: E402
 from autopar.models import hf, zoo  # noqa: E402
+from autopar.tune import rotated  # noqa: E402
 
 HAND = ("dp", "zero1", "zero2", "zero3", "megatron", "megatron_sp", "fsdp_tp")
 MESHES = ({"data": 8}, {"data": 2, "model": 4})
@@ -110,8 +114,11 @@ def _shapes(args):
     return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
 
 
-def _plans(case: Case, fn, args, mesh, hand=HAND) -> dict:
-    """name -> plan: the hand-written strategies, the user's layout, auto seeded and unseeded."""
+def _plans(case: Case, fn, args, mesh, hand=HAND, tuned: bool = False) -> dict:
+    """name -> plan: the hand-written strategies, the user's layout, auto seeded and unseeded,
+    and (``tuned``) the plan a step decorated ``autoparallel(tune=True)`` chose by timing its
+    near-equal candidates in its own rounds (``autopar.tune``), before the zoo's rounds time
+    it again beside the others."""
     strategies = list(hand)
     user = case.user_layout(mesh) if case.user_layout else None
     if user is not None:
@@ -124,6 +131,10 @@ def _plans(case: Case, fn, args, mesh, hand=HAND) -> dict:
     # layout where they have one, which autopar.plan then holds auto against)
     held = args if user is None else jax.device_put(args, user)
     plans["auto-unseeded"] = autopar.plan(fn, *held, mesh=mesh, time_limit_s=TIME_LIMIT_S)
+    if tuned:
+        step = autopar.autoparallel(fn, mesh=mesh, tune=True, time_limit_s=TIME_LIMIT_S)
+        step.compile(*held)         # arrays: tuned on them, nothing donated
+        plans["auto-tuned"] = step.plan
     return plans
 
 
@@ -146,16 +157,28 @@ def _programs(exes: dict) -> dict:
     decide the same layouts (auto returning dp's plan) are one executable, timed once, so their
     rows differ by nothing, not by the machine's noise."""
     first: dict[int, str] = {}
-    return {k: first.setdefault(hash(exe.as_text()), k) for k, (exe, _) in exes.items()}
+    return {k: first.setdefault(hash(_program_text(exe)), k) for k, (exe, _) in exes.items()}
+
+
+def _program_text(exe) -> str:
+    """``exe``'s HLO text without its source metadata (the Python lines it was traced from,
+    which differ between two compiles of one plan and change nothing that runs)."""
+    text = re.sub(r",? ?metadata=\{[^}]*\}", "", exe.as_text())
+    return "\n".join(ln for ln in text.splitlines() if not _LOCATION.match(ln))
+
+
+_LOCATION = re.compile(r"\s*\d+ \{(file_name_id|function_name_id|file_location_id)=")
 
 
 def _timed(exes: dict, runs: int) -> dict:
-    """Median seconds per executable over ``runs`` interleaved rounds (after a warm-up); an
-    executable whose program another already has gets that one's times."""
+    """Median seconds per executable over ``runs`` interleaved rounds (after a warm-up), the
+    order rotated each round (``autopar.tune.rotated``: the executable timed right after another
+    measures slower on the CPU devices); an executable whose program another already has gets
+    that one's times."""
     same = _programs(exes)
     times = {k: [] for k in exes if same[k] == k}
     for r in range(runs + 1):
-        for k in times:
+        for k in rotated(list(times), r):   # each round starts one later: no fixed neighbours
             exe, placed = exes[k]
             t0 = time.perf_counter()
             jax.block_until_ready(exe(*placed))
@@ -167,7 +190,7 @@ def _timed(exes: dict, runs: int) -> dict:
 def run_case(case: Case, sizes: dict, runs: int, hand=HAND) -> list[dict]:
     mesh = _mesh(sizes)
     fn, args = case.build()
-    plans = _plans(case, fn, args, mesh, hand)
+    plans = _plans(case, fn, args, mesh, hand, tuned=True)
     user = case.user_layout(mesh) if case.user_layout else None
     measured = _timed(_executables(fn, args, mesh, plans, user), runs)
     rows = []
@@ -192,7 +215,7 @@ def summary(rows: list[dict]) -> list[dict]:
     for key in dict.fromkeys((r["model"], r["step"], r["mesh"]) for r in rows):
         group = [r for r in rows if (r["model"], r["step"], r["mesh"]) == key]
         by = {r["strategy"]: r for r in group}
-        for auto in ("auto", "auto-unseeded"):
+        for auto in ("auto", "auto-unseeded", "auto-tuned"):
             if auto not in by:
                 continue
             others = [r for r in group if not r["strategy"].startswith("auto")]
@@ -215,18 +238,23 @@ def summary(rows: list[dict]) -> list[dict]:
 def report(rows: list[dict], summ: list[dict]) -> str:
     seeded = [s for s in summ if s["auto"] == "auto"]
     unseeded = [s for s in summ if s["auto"] == "auto-unseeded"]
+    tuned = [s for s in summ if s["auto"] == "auto-tuned"]
     lines = [
         "# Auto on models this project did not write (zoo)", "",
         f"{_common.environment()}.", "",
         "Each model on each mesh: every hand-written strategy, the user's own layout (linen: its "
         "logical rules, as `user` planned by autopar and as `user-jit`, the user's own "
         "`jax.jit`), auto seeded (`compare`'s rows handed to it) and unseeded "
-        "(`autopar.plan`). Predicted by the CPU cost model; measured on 8 emulated CPU devices "
-        "in interleaved rounds (medians). Plans that compile to the same program (equal HLO "
+        "(`autopar.plan`), and auto tuned (`autoparallel(tune=True)`: the plans predicted "
+        "within 10% of auto's timed in the step's own rounds, the fastest kept; its predicted "
+        "step is the chosen plan's, which may exceed auto's). Predicted by the CPU cost model; "
+        "measured on 8 emulated CPU devices in interleaved rounds (medians, the order rotated "
+        "each round). Plans that compile to the same program (equal HLO "
         "text: auto returning dp's plan) are one executable, timed once (`same_program` names "
         "the row it shares). Reproduce: `python benchmarks/zoo.py`.", "",
         "## Targets", "",
-        _targets(seeded, "auto (seeded)"), _targets(unseeded, "auto (unseeded)"), "",
+        _targets(seeded, "auto (seeded)"), _targets(unseeded, "auto (unseeded)"),
+        _targets(tuned, "auto (tuned: `autoparallel(tune=True)`)"), "",
         "## Auto against the best other plan, per model and mesh", "",
         _common.md_table(("model", "step", "mesh", "auto", "pred best other / auto",
                           "best other (pred)", "meas best other / auto", "best other (meas)",

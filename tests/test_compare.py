@@ -89,8 +89,9 @@ def test_timing_waits_for_every_compile(monkeypatch):
 
 
 def test_plans_are_timed_round_robin():
-    """One warm-up round, then ``runs`` rounds that run every plan once in turn; a plan that
-    fails to run is an error row and the others are still timed."""
+    """One warm-up round, then ``runs`` rounds that run every plan once in turn, each round
+    starting one plan later; a plan that fails to run is an error row and the others are still
+    timed."""
     import jax.numpy as jnp
 
     from autopar.compare import Row, _timed
@@ -107,6 +108,6 @@ def test_plans_are_timed_round_robin():
 
     rows = {i: Row(f"s{i}", 1e-3, 1.0, {}) for i in range(3)}
     out = _timed(rows, {i: (exe(i), ()) for i in range(3)}, runs=3)
-    assert calls == [0, 1, 2, 0, 1, 2, 0, 2, 0, 2]
+    assert calls == [0, 1, 2, 1, 2, 0, 2, 0, 0, 2]
     assert out[0].measured_step_s > 0 and out[2].measured_step_s > 0
     assert out[1].measured_step_s is None and "device lost" in out[1].error

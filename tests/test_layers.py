@@ -23,7 +23,7 @@ LAYERS = (
     (5, "hand-written strategies: pins and starts for the planner",
      (r"autopar\.strategies(\..*)?",)),
     (6, "the request (options checked once) and codegen",
-     (r"autopar\.(request|mesh_search|validate|codegen|substitute|verify|executable)",)),
+     (r"autopar\.(request|mesh_search|validate|codegen|substitute|verify|executable|tune)",)),
     (7, "pipelines: stage search above the planner, their runtime",
      (r"autopar\.pipeline(\..*)?",)),
     (8, "the user's entry points", (r"autopar", r"autopar\.(api|compare|arguments|launch)",

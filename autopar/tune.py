@@ -1,0 +1,158 @@
+"""Choosing among plans the cost model cannot tell apart, by timing them (``autoparallel(tune=)``).
+
+The cost model ranks plans; on a machine or model where its error is larger than the gap between
+its best plans, the ranking is a guess. On the 8 emulated CPU devices the profile's error is a
+median 7-70% per model and mesh on models this project did not write, while auto's plan and the
+runners-up are often predicted within 2% of each other: the zoo's worst row (a flax linen LM on
+2 x 4 devices) is dp predicted 11.02 ms and measured 10.8 ms against the user's own layout
+predicted 11.23 ms and measured 8.5 ms (``benchmarks/results/zoo.md``).
+
+A tuned step therefore, on its first call with arrays on the mesh's devices:
+
+1. plans auto and every hand-written strategy (``request.STARTS``) and the layout the arguments
+   are committed to, each as ``autopar.plan(strategy=...)`` plans it, auto held against them
+   (``seed_plans``: it is never predicted slower than any);
+2. keeps those predicted within ``within`` of auto's step (``tune=True``:
+   ``validate.TUNE_WITHIN``, 10%);
+3. lowers each, and compiles each distinct program once (plans of equal lowered text are one);
+4. runs each on the call's own arguments (copies placed in its layout, nothing donated), a
+   warm-up and then ``ROUNDS`` rounds, the order rotated each round (an executable timed right
+   after another runs measurably slower on the CPU devices, whichever it is);
+5. keeps auto's plan unless another's median is at least ``MARGIN`` faster.
+
+Under ``jax.distributed`` every process times its own devices and the medians are combined
+(the slowest process's, ``distributed.agreed_times``), so every process chooses alike.
+
+What it costs: each hand-written strategy's plan (within the time limit, as ``compare`` plans
+it), one compile per distinct near-equal program, and ``ROUNDS + 1`` runs of each, once per
+argument signature. The measured times are kept in ``Plan.tuned``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Mapping
+
+import jax
+
+from autopar import codegen, distributed
+from autopar.errors import AutoparError
+from autopar.plan import Plan, TunedCandidate
+from autopar.request import STARTS, plan_graph
+
+ROUNDS = 5         # timed rounds after one warm-up; a candidate's time is its median
+MARGIN = 0.02      # another plan replaces auto's only when measured at least 2% faster
+
+
+def candidates(graph, mesh, options: Mapping, *, trace_s: float, user_layout,
+               within: float) -> tuple[Plan, list[tuple[str, Plan]], list[TunedCandidate]]:
+    """``(auto's plan, [(name, plan)] of the others predicted within ``within`` of it, the rows
+    of those left out: planned slower, or not plannable, and why)``."""
+    opts = {k: v for k, v in options.items() if k != "strategy"}
+    hand: list[tuple[str, Plan]] = []
+    left: list[TunedCandidate] = []
+    named = [(name, name) for name in STARTS]
+    if user_layout is not None:
+        named.append(("user", "user"))
+    with warnings.catch_warnings():     # a strategy's placement notes: in its plan, not printed
+        warnings.simplefilter("ignore", UserWarning)
+        for name, strategy in named:
+            try:
+                hand.append((name, plan_graph(graph, mesh, strategy=strategy, trace_s=trace_s,
+                                              user_layout=user_layout, **opts)))
+            except AutoparError as e:   # the step or mesh does not take it, or it does not fit
+                left.append(TunedCandidate(name, 0.0, None, "", "not planned: " + _line(e)))
+    auto = plan_graph(graph, mesh, strategy="auto", trace_s=trace_s, user_layout=user_layout,
+                      seed_plans=tuple(p for _, p in hand), **opts)
+    bar = auto.cost.step_time_s * (1.0 + within)
+    near = [(n, p) for n, p in hand if p.cost.step_time_s <= bar]
+    auto_s = auto.cost.step_time_s
+    left += [TunedCandidate(n, float(p.cost.step_time_s), None, "",
+                            f"not timed: predicted {p.cost.step_time_s / auto_s:.2f}x auto's "
+                            f"step (over {1 + within:.2f}x)")
+             for n, p in hand if p.cost.step_time_s > bar]
+    return auto, near, left
+
+
+def choose(graph, mesh, options: Mapping, args: tuple, abstract: tuple, *, trace_s: float,
+           user_layout, within: float,
+           timer: Callable | None = None) -> tuple[Plan, object | None]:
+    """The plan a tuned step runs for ``args`` (arrays on ``mesh``'s devices) and, where it was
+    compiled without donation as the step will be, its executable (else None).
+
+    ``timer(runs: {name: thunk}, rounds) -> {name: median seconds}`` times the candidates
+    (default ``interleaved``); tests pass their own to fix the outcome."""
+    auto, near, left = candidates(graph, mesh, options, trace_s=trace_s,
+                                  user_layout=user_layout, within=within)
+    named = [("auto", auto), *near]
+    programs: dict[str, tuple] = {}     # name -> (plan, compiled, input shardings)
+    same: dict[str, str] = {}           # name -> the first name of its program
+    seen: dict[str, str] = {}           # lowered text -> name
+    for name, plan in named:
+        try:
+            jitted, shardings = codegen.build(graph, plan, mesh, ())
+            lowered = jitted.lower(*abstract)
+            text = lowered.as_text()
+            if text in seen:
+                same[name] = seen[text]
+                continue
+            seen[text] = same[name] = name
+            programs[name] = (plan, lowered.compile(), shardings)
+        except Exception as e:  # noqa: BLE001 - XLA raises several error types; keep the rest
+            if name == "auto":
+                raise
+            left.append(TunedCandidate(name, float(plan.cost.step_time_s), None, "",
+                                       "not compiled: " + _line(e)))
+    runs = {name: _runner(exe, args, shardings) for name, (_, exe, shardings) in programs.items()}
+    medians = (timer or interleaved)(runs, ROUNDS)
+    medians = dict(zip(medians, distributed.agreed_times(list(medians.values()))))
+    best = min(medians, key=medians.get)
+    if medians[best] > medians["auto"] * (1.0 - MARGIN):
+        best = "auto"
+    plan, exe, _ = programs[best]
+    rows = [TunedCandidate(name, float(p.cost.step_time_s), float(medians[same[name]]),
+                           "" if same[name] == name else same[name])
+            for name, p in named if name in same]
+    rows.sort(key=lambda r: (r.strategy != best, r.measured_s))
+    chosen = dataclasses.replace(plan, tuned=tuple(rows) + tuple(left))
+    return chosen, exe
+
+
+def _runner(exe, args, shardings) -> Callable[[], None]:
+    """One timed run of ``exe``: its arguments placed first (untimed) and dropped after, so only
+    one candidate's copy of the state is on the devices at a time."""
+    def run() -> float:
+        placed = jax.device_put(args, shardings)
+        jax.block_until_ready(placed)
+        t0 = time.perf_counter()
+        jax.block_until_ready(exe(*placed))
+        return time.perf_counter() - t0
+    return run
+
+
+def interleaved(runs: Mapping[str, Callable[[], float]], rounds: int) -> dict[str, float]:
+    """Median seconds of each of ``runs`` (thunks returning their own run's seconds) over
+    ``rounds`` rounds after a warm-up round, each round running every one once, starting one
+    later each round: which one follows which is spread evenly over the rounds."""
+    names = list(runs)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds + 1):
+        for name in rotated(names, r):
+            t = runs[name]()
+            if r:
+                times[name].append(t)
+    return {n: statistics.median(ts) for n, ts in times.items()}
+
+
+def rotated(names: list, r: int) -> list:
+    """``names`` starting at the ``r``-th (mod their count): round ``r``'s order. On the CPU
+    devices an executable timed right after another measures 0.3-0.5 ms slower, whichever it
+    is (the zoo's linen LM: the same HLO timed twice in a row, both orders tried)."""
+    k = r % len(names) if names else 0
+    return names[k:] + names[:k]
+
+
+def _line(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"

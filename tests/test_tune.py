@@ -1,0 +1,156 @@
+"""``autoparallel(tune=...)``: the first call times auto's plan against the runners-up the cost
+model cannot tell apart from it, and runs the fastest (``autopar.tune``), with numerics equal to
+the unsharded step, its times in ``Plan.tuned``, and bad options refused before planning."""
+from __future__ import annotations
+
+import jax
+import numerics
+import numpy as np
+import pytest
+
+import autopar
+from autopar import tune
+from autopar.errors import AutoparError, PlanError
+from autopar.models import zoo
+
+TINY = zoo.Config(layers=1, width=32, ff=64, heads=4, batch=8)
+WITHIN = 0.5        # on TINY the user's layout is predicted 1.33x auto's step
+
+
+def _mesh():
+    return jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+
+
+def _linen(mesh):
+    """The linen LM, its arguments committed to the user's own layout (MaxText-style rules)."""
+    fn, *args = zoo.linen_lm(TINY)
+    return fn, args, jax.device_put(tuple(args), zoo.linen_user_layout(TINY, mesh))
+
+
+def _fake_times(fastest: str, gain: float):
+    """A timer that runs nothing and measures ``fastest`` ``gain`` faster than the rest."""
+    seen = []
+
+    def timer(runs, rounds):
+        seen.append(list(runs))
+        return {n: (1.0 - gain if n == fastest else 1.0) for n in runs}
+    return timer, seen
+
+
+def _check_numerics(fn, args, out):
+    want = jax.jit(fn)(*args)
+    numerics.assert_same_step(out[0], want[0], lr=TINY.lr, got_loss=out[2], want_loss=want[2],
+                              got_mu=out[1][0].mu, want_mu=want[1][0].mu)
+
+
+def test_a_tuned_step_runs_the_plan_measured_fastest(monkeypatch):
+    """With the times fixed (the user's own layout 10% faster), the step runs the user's
+    layout, says so in ``Plan.tuned`` and its summary, and computes the unsharded step."""
+    mesh = _mesh()
+    fn, args, held = _linen(mesh)
+    timer, seen = _fake_times("user", 0.10)
+    monkeypatch.setattr(tune, "interleaved", timer)
+    step = autopar.autoparallel(fn, mesh=mesh, hardware="cpu", tune=WITHIN, time_limit_s=5)
+    out = step(*held)
+    plan = step.plan
+    assert plan.strategy == "user"
+    assert plan.tuned[0].strategy == "user" and plan.tuned[0].measured_s == pytest.approx(0.9)
+    timed = seen[0]
+    assert timed[0] == "auto" and "user" in timed           # auto first: it wins ties
+    rows = {r.strategy: r for r in plan.tuned}
+    auto = rows["auto"].step_time_s
+    for r in plan.tuned:        # every plan within WITHIN of auto's prediction is timed or
+        if r.error.startswith("not timed"):                 # shares a timed program; none past
+            assert r.step_time_s > auto * (1 + WITHIN)
+        elif r.measured_s is not None:
+            assert r.step_time_s <= auto * (1 + WITHIN) + 1e-12
+            assert r.strategy in timed or r.same_as in timed
+    assert "chosen by timing" in plan.summary()
+    _check_numerics(fn, args, out)
+    assert autopar.Plan.from_json(plan.to_json()).tuned == plan.tuned
+
+
+def test_auto_is_kept_unless_another_plan_is_measured_clearly_faster(monkeypatch):
+    mesh = _mesh()
+    fn, args, held = _linen(mesh)
+    monkeypatch.setattr(tune, "interleaved", _fake_times("user", tune.MARGIN / 2)[0])
+    step = autopar.autoparallel(fn, mesh=mesh, hardware="cpu", tune=WITHIN, time_limit_s=5)
+    step(*held)
+    assert step.plan.tuned[0].strategy == "auto"
+    assert step.plan.strategy != "user"
+
+
+def test_a_tuned_step_times_for_real_and_matches_the_unsharded_step():
+    """No timer fixed: the chosen plan is the fastest measured or auto's within the margin,
+    and a later call reuses it (no second tuning)."""
+    mesh = _mesh()
+    fn, args, held = _linen(mesh)
+    step = autopar.autoparallel(fn, mesh=mesh, hardware="cpu", tune=WITHIN, time_limit_s=5)
+    out = step(*held)
+    plan = step.plan
+    timed = [r for r in plan.tuned if r.measured_s is not None]
+    assert len(timed) >= 2, plan.tuned
+    chosen = plan.tuned[0]
+    auto = next(r for r in timed if r.strategy == "auto")
+    fastest = min(r.measured_s for r in timed)
+    assert chosen.measured_s == fastest or (
+        chosen.strategy == "auto" and fastest > auto.measured_s * (1 - tune.MARGIN))
+    _check_numerics(fn, args, out)
+    step(*jax.tree_util.tree_map(lambda x: x, held))
+    assert step.plan is plan
+
+
+def test_lowered_without_arrays_then_tuned_at_the_first_call(monkeypatch):
+    """``lower`` of abstract arguments cannot time anything: the first call with arrays plans
+    again, tuned, so tune= never passes silently."""
+    mesh = _mesh()
+    fn, args, held = _linen(mesh)
+    monkeypatch.setattr(tune, "interleaved", _fake_times("user", 0.10)[0])
+    step = autopar.autoparallel(fn, mesh=mesh, hardware="cpu", tune=WITHIN, time_limit_s=5)
+    step.lower(*jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), held))
+    assert step.plan.tuned == ()
+    step(*held)
+    assert step.plan.strategy == "user" and step.plan.tuned
+
+
+def test_interleaved_rounds_rotate_the_order():
+    order = []
+    runs = {n: (lambda n=n: order.append(n) or 0.0) for n in "abc"}
+    tune.interleaved(runs, 3)
+    rounds = [order[k:k + 3] for k in range(0, len(order), 3)]
+    assert [r[0] for r in rounds[1:]] == ["b", "c", "a"]
+    assert all(sorted(r) == ["a", "b", "c"] for r in rounds)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(tune=True, strategy="dp"), r"strategy='dp' there is one plan"),
+    (dict(tune=-0.5), r"tune=-0.5: give True, or a fraction"),
+    (dict(tune="yes"), r"tune='yes' \(str\) must be a number"),
+    (dict(tune=True, host_local_argnums=(1,)), r"host-local batches are not yet"),
+    (dict(tune=True, pipeline="auto"), r"does not combine with tune="),
+])
+def test_bad_tune_options_are_refused_at_decoration(kwargs, match):
+    with pytest.raises(AutoparError, match=match):
+        autopar.autoparallel(lambda x: x, mesh={"data": 8}, **kwargs)
+
+
+def test_tune_with_a_saved_plan_is_refused():
+    mesh = _mesh()
+    fn, *args = zoo.linen_lm(TINY, abstract=True)
+    plan = autopar.plan(fn, *args, mesh=mesh, hardware="cpu", strategy="dp")
+    with pytest.raises(AutoparError, match="plan= applies a saved one"):
+        autopar.autoparallel(fn, mesh=mesh, plan=plan, tune=True)
+
+
+def test_a_damaged_tuned_row_is_refused_on_load(monkeypatch):
+    import json
+
+    mesh = _mesh()
+    fn, args, held = _linen(mesh)
+    monkeypatch.setattr(tune, "interleaved", _fake_times("user", 0.10)[0])
+    step = autopar.autoparallel(fn, mesh=mesh, hardware="cpu", tune=WITHIN, time_limit_s=5)
+    step.compile(*held)             # arrays: compile() tunes too
+    d = json.loads(step.plan.to_json())
+    d["tuned"][0]["error"] = "also an error"
+    with pytest.raises(PlanError, match=r"tuned\[0\]: a timed candidate has a measured step or"):
+        autopar.Plan.from_json(json.dumps(d))
