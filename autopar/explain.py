@@ -129,10 +129,12 @@ def tuned_lines(plan) -> list[str]:
     timed = [c for c in plan.tuned if c.measured_s is not None]
     programs = sum(not c.same_as for c in timed)
     lines = [f"chosen by timing {len(timed)} plans ({programs} programs) on the step's "
-             f"arguments (predicted, measured median):"]
+             f"arguments (predicted, measured median):" if timed else
+             "tuned: no other plan was near enough to time (predicted):"]
     for k, c in enumerate(plan.tuned):
-        if c.measured_s is None:
-            what = c.error.splitlines()[0][:100]
+        if c.measured_s is None:        # a strategy that did not plan has no step
+            what = ((f"{c.step_time_s * 1e3:.3f} ms, " if c.step_time_s > 0 else "")
+                    + c.error.splitlines()[0][:100])
         else:
             what = (f"{c.step_time_s * 1e3:.3f} ms, {c.measured_s * 1e3:.3f} ms"
                     + ("   <- chosen" if k == 0 else

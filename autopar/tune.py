@@ -105,6 +105,12 @@ def choose(graph, mesh, options: Mapping, args: tuple, abstract: tuple, *, trace
                 raise
             left.append(TunedCandidate(name, float(plan.cost.step_time_s), None, "",
                                        "not compiled: " + _line(e)))
+    if len(programs) == 1:      # nothing to choose between: auto's plan, untimed
+        only = TunedCandidate("auto", float(auto.cost.step_time_s), None, "",
+                              f"not timed: no other program predicted within {within:.0%} of "
+                              f"its step")
+        return (dataclasses.replace(auto, tuned=(only, *_shared(named, same), *left)),
+                programs["auto"][1])
     runs = {name: _runner(exe, args, shardings) for name, (_, exe, shardings) in programs.items()}
     medians = (timer or interleaved)(runs, ROUNDS)
     medians = dict(zip(medians, distributed.agreed_times(list(medians.values()))))
@@ -118,6 +124,13 @@ def choose(graph, mesh, options: Mapping, args: tuple, abstract: tuple, *, trace
     rows.sort(key=lambda r: (r.strategy != best, r.measured_s))
     chosen = dataclasses.replace(plan, tuned=tuple(rows) + tuple(left))
     return chosen, exe
+
+
+def _shared(named, same) -> list[TunedCandidate]:
+    """Rows of the candidates that compiled to auto's one program (when nothing was timed)."""
+    return [TunedCandidate(n, float(p.cost.step_time_s), None, same[n],
+                           "not timed: the same program as auto's")
+            for n, p in named if n != "auto" and n in same]
 
 
 def _runner(exe, args, shardings) -> Callable[[], None]:

@@ -113,6 +113,25 @@ def test_lowered_without_arrays_then_tuned_at_the_first_call(monkeypatch):
     assert step.plan.strategy == "user" and step.plan.tuned
 
 
+def test_nothing_is_timed_when_no_other_program_is_predicted_near(monkeypatch):
+    """autopar's MLP on 2 x 4: every hand-written plan is predicted 1.47x auto's or slower, so
+    the step runs auto's plan untimed, and says so."""
+    from autopar.models import mlp
+
+    def timer(runs, rounds):
+        raise AssertionError(f"timed {list(runs)}")
+
+    monkeypatch.setattr(tune, "interleaved", timer)
+    fn, state, batch = mlp.make(64, 256, 2, 32)
+    step = autopar.autoparallel(fn, mesh=_mesh(), hardware="cpu", tune=True, time_limit_s=5)
+    step(state, batch)
+    first = step.plan.tuned[0]
+    assert first.strategy == "auto" and first.measured_s is None
+    assert "no other program predicted within 10%" in first.error
+    assert all(r.measured_s is None for r in step.plan.tuned)
+    assert "no other plan was near enough" in step.plan.summary()
+
+
 def test_interleaved_rounds_rotate_the_order():
     order = []
     runs = {n: (lambda n=n: order.append(n) or 0.0) for n in "abc"}
