@@ -114,9 +114,7 @@ def choose(graph, mesh, options: Mapping, args: tuple, abstract: tuple, *, trace
     runs = {name: _runner(exe, args, shardings) for name, (_, exe, shardings) in programs.items()}
     medians = (timer or interleaved)(runs, ROUNDS)
     medians = dict(zip(medians, distributed.agreed_times(list(medians.values()))))
-    best = min(medians, key=medians.get)
-    if medians[best] > medians["auto"] * (1.0 - MARGIN):
-        best = "auto"
+    best = pick(medians)
     plan, exe, _ = programs[best]
     rows = [TunedCandidate(name, float(p.cost.step_time_s), float(medians[same[name]]),
                            "" if same[name] == name else same[name])
@@ -124,6 +122,13 @@ def choose(graph, mesh, options: Mapping, args: tuple, abstract: tuple, *, trace
     rows.sort(key=lambda r: (r.strategy != best, r.measured_s))
     chosen = dataclasses.replace(plan, tuned=tuple(rows) + tuple(left))
     return chosen, exe
+
+
+def pick(medians: Mapping[str, float]) -> str:
+    """The candidate to run: the fastest median, unless it beats auto's by less than
+    ``MARGIN`` (then auto, whose plan the cost model ranked first)."""
+    best = min(medians, key=medians.get)
+    return best if medians[best] <= medians["auto"] * (1.0 - MARGIN) else "auto"
 
 
 def _shared(named, same) -> list[TunedCandidate]:
