@@ -376,17 +376,20 @@ def test_a_step_without_layers_cannot_be_pipelined(gpt_step):
 def test_the_search_picks_unequal_ranges_when_they_win():
     """A head as costly as several layers: the layer-range DP's split, which gives the last
     stage fewer layers, is among the candidates, predicts a shorter step than equal chunks and
-    is chosen; the chosen plan runs padded and equals the unsharded step."""
+    is chosen; the chosen plan runs padded and equals the unsharded step. Each stage prices its
+    devices as its own (the cpu profile's pool off): on the shared host a tick lasts its
+    stages' summed work however the layers are split, so balancing them gains nothing."""
     cfg = dataclasses.replace(CFG, vocab=4096)
+    hw = dataclasses.replace(cost_models.hardware("cpu"), shared_compute_devices=1)
     step, init = PM.gpt_train_step(cfg)
     state, batch = init(jax.random.PRNGKey(0), 8), gpt.make_batch(cfg, 8)
     # the lockstep runtime: it runs unequal chunks (padded), the MPMD runtime equal ones only
     pins = {"schedule": "gpipe", "microbatches": 2, "virtual_stages": 1, "runtime": "lockstep"}
-    plan = autopar.plan(step, state, batch, mesh={"stage": 2}, hardware="cpu", pipeline=pins)
+    plan = autopar.plan(step, state, batch, mesh={"stage": 2}, hardware=hw, pipeline=pins)
     pp = plan.pipeline
     assert pp.layer_ranges == ((0, 3), (3, 4)), pp.why
     assert "layers 2+2" in pp.why                # the equal chunks were priced and lost
-    sm, hw = PM.staged_model_of(step), cost_models.hardware("cpu")
+    sm = PM.staged_model_of(step)
     costs = PL.stage_costs(sm, state["params"], batch, 4, {"stage": 2}, "stage", hw,
                            PL.sub_plan_limit_s(30.0, [("gpipe", 1, 2)]))
     equal = PL.price(sm, state["params"], costs, {"stage": 2}, "stage", hw, "gpipe", 1, 2)
