@@ -29,7 +29,7 @@ program launch per action, copies between submeshes). The comparison that matter
 bubble on devices of their own, is a prediction (``benchmarks/megatron_table.py``) until a GPU
 run measures it.
 
-    python benchmarks/pipeline_mpmd.py           # 12 configurations (~6 min on 2 cores)
+    python benchmarks/pipeline_mpmd.py           # 12 configurations (6-8 min on 2 cores)
     python benchmarks/pipeline_mpmd.py --quick   # one small configuration
 
 Writes ``benchmarks/results/pipeline_mpmd.md`` and ``pipeline_mpmd.csv``.
