@@ -7,7 +7,9 @@ on the same state and batch:
 
 * **predicted**: ``autopar.plan(..., pipeline={schedule, microbatches, runtime})`` on the cpu
   profile, the planner's own figures (stage costs from its sub-plans; the lockstep tick loop,
-  or the asynchronous timeline with the profile's ``pipeline_issue_s`` per action);
+  or the asynchronous timeline with the profile's ``pipeline_issue_s`` per action; both share
+  the host's compute among the busy stages, ``planning.compute_pool``), and their ratio, MPMD
+  over lockstep, against the measured one: what ``pipeline="auto"`` compares;
 * **measured**: the step's median wall time over interleaved rounds (lockstep, MPMD, lockstep,
   ...), both warmed up first, in one process;
 * **issue**: the MPMD controller's host time per action (the issuing loop's wall time, without
@@ -27,7 +29,7 @@ program launch per action, copies between submeshes). The comparison that matter
 bubble on devices of their own, is a prediction (``benchmarks/megatron_table.py``) until a GPU
 run measures it.
 
-    python benchmarks/pipeline_mpmd.py           # 12 configurations (~6 min on 2 cores)
+    python benchmarks/pipeline_mpmd.py           # 12 configurations (6-8 min on 2 cores)
     python benchmarks/pipeline_mpmd.py --quick   # one small configuration
 
 Writes ``benchmarks/results/pipeline_mpmd.md`` and ``pipeline_mpmd.csv``.
@@ -85,7 +87,7 @@ def main() -> None:
               (2, "1f1b", 2)}
     step, init = PM.gpt_train_step(cfg)
     state, batch = init(jax.random.PRNGKey(0), rows_n(args)), gpt.make_batch(cfg, rows_n(args))
-    rows, bubbles, t_start = [], [], time.perf_counter()
+    rows, bubbles, t_start, load = [], [], time.perf_counter(), _common.machine_load()
     for p, name, m in configs:
         mesh = {"stage": p}
         runs, plans = {}, {}
@@ -116,7 +118,7 @@ def main() -> None:
         print(f"P={p} {name} M={m}: " + ", ".join(
             f"{r['runtime']} pred {r['predicted_ms']:.1f} ms meas {r['measured_ms']:.1f} ms"
             for r in rows[-2:]), flush=True)
-    _write(args, cfg, rows, bubbles, rounds, time.perf_counter() - t_start)
+    _write(args, cfg, rows, bubbles, rounds, time.perf_counter() - t_start, load)
 
 
 def _bubble(run, state, batch, p: int, name: str, m: int, issue: float) -> list:
@@ -132,11 +134,16 @@ def _bubble(run, state, batch, p: int, name: str, m: int, issue: float) -> list:
             pred.makespan_s * 1e3, meas.loop_s[0] * 1e3]
 
 
+def _span(xs) -> str:
+    """``lo-hi (median m)`` of ``xs``."""
+    return f"{min(xs):.2f}-{max(xs):.2f} (median {statistics.median(xs):.2f})"
+
+
 def rows_n(args) -> int:
     return 8 if args.quick else 32
 
 
-def _write(args, cfg, rows, bubbles, rounds, wall_s) -> None:
+def _write(args, cfg, rows, bubbles, rounds, wall_s, load: str) -> None:
     header = ["stages", "schedule", "microbatches", "runtime", "predicted_ms", "measured_ms",
               "pred_over_meas", "predicted_bubble", "issue_ms"]
     _common.write_csv(_common.out_dir(args) / "pipeline_mpmd.csv", header,
@@ -158,7 +165,8 @@ def _write(args, cfg, rows, bubbles, rounds, wall_s) -> None:
         f"`python benchmarks/pipeline_mpmd.py{' --quick' if args.quick else ''}`: GPT "
         f"d_model={cfg.d_model}, layers={cfg.layers}, seq={cfg.seq}, "
         f"batch {rows_n(args)}, {{stage: P}} on P CPU devices, "
-        f"medians of {rounds} interleaved rounds; {wall_s:.0f} s.",
+        f"medians of {rounds} interleaved rounds; {wall_s:.0f} s ({load} at the start, "
+        f"the stamp above is at the end).",
         "",
         _common.md_table(["P", "schedule", "M", "runtime", "predicted ms", "measured ms",
                           "pred / meas", "predicted bubble", "issue ms / action"],
@@ -168,6 +176,10 @@ def _write(args, cfg, rows, bubbles, rounds, wall_s) -> None:
         "",
         _common.md_table(["P", "schedule", "M", "predicted MPMD / lockstep",
                           "measured MPMD / lockstep", "issue ms / action"], pairs),
+        "",
+        f"MPMD / lockstep predicted {_span([r[3] for r in pairs])}, measured "
+        f"{_span([r[4] for r in pairs])}; predicted over measured ratio "
+        f"{_span([r[3] / r[4] for r in pairs])}.",
         "",
         "The MPMD step's bubble inside the real step (three traced steps, medians) against "
         "the asynchronous timeline over its programs timed alone:",

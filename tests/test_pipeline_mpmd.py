@@ -86,6 +86,23 @@ def test_cpu_stages_share_the_host():
     assert shared.makespan_s < own.makespan_s
 
 
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_cpu_profile_prices_both_runtimes_on_the_shared_host(setup, name):
+    """What ``pipeline="auto"`` compares on the cpu profile: with issuing and the tick's fixed
+    cost free, both runtimes are bound by the host's compute, which both timelines share among
+    the busy stages, so their predicted steps come out alike (the MPMD one a little shorter:
+    its last stage's forward only keeps its input). Priced with the slowest stage's time per
+    tick, the lockstep step was 3.7-3.9x the MPMD one here."""
+    step, state, batch, *_ = setup
+    hw = dataclasses.replace(cost_models.hardware("cpu"), pipeline_issue_s=0.0,
+                             pipeline_tick_s=0.0)
+    pins = {"schedule": name, "microbatches": 4, "virtual_stages": 1}
+    t = {rt: autopar.plan(step, state, batch, mesh={"stage": 4}, hardware=hw,
+                          pipeline={**pins, "runtime": rt}).pipeline.step_time_s
+         for rt in ("lockstep", "mpmd")}
+    assert 0.85 <= t["mpmd"] / t["lockstep"] <= 1.0, t
+
+
 def test_dispatch_order_keeps_each_stage_order_and_issues_inputs_first():
     sch = S.build("1f1b", 4, 1, 8)
     order = S.dispatch_order(sch)

@@ -229,7 +229,9 @@ def test_price_follows_the_schedule():
     sm = PM.gpt_staged(dataclasses.replace(CFG, layers=8))
     params = jax.eval_shape(lambda: PM.gpt_train_step(dataclasses.replace(CFG, layers=8))[1](
         jax.random.PRNGKey(0), 8))["params"]
-    hw = dataclasses.replace(cost_models.hardware("cpu"), collective_launch_s=0.0)
+    # each stage its own device, as the textbook bubble assumes (not the cpu profile's pool)
+    hw = dataclasses.replace(cost_models.hardware("cpu"), collective_launch_s=0.0,
+                             shared_compute_devices=1)
     sizes = {"stage": 4, "data": 2}
     gp = PL.price(sm, params, costs, sizes, "stage", hw, "gpipe", 1, 8)
     ob = PL.price(sm, params, costs, sizes, "stage", hw, "1f1b", 1, 8)
@@ -242,13 +244,15 @@ def test_price_follows_the_schedule():
 
 def _one_ms_layers():
     """(costs, staged model, abstract params, cpu profile, sizes): CFG's GPT on {stage: 2,
-    data: 4} with layers of 1 ms forward and 2 ms backward and free ends."""
+    data: 4} with layers of 1 ms forward and 2 ms backward and free ends, each stage on
+    devices of its own (the profile's pool off: a tick lasts its slowest stage's work)."""
     costs = PL.Costs(layer_f=1e-3, layer_b=2e-3, embed_f=0, embed_b=0, head_f=0, head_b=0,
                      layer_peak_bytes=0, act_bytes=1e4, solve_s=0)
     sm = PM.gpt_staged(CFG)
     params = jax.eval_shape(lambda: PM.gpt_train_step(CFG)[1](jax.random.PRNGKey(0), 8))[
         "params"]
-    return costs, sm, params, cost_models.hardware("cpu"), {"stage": 2, "data": 4}
+    hw = dataclasses.replace(cost_models.hardware("cpu"), shared_compute_devices=1)
+    return costs, sm, params, hw, {"stage": 2, "data": 4}
 
 
 def test_price_holds_the_runtime_tick_overhead():
@@ -262,6 +266,62 @@ def test_price_holds_the_runtime_tick_overhead():
     ticks = len(S.build("gpipe", 2, 1, 4).ticks)
     assert paid.step_time_s - free.step_time_s == pytest.approx(1e-3 * ticks)
     assert paid.bubble_fraction > free.bubble_fraction > 0
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_lockstep_ticks_share_the_cpu_pool(name):
+    """On the cpu profile the stages' devices share the host (``compute_pool``: 8 devices, one
+    a stage on ``{stage: 4}``, a pool worth 8 stages at the priced speed) and one SPMD program
+    runs every action of a tick: a tick with ``k`` busy stages lasts their summed work over the
+    pool, not the slowest one's time, plus the runtime's overhead per tick. With the pool
+    switched off (``shared_compute_devices=1``) it lasts the slowest one's, as on a GPU."""
+    costs, sm, params, own_hw, _ = _one_ms_layers()
+    hw = cost_models.hardware("cpu")
+    sizes, sch = {"stage": 4}, S.build(name, 4, 1, 8)
+    assert PL.compute_pool(hw, sizes, "stage") == 8
+    ranges = PL.equal_ranges(sm.num_layers, 4)
+
+    def duration(a):
+        return 1e-3 if a.kind == "F" else 2e-3
+
+    def loop(hw_):
+        return PL.loop_timeline(sm, params, sizes, "stage", hw_, sch, ranges, duration,
+                                costs.act_bytes)
+
+    shared, own = loop(hw), loop(own_hw)
+    over = shared.overhead_s / len(sch.ticks)
+    assert own.overhead_s == pytest.approx(shared.overhead_s)
+    for row, tick, alone in zip(sch.ticks, shared.tick_s, own.tick_s):
+        work = [sum(map(duration, acts)) for acts in row]
+        assert tick == pytest.approx(sum(work) / 8 + over)
+        assert alone == pytest.approx(max(work) + over)
+    assert any(sum(1 for acts in row if acts) > 1 for row in sch.ticks)
+    assert shared.makespan_s - shared.overhead_s == pytest.approx(
+        sum(map(duration, (a for row in sch.ticks for acts in row for a in acts))) / 8)
+
+
+@pytest.mark.parametrize("profile", ["a100", "h100", "h200"])
+def test_gpu_profiles_price_the_tick_loop_without_a_pool(profile, monkeypatch):
+    """A GPU's devices compute on their own: no pool, a tick its slowest stage's work plus the
+    overhead, and every lockstep and MPMD plan bit for bit what it is with the pool switched
+    off (``compute_pool`` returning None)."""
+    costs, sm, params, _, sizes = _one_ms_layers()
+    hw = cost_models.hardware(profile)
+    assert hw.shared_compute_devices == 1 and PL.compute_pool(hw, sizes, "stage") is None
+    choices = [("1f1b", 1, "lockstep"), ("gpipe", 1, "lockstep"), ("eager_1f1b", 1, "lockstep"),
+               ("1f1b", 2, "lockstep"), ("1f1b", 1, "mpmd"), ("gpipe", 1, "mpmd")]
+    got = [PL.price(sm, params, costs, sizes, "stage", hw, name, v, 4, runtime=rt)
+           for name, v, rt in choices]
+    sch = S.build("1f1b", 2, 1, 4)
+    loop = PL.loop_timeline(sm, params, sizes, "stage", hw, sch, PL.equal_ranges(
+        sm.num_layers, 2), lambda a: 1e-3 if a.kind == "F" else 2e-3, costs.act_bytes)
+    over = loop.overhead_s / len(sch.ticks)
+    for row, tick in zip(sch.ticks, loop.tick_s):
+        assert tick == max(sum(1e-3 if a.kind == "F" else 2e-3 for a in acts)
+                           for acts in row) + over
+    monkeypatch.setattr(PL, "compute_pool", lambda *args: None)
+    assert got == [PL.price(sm, params, costs, sizes, "stage", hw, name, v, 4, runtime=rt)
+                   for name, v, rt in choices]
 
 
 def test_price_charges_padded_slots_to_the_shorter_chunks():
@@ -316,17 +376,20 @@ def test_a_step_without_layers_cannot_be_pipelined(gpt_step):
 def test_the_search_picks_unequal_ranges_when_they_win():
     """A head as costly as several layers: the layer-range DP's split, which gives the last
     stage fewer layers, is among the candidates, predicts a shorter step than equal chunks and
-    is chosen; the chosen plan runs padded and equals the unsharded step."""
+    is chosen; the chosen plan runs padded and equals the unsharded step. Each stage prices its
+    devices as its own (the cpu profile's pool off): on the shared host a tick lasts its
+    stages' summed work however the layers are split, so balancing them gains nothing."""
     cfg = dataclasses.replace(CFG, vocab=4096)
+    hw = dataclasses.replace(cost_models.hardware("cpu"), shared_compute_devices=1)
     step, init = PM.gpt_train_step(cfg)
     state, batch = init(jax.random.PRNGKey(0), 8), gpt.make_batch(cfg, 8)
     # the lockstep runtime: it runs unequal chunks (padded), the MPMD runtime equal ones only
     pins = {"schedule": "gpipe", "microbatches": 2, "virtual_stages": 1, "runtime": "lockstep"}
-    plan = autopar.plan(step, state, batch, mesh={"stage": 2}, hardware="cpu", pipeline=pins)
+    plan = autopar.plan(step, state, batch, mesh={"stage": 2}, hardware=hw, pipeline=pins)
     pp = plan.pipeline
     assert pp.layer_ranges == ((0, 3), (3, 4)), pp.why
     assert "layers 2+2" in pp.why                # the equal chunks were priced and lost
-    sm, hw = PM.staged_model_of(step), cost_models.hardware("cpu")
+    sm = PM.staged_model_of(step)
     costs = PL.stage_costs(sm, state["params"], batch, 4, {"stage": 2}, "stage", hw,
                            PL.sub_plan_limit_s(30.0, [("gpipe", 1, 2)]))
     equal = PL.price(sm, state["params"], costs, {"stage": 2}, "stage", hw, "gpipe", 1, 2)

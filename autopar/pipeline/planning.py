@@ -26,7 +26,10 @@ slicing and gradient copies (``padded_slot_s``), which its actions pay.
 
 The tick loop also pays the runtime's own cost of every tick (``tick_overhead_s``: the
 profile's ``pipeline_tick_s``, the collective-permutes' bytes and a copy of the state each tick
-threads through its switches), which the step and the bubble include.
+threads through its switches), which the step and the bubble include. Where the profile's
+devices share their compute (the cpu profile's emulated devices: ``compute_pool``), a tick's
+actions, all run by one SPMD program, last their summed work over that pool rather than the
+slowest one's time, as the MPMD timeline shares the pool among the stages busy at each moment.
 
 FSDP inside a stage (``pipeline={"fsdp": True}``; searched where a stage has data shards): the
 state holds each layer's parameters and moments sharded over the data axes (``fsdp_bytes``);
@@ -484,10 +487,10 @@ def compute_pool(hw, sizes: dict, axis: str) -> float | None:
     (``schedules.price_async``'s ``pool``), or None where each device computes on its own: the
     profile's ``shared_compute_devices`` (emulated CPU devices, whose rates were measured with
     that many busy) over the devices of one stage (``sizes`` less ``axis``), all of which
-    compute when their stage does. The MPMD timeline (``mpmd_timeline``) shares it; the
-    lockstep tick loop (``loop_timeline``) does not yet (``schedules.price`` can: its
-    ``pool``), so on the cpu profile the two runtimes' predictions are priced unlike each other
-    (docs/concepts/known-limits.md)."""
+    compute when their stage does. Both runtimes' timelines share it: the MPMD one among the
+    stages busy at each moment (``mpmd_timeline``), the lockstep one among a tick's busy stages
+    (``loop_timeline``: one SPMD program runs them all, so the tick lasts their summed work
+    over the pool, not its slowest stage's)."""
     shared = hw.shared_compute_devices
     if shared <= 1:
         return None
@@ -555,11 +558,13 @@ def loop_timeline(model: StagedModel, params, sizes: dict, axis: str, hw, sch: S
     """The tick loop of ``sch`` priced: ``duration(action)`` seconds per action on its stage
     plus, for a chunk shorter than the longest, its padded slots (``padded_slot_s``), and on
     every tick the runtime's overhead (``tick_overhead_s``) for the busiest stage's
-    state (the longest chunk's accumulators). ``cores``: how many stages compute at once at
-    the speed ``duration`` assumes (emulated CPU devices sharing a host's cores; ``None``:
-    each stage has its own device, what the planner assumes: the profile's shared compute,
-    ``compute_pool``, is priced for the MPMD runtime only, not yet measured on this one);
-    ``costs``: the stage costs whose parameter layouts size the state (``_param_bytes``)."""
+    state (the longest chunk's accumulators). A tick's actions last as long as its slowest
+    stage's where each device computes on its own; where the profile's devices share their
+    compute (``compute_pool``), as long as their summed work over the pool (``schedules.price``'s
+    ``pool``), as the MPMD timeline shares it. ``cores``: for ``duration``s timed one stage
+    alone (``benchmarks/pipeline_cpu.py``), how many stages compute at once at that speed, in
+    place of the profile's pool; ``costs``: the stage costs whose parameter layouts size the
+    state (``_param_bytes``)."""
     layer_bytes, rest_bytes = _param_bytes(model, params, sizes, costs)
     lengths = [b - a for a, b in ranges]
     longest = max(lengths)
@@ -571,7 +576,8 @@ def loop_timeline(model: StagedModel, params, sizes: dict, axis: str, hw, sch: S
 
     return S.price(sch, padded, cores=cores,
                    tick_s=tick_overhead_s(stage_cost_model(hw, sizes), axis, act_bytes,
-                                          carry))
+                                          carry),
+                   pool=None if cores is not None else compute_pool(hw, sizes, axis))
 
 
 # Passes over one layer's parameters (each a read or a write at hbm_bytes_per_s) that a padded
