@@ -187,8 +187,8 @@ def _seeds(prob: problem.Problem, cm, allowed, options: PlannerOptions, hint,
         if best is not None and bound >= best.step_s:
             continue
         sub = prob.untied(merged)
-        if budget is not None and ilp.memory_lower_bound(sub, merged) > budget:
-            continue           # its pinned state alone breaks the budget: it fits no plan
+        if budget is not None and ilp.memory_lower_bound(sub, merged, rounded=True) > budget:
+            continue           # its solve would find no plan (the bound of the solver's terms)
         try:
             sol = ilp.solve(sub, cm, budget, options.time_limit_s, merged, clock=start_clock,
                             score=_scorer(prob, cm), explain=False)

@@ -103,6 +103,7 @@ class Memo:
     value_bytes: dict = dataclasses.field(default_factory=dict)   # value_bytes, by type/layouts
     edge_matrices: tuple | None = None    # descent.edge_matrices (depends on the ties)
     memory_tables: tuple | None = None    # ilp._memory_tables
+    memory_counts: tuple | None = None    # ilp._memory_counts
     group_origins: dict | None = None     # planner._group_origins
     launch_sites: tuple | None = None     # combine._sites: (the ties they were found under, sites)
     all_reduced: dict | None = None       # scatter._reduced
