@@ -676,10 +676,11 @@ def _collectives(prob: problem.Problem, choice, cm) -> _Tally:
             if not comms:
                 continue
             where, source = _where(prob, op_id), _source(prob, op_id)
+            last = scatter.last_reduce(comms)
             for c in comms:
                 seconds, moved = priced.collective(c.kind, c.nbytes, c.axes)
                 kind = c.kind
-                if kind == "all-reduce" and scatter.scattered(prob, g, op_id, i, c.axes, choice):
+                if c is last and scatter.scattered(prob, g, op_id, i, c.axes, choice):
                     # XLA turns an all-reduce whose every reader slices it over the reduced
                     # axes into a reduce-scatter (ReduceScatterCreator): priced as one
                     rs_s, moved = priced.collective("reduce-scatter", c.nbytes, c.axes)

@@ -308,7 +308,8 @@ class _Builder:
         self.cm = cost_model
         lit = frozenset(v for v, _ in graph.literals)
         producers = {v: op.prim for op in graph.all_ops() for v in op.outs}
-        self.ctx = RuleContext(graph.values, lit, producers, self.mesh, max_strategies, clock)
+        self.ctx = RuleContext(graph.values, lit, producers, self.mesh, max_strategies, clock,
+                               sums_by_dim=cost_model.hw.platform == "cpu")
         self.groups: list[Group] = []
         self.edges: list[Edge] = []
         self.gv: dict[int, int] = {}
