@@ -71,24 +71,9 @@ def plan_offloaded(graph, mesh, cost_model, options, error: BudgetError, plan_la
     groups = groups_of(graph)
     if not groups:
         raise error
-    n_dev = 1
-    for size in dict(mesh).values():
-        n_dev *= size
     excess = (error.least_bytes - options.memory_budget) if error.least_bytes else None
-    by_size = sorted(groups, key=lambda g: -g.nbytes)
-    sets = []
-    if excess is not None and excess > 0:
-        some, covered = [], 0.0
-        for g in by_size:
-            some.append(g)
-            covered += g.nbytes / n_dev
-            if covered >= excess:
-                break
-        if len(some) < len(groups):
-            sets.append(some)
-    sets.append(list(groups))
     found, last, notes = [], error, []
-    for chosen in sets:
+    for chosen in candidate_sets(groups, excess, mesh):
         inputs = sorted(k for g in chosen for k in g.inputs)
         what = _which(chosen, groups)
         try:
@@ -144,6 +129,26 @@ def plan_offloaded(graph, mesh, cost_model, options, error: BudgetError, plan_la
         for g, (moved, held) in zip(chosen, host))
     return dataclasses.replace(plan, offload=records, graph_fingerprint=graph.fingerprint(),
                                notes=tuple(plan.notes) + tuple(notes))
+
+
+def candidate_sets(groups, excess: float | None, mesh) -> list[list]:
+    """The sets of ``groups`` tried, in order: the fewest, largest first, whose bytes spread
+    over the mesh cover ``excess`` (the bytes per device the step lacks; None: unknown), then
+    every group."""
+    n_dev = 1
+    for size in dict(mesh).values():
+        n_dev *= size
+    sets = []
+    if excess is not None and excess > 0:
+        some, covered = [], 0.0
+        for g in sorted(groups, key=lambda g: -g.nbytes):
+            some.append(g)
+            covered += g.nbytes / n_dev
+            if covered >= excess:
+                break
+        if len(some) < len(groups):
+            sets.append(some)
+    return sets + [list(groups)]
 
 
 def _which(chosen, groups) -> str:
