@@ -747,8 +747,10 @@ def memory_lower_bound(p: Problem, allowed: Mapping[int, set[int]],
     below the solver's own terms too, which round each value's bytes to the nearest KiB.
 
     It bounds the solver's memory terms, not the full estimate (``memory.estimate``), which
-    pools and drops buffers these terms count and can be lower (12% on a 2-layer GPT with
-    d_model 16 on one device, 0.5% on a 4-layer one with d_model 32). So a budget below this
+    lets temporaries use the step's result buffers before the results are written
+    (``memory._output_slots``) where these terms hold each result the whole step, and can be
+    lower (12% on a 2-layer GPT with d_model 16 on one device, 0.3-0.5% on a 4-layer one with
+    d_model 32: on one device that pooling is the whole gap). So a budget below this
     bound proves only that the solver finds no plan under it: ``planner._seeds`` skips a
     start whose ``rounded`` bound exceeds the budget without solving it, as its solve would
     find nothing (transformers' Llama-7B at one sequence a device on 64 H100s: dp's, ep's and
