@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import re
+import time
 import types
 from collections import Counter
 
@@ -111,9 +112,9 @@ def test_copy_cut_counts_the_copies_a_plan_holds_at_its_position():
 
 def test_memory_lower_bound_is_below_every_plan_it_allows():
     """``ilp.memory_lower_bound``: below the constraints' memory (``ilp.memory_of``) of plans
-    drawn at random from the allowed strategies (so skipping a start whose bound breaks the
-    budget never drops one that fits), and above the always-live state alone, which is what
-    it was (the check points' live values count too)."""
+    drawn at random from the allowed strategies, and above the always-live state alone, which
+    is what it was (the check points' live values count too); ``rounded``, below the solver's
+    own terms (so a start skipped by it has no plan the solver could find)."""
     import cost_models
     import ir
     from autopar.planner import ilp, problem
@@ -128,11 +129,65 @@ def test_memory_lower_bound_is_below_every_plan_it_allows():
         allowed = {g.id: set(rng.sample(range(g.n), max(1, g.n // 2))) for g in prob.groups
                    if rng.random() < 0.5}
         bound = ilp.memory_lower_bound(prob, allowed)
-        assert bound > always
+        rounded = ilp.memory_lower_bound(prob, allowed, rounded=True)
+        assert bound > always and rounded < bound
         for _ in range(5):
             choice = [rng.choice(sorted(allowed[g.id])) if g.id in allowed else rng.randrange(g.n)
                       for g in prob.groups]
             assert ilp.memory_of(prob, choice) >= bound * (1 - 1e-12), (seed, allowed)
+            # rounded: below the solver's own terms (each value to the nearest KiB) too
+            assert _solver_kib(prob, choice) * ilp.KIB >= rounded, (seed, allowed)
+
+
+def _solver_kib(prob, choice) -> int:
+    """The largest of the solver's memory constraints' left sides (KiB) under ``choice``."""
+    from autopar.planner import ilp
+
+    mdl = ilp._Model(prob, None)
+    always = mdl._bytes_terms(prob.const_values)
+    out = 0
+    for live in prob.mem_points or [[]]:
+        terms = dict(always)
+        for key, c in mdl._bytes_terms(live).items():
+            terms[key] = terms.get(key, 0) + c
+        out = max(out, sum(c for (r, i), c in terms.items() if choice[r] == i))
+    return out
+
+
+def test_a_start_that_fits_by_the_estimate_is_not_skipped_by_the_memory_bound():
+    """``ilp.memory_lower_bound`` bounds the constraints' memory model (``ilp.memory_of``), not
+    the full estimate the budget is checked against (``memory.estimate``), nor the solver's own
+    terms, which round each value to the nearest KiB. On a 2-layer GPT on two devices, under a
+    budget just below dp's bound, dp's own plan (``plan(strategy="dp")``) fits by the estimate,
+    so auto's search must hold it as a start (``planner._seeds``): skipping it by the bound
+    would drop a start that fits (auto's free descent does not fit, so no other skip applies).
+    """
+    import cost_models
+    import ir
+    from autopar.planner import _allowed, _pinned, _seeds, ilp, problem
+    from autopar.planner.budget import Clock
+    from autopar.request import make_request
+
+    cfg = gpt.GPTConfig(scan=True, layers=2, d_model=16, seq=32, d_ff=64, heads=2, vocab=64)
+    graph = ir.trace(*gpt.abstract(cfg, 4))
+    mesh = {"data": 2}
+    cm = cost_models.CostModel(cost_models.hardware("h100"), mesh)
+    prob = problem.build(graph, mesh, cm)
+    allowed = _allowed(prob, {})
+    name, pinned = _pinned(prob, autopar.strategies.get("dp"), allowed)
+    bound = ilp.memory_lower_bound(prob.untied(pinned), pinned)
+    budget = bound - 1024.0
+    dp = autopar.request.plan_graph(graph, mesh, hardware="h100", strategy="dp",
+                                    memory_budget=budget, time_limit_s=5,
+                                    memory_decisions=())
+    assert dp.cost.peak_memory_bytes <= budget < bound      # the case: it fits, the bound not
+    options = make_request(graph, mesh, hardware="h100", memory_budget=budget,
+                           time_limit_s=5).options
+    seeds = _seeds(prob, cm, allowed, options, None,
+                   Clock(time.perf_counter(), 5.0, True))
+    held = [s for s in seeds if s.name == "dp"]
+    assert held and held[0].peak <= budget, [(s.name, s.peak) for s in seeds]
+    assert held[0].step_s == pytest.approx(dp.cost.step_time_s, rel=1e-9)
 
 
 def test_infeasible_budget_names_the_smallest_that_fits():

@@ -187,8 +187,8 @@ def _seeds(prob: problem.Problem, cm, allowed, options: PlannerOptions, hint,
         if best is not None and bound >= best.step_s:
             continue
         sub = prob.untied(merged)
-        if budget is not None and ilp.memory_lower_bound(sub, merged) > budget:
-            continue           # its pinned state alone breaks the budget: it fits no plan
+        if budget is not None and ilp.memory_lower_bound(sub, merged, rounded=True) > budget:
+            continue           # its solve would find no plan (the bound of the solver's terms)
         try:
             sol = ilp.solve(sub, cm, budget, options.time_limit_s, merged, clock=start_clock,
                             score=_scorer(prob, cm), explain=False)
@@ -676,10 +676,11 @@ def _collectives(prob: problem.Problem, choice, cm) -> _Tally:
             if not comms:
                 continue
             where, source = _where(prob, op_id), _source(prob, op_id)
+            last = scatter.last_reduce(comms)
             for c in comms:
                 seconds, moved = priced.collective(c.kind, c.nbytes, c.axes)
                 kind = c.kind
-                if kind == "all-reduce" and scatter.scattered(prob, g, op_id, i, c.axes, choice):
+                if c is last and scatter.scattered(prob, g, op_id, i, c.axes, choice):
                     # XLA turns an all-reduce whose every reader slices it over the reduced
                     # axes into a reduce-scatter (ReduceScatterCreator): priced as one
                     rs_s, moved = priced.collective("reduce-scatter", c.nbytes, c.axes)

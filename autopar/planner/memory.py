@@ -447,7 +447,9 @@ def _loop_reductions(prob: Problem, choice) -> dict[int, float]:
     out: dict[int, float] = {}
     for gid, t, strategies in _nested_members(prob):
         comms = strategies[choice[gid]].comms
-        size = sum(2 * c.nbytes for c in comms if c.kind in _REDUCING)
+        # a sum over several split dims is all-reduced dim by dim (rules._all_reduces), each
+        # reading the last: one operand and one result buffer at a time
+        size = 2 * max((c.nbytes for c in comms if c.kind in _REDUCING), default=0.0)
         if size:
             out[t] = out.get(t, 0.0) + size
     return out

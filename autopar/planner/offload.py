@@ -7,7 +7,9 @@ streamed through the device for the update. Each offloaded step is planned whole
 the moves over the host link (priced as ``device_put`` ops, not overlapped with compute) and the
 device memory the groups no longer hold, all by the same cost model. Two sets are tried: the
 fewest groups, largest first, whose bytes spread over the mesh cover what the step lacks, and
-every group; the faster that fits wins. ``Plan.offload`` records the decision for codegen.
+every group; the faster that fits wins. ``Plan.offload`` records the decision for codegen, and
+the plan's notes say which set was not planned, or planned and not kept, and why (as
+``planner.recompute``'s do for its policies).
 
 Partial, on purpose for now: the set is chosen among two by planning each, not by variables of
 one ILP; parameters and saved activations stay on the device; a step that fits is not offered
@@ -62,30 +64,18 @@ def plan_offloaded(graph, mesh, cost_model, options, error: BudgetError, plan_la
     trace_s=...)`` plans one graph. ``clock``: the time limit the memory decisions' search
     shares (by default one that starts now); ``bounded``: a set whose offloaded step's bound
     (``planner.prune``) shows it has no plan faster than ``beat_s`` or a set's plan in hand is
-    not planned. Raises ``error``, extended, if none fits."""
+    not planned. The plan returned carries in its notes each set skipped (by that bound, or
+    because it fits no plan, failed to plan or needs more host memory than the hardware has).
+    Raises ``error``, extended, if none fits."""
     clock = clock or Clock(time.perf_counter(), options.time_limit_s, options.deterministic)
     groups = groups_of(graph)
     if not groups:
         raise error
-    n_dev = 1
-    for size in dict(mesh).values():
-        n_dev *= size
     excess = (error.least_bytes - options.memory_budget) if error.least_bytes else None
-    by_size = sorted(groups, key=lambda g: -g.nbytes)
-    sets = []
-    if excess is not None and excess > 0:
-        some, covered = [], 0.0
-        for g in by_size:
-            some.append(g)
-            covered += g.nbytes / n_dev
-            if covered >= excess:
-                break
-        if len(some) < len(groups):
-            sets.append(some)
-    sets.append(list(groups))
-    found, last = [], error
-    for chosen in sets:
+    found, last, notes = [], error, []
+    for chosen in candidate_sets(groups, excess, mesh):
         inputs = sorted(k for g in chosen for k in g.inputs)
+        what = _which(chosen, groups)
         try:
             g = rewrite_graph(graph, inputs)
             if cost_model.hw.platform == "cpu" and not any(graph.donated[k] for k in inputs):
@@ -97,17 +87,23 @@ def plan_offloaded(graph, mesh, cost_model, options, error: BudgetError, plan_la
                 g = rewrite.updates_when_ready(g)
             best_s = min([f[0] for f in found] + ([beat_s] if beat_s is not None else []),
                          default=None)
-            if bounded and prune.cannot_beat(g, mesh, cost_model, options, best_s):
-                continue                               # proved unable to beat the plan in hand
+            b = prune.cannot_beat(g, mesh, cost_model, options, best_s) if bounded else None
+            if b is not None:                          # proved unable to beat the plan in hand
+                notes.append(f"offload: {what} not planned: every plan of it is predicted at "
+                             f"{b.step_s * 1e3:.1f} ms or more, no faster than the "
+                             f"{best_s * 1e3:.1f} ms in hand")
+                continue
             plan = plan_layouts(g, mesh, cost_model, options.replace(
                 seed_plans=(), explain_budget=False),
                 trace_s=clock.elapsed_s() if found or beat_s is not None else 0.0)
         except BudgetError as e:
             last = e
+            notes.append(f"offload: {what}: no plan of it fits the memory budget")
             continue
         except PlanError as e:
             if not found:
                 last = e
+            notes.append(f"offload: {what}: not planned ({_first(e)})")
             continue
         host = _host_bytes(graph, plan, chosen, mesh)
         held = sum(h for _, h in host)
@@ -116,6 +112,9 @@ def plan_offloaded(graph, mesh, cost_model, options, error: BudgetError, plan_la
             last = BudgetError(f"offloading {len(inputs)} arguments needs "
                                f"{held / 2**30:.2f} GiB of host memory per device; the "
                                f"hardware profile allows {limit / 2**30:.2f} GiB", None)
+            notes.append(f"offload: {what}: refused: its plan holds {held / 2**30:.3g} GiB of "
+                         f"host memory per device, more than the hardware profile's "
+                         f"{limit / 2**30:.3g} GiB")
             continue
         found.append((plan.cost.step_time_s, len(inputs), chosen, host, plan))
     if not found:
@@ -128,7 +127,42 @@ def plan_offloaded(graph, mesh, cost_model, options, error: BudgetError, plan_la
         Offload(g.inputs, g.outputs, tuple(graph.input_paths[k] for k in g.inputs), held,
                 2 * cost_model.hw.host_transfer_s(moved), error.least_bytes)
         for g, (moved, held) in zip(chosen, host))
-    return dataclasses.replace(plan, offload=records, graph_fingerprint=graph.fingerprint())
+    return dataclasses.replace(plan, offload=records, graph_fingerprint=graph.fingerprint(),
+                               notes=tuple(plan.notes) + tuple(notes))
+
+
+def candidate_sets(groups, excess: float | None, mesh) -> list[list]:
+    """The sets of ``groups`` tried, in order: the fewest, largest first, whose bytes spread
+    over the mesh cover ``excess`` (the bytes per device the step lacks; None: unknown), then
+    every group."""
+    n_dev = 1
+    for size in dict(mesh).values():
+        n_dev *= size
+    sets = []
+    if excess is not None and excess > 0:
+        some, covered = [], 0.0
+        for g in sorted(groups, key=lambda g: -g.nbytes):
+            some.append(g)
+            covered += g.nbytes / n_dev
+            if covered >= excess:
+                break
+        if len(some) < len(groups):
+            sets.append(some)
+    return sets + [list(groups)]
+
+
+def _which(chosen, groups) -> str:
+    """A candidate set in a note: how many of the step's groups, and their bytes."""
+    size = f"{sum(g.nbytes for g in chosen) / 2**20:.3g} MiB"
+    if len(chosen) == len(groups):
+        return f"all {len(groups)} groups ({size})"
+    return f"the {len(chosen)} largest of {len(groups)} groups ({size})"
+
+
+def _first(e: Exception) -> str:
+    """The first sentence of an error, for a note."""
+    text = str(e)
+    return text[: text.find(". ") + 1] if ". " in text else text
 
 
 def _host_bytes(graph, plan: Plan, chosen, mesh) -> list[tuple[float, float]]:

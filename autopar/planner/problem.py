@@ -103,6 +103,7 @@ class Memo:
     value_bytes: dict = dataclasses.field(default_factory=dict)   # value_bytes, by type/layouts
     edge_matrices: tuple | None = None    # descent.edge_matrices (depends on the ties)
     memory_tables: tuple | None = None    # ilp._memory_tables
+    memory_counts: tuple | None = None    # ilp._memory_counts
     group_origins: dict | None = None     # planner._group_origins
     launch_sites: tuple | None = None     # combine._sites: (the ties they were found under, sites)
     all_reduced: dict | None = None       # scatter._reduced
@@ -307,7 +308,8 @@ class _Builder:
         self.cm = cost_model
         lit = frozenset(v for v, _ in graph.literals)
         producers = {v: op.prim for op in graph.all_ops() for v in op.outs}
-        self.ctx = RuleContext(graph.values, lit, producers, self.mesh, max_strategies, clock)
+        self.ctx = RuleContext(graph.values, lit, producers, self.mesh, max_strategies, clock,
+                               sums_by_dim=cost_model.hw.platform == "cpu")
         self.groups: list[Group] = []
         self.edges: list[Edge] = []
         self.gv: dict[int, int] = {}

@@ -75,6 +75,7 @@ class RuleContext:
     mesh: Mapping[str, int]
     max_strategies: int = 96
     clock: object = None                 # planner.budget.Clock: enumeration stops when spent
+    sums_by_dim: bool = False            # XLA all-reduces a sum dim by dim (``_all_reduces``)
 
     def t(self, v: int) -> TensorType:
         return self.types[v]
@@ -391,7 +392,8 @@ def reduce_rule(op: Op, ctx: RuleContext) -> Follow:
         out = tuple(d for i, d in enumerate(s) if i not in axes)
         comms = ()
         if reduced:
-            comms = (Comm("all-reduce", ctx.per_device_bytes(op.outs[0], out), reduced),)
+            comms = _all_reduces(ctx, ctx.per_device_bytes(op.outs[0], out), reduced,
+                                 tuple(d for i, d in enumerate(s) if i in axes))
         return Strategy(fmt(out), (s,) + (None,) * (len(op.ins) - 1), (out,) * len(op.outs),
                         shard_factor(s, ctx.mesh), comms)
 
@@ -455,20 +457,36 @@ def _assignments(n_classes: int, mesh: Mapping[str, int]):
 
 
 def _with_partial(op: Op, ctx: RuleContext, name: str, ins, out: Sharding, partial: tuple[str, ...],
-                  div: int) -> list[Strategy]:
+                  div: int, summed: tuple[tuple[str, ...], ...] = ()) -> list[Strategy]:
     """A contraction whose output is partial over ``partial``: all-reduce, or reduce-scatter
-    onto one output dim (see ``_scatter``)."""
+    onto one output dim (see ``_scatter``). ``summed``: ``partial`` by the dim it sums over,
+    where several dims do (``_all_reduces``)."""
     if not partial:
         return [Strategy(name, ins, (out,), div)]
     out_v = op.outs[0]
     shape = ctx.t(out_v).shape
     res = [Strategy(name + "|AR", ins, (out,), div,
-                    (Comm("all-reduce", ctx.per_device_bytes(out_v, out), partial),))]
+                    _all_reduces(ctx, ctx.per_device_bytes(out_v, out), partial, summed))]
     for d in range(len(shape)):
         scattered = tuple(tuple(x) + (partial if i == d else ()) for i, x in enumerate(out))
         if divides(scattered, shape, ctx.mesh):
             res.append(_scatter(op, ctx, f"{name}|RS{d}", ins, out, scattered, partial, div))
     return res
+
+
+def _all_reduces(ctx: RuleContext, nbytes: float, partial: tuple[str, ...],
+                 summed: tuple[tuple[str, ...], ...] = ()) -> tuple[Comm, ...]:
+    """The all-reduces of a result partial over ``partial``: one over all of it, but where
+    ``summed`` names more than one dim summed over on its own axes (a contraction over heads
+    split on 'model' and head_dim on 'data'; a reduce_sum over two dims split on two axes),
+    XLA's partitioner all-reduces the whole result once per such dim, in turn. XLA:CPU keeps
+    them (measured on jax 0.10: two all-reduces of the full result in either axis order, one
+    over the 8 devices where one dim is split on both axes): ``ctx.sums_by_dim``. XLA:GPU's
+    collective pipeline folds such a chain into one all-reduce (``AllReduceFolder``; read in
+    XLA's source, not measured here), as is assumed for TPU."""
+    if ctx.sums_by_dim and len([grp for grp in summed if grp]) > 1:
+        return tuple(Comm("all-reduce", nbytes, tuple(grp)) for grp in summed if grp)
+    return (Comm("all-reduce", nbytes, partial),)
 
 
 def _scatter(op: Op, ctx: RuleContext, name: str, ins, out: Sharding, scattered: Sharding,
@@ -517,7 +535,9 @@ def _contract(op: Op, ctx: RuleContext, classes, label: str) -> Choices:
     strategies: list[Strategy] = []
     for (ls, rs, os_), partial in _indexed_layouts(classes, shapes, ctx):
         name = f"{fmt(ls)} {label} {fmt(rs)} -> {fmt(os_)}"
-        strategies += _with_partial(op, ctx, name, (ls, rs), os_, partial, _work_div(ls, rs, ctx))
+        summed = tuple(ls[c[0]] for c in classes if c[-1])   # per contracting dim: its axes
+        strategies += _with_partial(op, ctx, name, (ls, rs), os_, partial, _work_div(ls, rs, ctx),
+                                    summed)
     return Choices(_prune(strategies, ctx, op))
 
 

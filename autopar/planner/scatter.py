@@ -37,6 +37,13 @@ def scattered(prob: Problem, g, op_id: int, i: int, axes, choice) -> bool:
     return True
 
 
+def last_reduce(comms):
+    """The one of an op's collectives that XLA may make a reduce-scatter of: its last
+    all-reduce (a sum over several split dims is all-reduced dim by dim, each all-reduce read
+    only by the next: ``rules._all_reduces``), or None."""
+    return next((c for c in reversed(comms) if c.kind == "all-reduce"), None)
+
+
 def scattered_values(prob: Problem, choice) -> dict[int, int]:
     """Value -> the device count its all-reduce scatters it over, for every all-reduced result
     XLA makes a reduce-scatter of under ``choice``."""
@@ -44,12 +51,12 @@ def scattered_values(prob: Problem, choice) -> dict[int, int]:
     for v, (g, op_id) in _reduced(prob).items():
         grp = prob.groups[g]
         i = choice[g]
-        for c in grp.members[op_id][i].comms:
-            if c.kind == "all-reduce" and scattered(prob, grp, op_id, i, c.axes, choice):
-                n = 1
-                for a in c.axes:
-                    n *= prob.mesh[a]
-                out[v] = n
+        c = last_reduce(grp.members[op_id][i].comms)
+        if c is not None and scattered(prob, grp, op_id, i, c.axes, choice):
+            n = 1
+            for a in c.axes:
+                n *= prob.mesh[a]
+            out[v] = n
     return out
 
 
