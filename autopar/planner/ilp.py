@@ -707,10 +707,16 @@ def _memory_error(p: Problem, cost_model, budget: float, allowed, clock: Clock,
     if not explain:
         return BudgetError(f"{where} (the smallest that fits was not sought)")
     # the search for the smallest budget (an error's advice) gets what is left of the call's
-    # time, at least a tenth of it: not MIN_MEMORY_CUTS full solves after the time ran out
-    left = max(clock.limit_s - clock.elapsed_s(), 0.1 * clock.limit_s)
+    # time, at least a tenth of it: not MIN_MEMORY_CUTS full solves after the time ran out. On
+    # the deterministic clock it gets the whole limit, whatever the wall clock says: what was
+    # left of the wall clock made the advice (and an offload or recompute search that starts
+    # from it) depend on the machine's load (a small GPT's least budget: 2.0 MB idle, 3.6 MB
+    # with the host busy, so a test's budget under it found nothing to offload)
+    left = (clock.limit_s if clock.deterministic
+            else max(clock.limit_s - clock.elapsed_s(), 0.1 * clock.limit_s))
     need = min_memory_bytes(p, cost_model, allowed, time_limit_s=min(10.0, left),
-                            wall_s=min(clock.solver_wall_s(), left))
+                            wall_s=math.inf if clock.deterministic
+                            else min(clock.solver_wall_s(), left))
     if need is None:
         return BudgetError(f"{where}, and the smallest budget that fits was not found within "
                          f"time_limit_s={clock.limit_s:g}. Raise memory_budget, use a larger "
