@@ -1,0 +1,55 @@
+"""The planner's search stops work that cannot change its answer (issue 28: planning time of the
+memory decisions), and the plans stay as they were."""
+from __future__ import annotations
+
+import functools
+
+import autopar
+from autopar import planner
+from autopar.models import zoo
+from autopar.planner import ilp
+
+TINY = zoo.Config(layers=1, width=32, ff=64, heads=4, batch=8)
+
+
+@functools.cache
+def _nnx_lm():
+    return zoo.nnx_lm(TINY, abstract=True)
+
+
+def _plan():
+    fn, *args = _nnx_lm()
+    return autopar.plan(fn, *args, mesh={"data": 8}, hardware="h100", time_limit_s=5,
+                        deterministic=True)
+
+
+def test_a_start_whose_solve_cannot_beat_the_plan_in_hand_stops(monkeypatch):
+    """The descent's plan fits and is in hand; a hand-written start whose CP-SAT bound reaches
+    that plan's ``kept_s`` stops (``ilp.CannotBeat``) and is dropped as a seed. The bound is a
+    proof: each stopped solve, run again to its end, returns no solution below it, and given a
+    plan in hand just above its own optimum it is not stopped. And the plan is the one planned
+    without the stop."""
+    solve, calls = ilp.solve, []
+
+    def spy(*args, **kwargs):
+        try:
+            return solve(*args, **kwargs)
+        except ilp.CannotBeat:
+            calls.append((args, kwargs))
+            raise
+
+    monkeypatch.setattr(ilp, "solve", spy)
+    plan = _plan()
+    assert calls, "no start's solve was stopped by its bound"
+    for args, kwargs in calls:
+        whole = solve(*args, **{**kwargs, "beat_s": None})
+        assert whole.objective_s >= kwargs["beat_s"] * (1 - 1e-12), (whole, kwargs["beat_s"])
+        above = solve(*args, **{**kwargs, "beat_s": whole.objective_s * (1 + 1e-6)})
+        assert above.objective_s == whole.objective_s
+
+    monkeypatch.setattr(ilp, "solve", solve)
+    monkeypatch.setattr(planner, "_in_hand_s", lambda *a: None)
+    unstopped = _plan()
+    assert plan.choices == unstopped.choices
+    assert plan.input_shardings == unstopped.input_shardings
+    assert plan.cost.step_time_s == unstopped.cost.step_time_s
