@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import functools
 
+import pytest
+
 import autopar
+import cost_models
+import ir
 from autopar import planner
-from autopar.models import zoo
-from autopar.planner import ilp
+from autopar.errors import BudgetError
+from autopar.models import gpt, zoo
+from autopar.planner import ilp, problem
 
 TINY = zoo.Config(layers=1, width=32, ff=64, heads=4, batch=8)
 
@@ -53,3 +58,30 @@ def test_a_start_whose_solve_cannot_beat_the_plan_in_hand_stops(monkeypatch):
     assert plan.choices == unstopped.choices
     assert plan.input_shardings == unstopped.input_shardings
     assert plan.cost.step_time_s == unstopped.cost.step_time_s
+
+
+def test_a_solve_its_memory_bound_rules_out_raises_without_a_model(monkeypatch):
+    """Where every plan's memory by the model's own constraints (``ilp.memory_lower_bound``)
+    exceeds the budget, ``ilp.solve`` raises the BudgetError CP-SAT's proof of infeasibility
+    gave, without building the model; with room above the bound it solves as before."""
+    mesh = {"data": 2, "model": 4}
+    cm = cost_models.CostModel(cost_models.hardware("h100"), mesh)
+    cfg = gpt.GPTConfig(layers=2, d_model=32, heads=2, d_ff=64, seq=16, vocab=64)
+    p = problem.build(ir.trace(*gpt.abstract(cfg, 8)), mesh, cm)
+    least = ilp.memory_lower_bound(p, {})
+    below = least - ilp._rounding_bytes(p) - 4096
+
+    def proved(**kw):
+        with pytest.raises(BudgetError) as e:
+            ilp.solve(p, cm, below, 5.0, explain=False, **kw)
+        return str(e.value)
+
+    built = []
+    build = ilp._build
+    monkeypatch.setattr(ilp, "_build", lambda *a, **k: built.append(1) or build(*a, **k))
+    skipped = proved()
+    assert not built
+    monkeypatch.setattr(ilp, "memory_lower_bound", lambda *a: 0.0)   # CP-SAT proves it
+    assert proved() == skipped and built
+    monkeypatch.undo()
+    assert ilp.solve(p, cm, least * 2, 5.0, explain=False).status == "OPTIMAL"

@@ -399,6 +399,15 @@ def solve(p: Problem, cost_model, memory_budget: float | None = None, time_limit
     solution of this solve comes in below it, the solve stops and raises ``CannotBeat``
     (a solve that completes, however slow its plan, returns it as before)."""
     clock = clock or Clock(time.perf_counter(), time_limit_s)
+    if memory_budget is not None and (memory_lower_bound(p, allowed or {})
+                                      > min(memory_budget, MAX_BUDGET) + _rounding_bytes(p)):
+        # infeasible by the model's own memory constraints: the error CP-SAT's proof would
+        # give, without building the model (transformers' Llama-7B at two sequences a device,
+        # before its recomputation: 1.3 s of the call, folded and full graph); the smallest
+        # budget is not sought once the call has spent its limit (a proof that the clock
+        # would have cut short before)
+        raise _memory_error(p, cost_model, memory_budget, allowed, clock,
+                            explain and not clock.spent())
     start, name = _start(p, cost_model, memory_budget, allowed, hint, clock, hint_name)
     fits = memory_budget is None or memory_of(p, _as_tuple(p, start)) <= memory_budget
     if clock.spent(SEARCH_BEFORE) and fits:
@@ -649,6 +658,13 @@ def _build(p: Problem, cost_model, memory_budget, allowed, clock: Clock | None,
         for k, cut in enumerate(cuts):
             mdl.add_cut(k, cut, limit)
     return mdl
+
+
+def _rounding_bytes(p: Problem) -> float:
+    """How far below its bytes a memory constraint of the model can count: each value's bytes
+    are rounded to the KiB (``_bytes_terms``), half a KiB at most, once per time the
+    constraint counts it."""
+    return KIB / 2 * (len(p.const_values) + max(map(len, p.mem_points), default=0))
 
 
 def _kept(p: Problem, start, status: str, bound_s: float, dt: float, size) -> Solution:
