@@ -29,30 +29,39 @@ def _plan():
 
 
 def test_a_start_whose_solve_cannot_beat_the_plan_in_hand_stops(monkeypatch):
-    """The descent's plan fits and is in hand; a hand-written start whose CP-SAT bound reaches
-    that plan's ``kept_s`` stops (``ilp.CannotBeat``) and is dropped as a seed. The bound is a
-    proof: each stopped solve, run again to its end, returns no solution below it, and given a
-    plan in hand just above its own optimum it is not stopped. And the plan is the one planned
-    without the stop."""
-    solve, calls = ilp.solve, []
+    """The descent's plan fits and is in hand; a hand-written start's solve of the whole model
+    whose CP-SAT bound reaches that plan's ``kept_s`` stops there (with what it found, else
+    ``ilp.CannotBeat``). The bound is a proof: each stopped solve, run again to its end,
+    returns no solution below it, and given a plan in hand just above its own optimum it is
+    not stopped. And the plan is the one planned without the stop."""
+    solve, stop_above, calls = ilp.solve, ilp._stop_above, []
 
     def spy(*args, **kwargs):
+        fired = []
+        monkeypatch.setattr(ilp, "_stop_above", lambda *a: fired.append(stop_above(*a))
+                            or fired[-1])
         try:
-            return solve(*args, **kwargs)
+            sol = solve(*args, **kwargs)
         except ilp.CannotBeat:
-            calls.append((args, kwargs))
-            raise
+            sol = None
+        if any(fired):
+            calls.append((args, kwargs, sol))
+        if sol is None:
+            raise ilp.CannotBeat("stopped")
+        return sol
 
     monkeypatch.setattr(ilp, "solve", spy)
     plan = _plan()
+    monkeypatch.setattr(ilp, "solve", solve)
+    monkeypatch.setattr(ilp, "_stop_above", stop_above)
     assert calls, "no start's solve was stopped by its bound"
-    for args, kwargs in calls:
+    for args, kwargs, sol in calls:
         whole = solve(*args, **{**kwargs, "beat_s": None})
         assert whole.objective_s >= kwargs["beat_s"] * (1 - 1e-12), (whole, kwargs["beat_s"])
+        assert sol is None or sol.objective_s >= whole.objective_s
         above = solve(*args, **{**kwargs, "beat_s": whole.objective_s * (1 + 1e-6)})
         assert above.objective_s == whole.objective_s
 
-    monkeypatch.setattr(ilp, "solve", solve)
     monkeypatch.setattr(planner, "_in_hand_s", lambda *a: None)
     unstopped = _plan()
     assert plan.choices == unstopped.choices
