@@ -510,12 +510,12 @@ def has_unrolled_layers(graph) -> bool:
     return len(largest_family(graph)) >= 2
 
 
-def unrolled_site(graph):
+def unrolled_site(graph, inlined=None):
     """``(flat jaxpr, ir.recompute_unrolled.UnrolledSite)`` of ``graph``'s unrolled layers (every
-    call inlined), or None."""
+    call inlined), or None; ``inlined``: that flat jaxpr, where the caller has it."""
     if not has_unrolled_layers(graph):
         return None
-    closed = flat(graph.jaxpr, inline=is_call)
+    closed = inlined if inlined is not None else flat(graph.jaxpr, inline=is_call)
     site = recompute_unrolled.find_site(closed, graph_of(closed, graph, dce=False))
     return None if site is None else (closed, site)
 

@@ -12,7 +12,9 @@ that can stop early checks the clock (``Clock``):
                                 as much as the build)
   hand-written starts           each tried only while the call is under START_BEFORE * L;
                                 their CP-SAT solves stop at START_BEFORE * L or after
-                                MIN_SOLVE_FRACTION * L, the later
+                                MIN_SOLVE_FRACTION * L, the later, and (not a time rule: a
+                                proof) a solve of the whole model once its bound shows it
+                                cannot beat a plan in hand that fits (``ilp.solve``'s beat_s)
   ILP                           skipped after SEARCH_BEFORE * L when the start fits the memory
                                 budget; its model build stops at BUDGET_FACTOR * L, and CP-SAT
                                 at BUDGET_FACTOR * L or after MIN_SOLVE_FRACTION * L, the later

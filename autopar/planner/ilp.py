@@ -382,8 +382,8 @@ CANDIDATES = 6
 def solve(p: Problem, cost_model, memory_budget: float | None = None, time_limit_s: float = 30.0,
           allowed: Mapping[int, set[int]] | None = None,
           hint: Mapping[int, int] | None = None, clock: Clock | None = None,
-          hint_name: str = "HINT", seeds=(), cuts=(), score=None, explain: bool = True
-          ) -> Solution:
+          hint_name: str = "HINT", seeds=(), cuts=(), score=None, explain: bool = True,
+          beat_s: float | None = None) -> Solution:
     """The best plan CP-SAT finds from the descent start (see the module docstring); ``clock``
     (``planner.budget``) cuts the model build and the search at the call's wall-clock budget,
     and a plan kept without the ILP is labelled by where it came from (``hint_name`` for
@@ -394,15 +394,28 @@ def solve(p: Problem, cost_model, memory_budget: float | None = None, time_limit
     (``candidates``) and its gap is over the last round's candidates.
     ``cuts``: ``memory.CopyCut``s, memory constraints that count resharded copies (added by
     ``make_plan`` when a solution's full estimate exceeds the budget). ``score``: choice -> the
-    plan's predicted step, which candidate rounds compare (``_score``)."""
+    plan's predicted step, which candidate rounds compare (``_score``). ``beat_s``: the
+    objective of a plan already in hand (``kept_s`` of it): once CP-SAT's bound shows that no
+    solution of a solve of the whole model (not a candidate round's) comes in below it, the
+    solve stops, with the best solution it has found (status FEASIBLE), or, where it has none,
+    raises ``CannotBeat``."""
     clock = clock or Clock(time.perf_counter(), time_limit_s)
+    if memory_budget is not None and (memory_lower_bound(p, allowed or {})
+                                      > min(memory_budget, MAX_BUDGET) + _rounding_bytes(p)):
+        # infeasible by the model's own memory constraints: the error CP-SAT's proof would
+        # give, without building the model (transformers' Llama-7B at two sequences a device,
+        # before its recomputation: 1.3 s of the call, folded and full graph); the smallest
+        # budget is not sought once the call has spent its limit (a proof that the clock
+        # would have cut short before)
+        raise _memory_error(p, cost_model, memory_budget, allowed, clock,
+                            explain and not clock.spent())
     start, name = _start(p, cost_model, memory_budget, allowed, hint, clock, hint_name)
     fits = memory_budget is None or memory_of(p, _as_tuple(p, start)) <= memory_budget
     if clock.spent(SEARCH_BEFORE) and fits:
         clock.note(f"time limit: returning the {name.lower()} plan without the ILP")
         return _kept(p, start, f"{name} (time limit)", 0.0, 0.0, (0, 0))
     run = _Run(cost_model, memory_budget, time_limit_s, clock, name, fits, tuple(cuts),
-               _launches(p, start, cost_model), score, explain)
+               _launches(p, start, cost_model), score, explain, beat_s)
     if flow_pairs(p) <= FULL_MODEL_PAIRS:
         return _solve_model(p, allowed, start, run)
     return _solve_candidates(p, allowed, start, seeds, run)
@@ -422,6 +435,7 @@ class _Run:
     launches: Mapping = dataclasses.field(default_factory=dict)  # combine.launch_terms
     score: Callable | None = None   # choice -> the plan's predicted step (else the objective)
     explain: bool = True  # an infeasible budget's error seeks the smallest budget that fits
+    beat_s: float | None = None   # stop once the bound shows no solution below this (seconds)
 
 
 def _score(run: _Run, sol: Solution) -> float:
@@ -491,9 +505,13 @@ def _solve_round(p: Problem, allowed, start, seeds, run: _Run, whole: bool = Tru
     small_start = {g.id: cands[p.root(g.id)].index(start[g.id]) for g in p.groups}
     launches = _launches(p, start, run.cost_model)
     try:
+        # no cutoff here: a candidate solve is short, and its plan's layouts are among auto's
+        # candidates (cut short, a hand-written start's offered others: GPT-6.7B's plan 0.06%
+        # slower)
         sol = _solve_model(small, small_allowed, small_start, dataclasses.replace(
             run, cuts=tuple(_restrict_cut(p, c, cands) for c in run.cuts),
-            launches={r: [per_i[i] for i in cands[r]] for r, per_i in launches.items()}))
+            launches={r: [per_i[i] for i in cands[r]] for r, per_i in launches.items()},
+            beat_s=None))
     except PlanError:   # the candidates may miss what fits the budget: the whole model decides
         if not whole:
             raise
@@ -545,9 +563,13 @@ def _solve_model(p: Problem, allowed, start, run: _Run) -> Solution:
     mdl.m.Minimize(sum(c * x for c, x in mdl.obj))
     size = (len(mdl.m.Proto().variables), len(mdl.m.Proto().constraints))
     solver = _solver(run.time_limit_s, clock.solver_wall_s(), size[0], repair=bool(run.cuts))
+    stopped = _stop_above(solver, run.beat_s, len(mdl.obj))
     t0 = time.perf_counter()
     status = solver.Solve(mdl.m)
     dt = time.perf_counter() - t0
+    if stopped and status == cp_model.UNKNOWN:    # cut short by the bound, nothing found
+        raise CannotBeat(f"{name}: no solution below {run.beat_s:.6g} s (CP-SAT's bound "
+                         f"{solver.BestObjectiveBound() / PS:.6g} s after {dt:.1f} s)")
     if status == cp_model.UNKNOWN and run.fits:
         # The time limit ran out before CP-SAT rebuilt a solution: keep the descent plan, which
         # fits the budget, and report the solver's bound for the gap.
@@ -559,6 +581,38 @@ def _solve_model(p: Problem, allowed, start, run: _Run) -> Solution:
     choice = tuple(picked[p.root(g.id)] for g in p.groups)
     return Solution(choice, solver.ObjectiveValue() / PS, solver.BestObjectiveBound() / PS,
                     solver.StatusName(status), dt, *size)
+
+
+class CannotBeat(PlanError):
+    """A solve given ``beat_s`` stopped before it found a solution: CP-SAT's bound showed that
+    none of its solutions has an objective below it."""
+
+
+def _stop_above(solver: cp_model.CpSolver, beat_s: float | None, terms: int) -> list:
+    """Makes ``solver`` stop once its objective bound reaches ``beat_s`` (a plan's ``kept_s``);
+    returns a list that is non-empty once it did. Each of the model's ``terms`` objective terms
+    is rounded to the nanosecond, so the bound must pass ``beat_s`` by that many nanoseconds
+    to prove that the plan priced at ``beat_s`` is no worse than every solution."""
+    fired: list = []
+    if beat_s is None or not math.isfinite(beat_s):
+        return fired
+    cutoff = _ns(beat_s) + terms
+
+    def check(bound: float) -> None:
+        if bound >= cutoff and not fired:
+            fired.append(bound)
+            solver.StopSearch()
+
+    solver.best_bound_callback = check
+    return fired
+
+
+def kept_s(p: Problem, choice) -> float:
+    """The objective ``choice`` (per group: strategy index) would have in any model of ``p``
+    at most: every edge pays its move (a model shares some of a value's moves between its
+    readers) and every all-reduce its launch (a model refunds merged ones). A solve whose bound
+    reaches it has no solution better than ``choice`` by its own objective."""
+    return _kept(p, dict(enumerate(choice)), "", 0.0, 0.0, (0, 0)).objective_s
 
 
 def _launches(p: Problem, start, cost_model) -> dict:
@@ -607,6 +661,13 @@ def _build(p: Problem, cost_model, memory_budget, allowed, clock: Clock | None,
         for k, cut in enumerate(cuts):
             mdl.add_cut(k, cut, limit)
     return mdl
+
+
+def _rounding_bytes(p: Problem) -> float:
+    """How far below its bytes a memory constraint of the model can count: each value's bytes
+    are rounded to the KiB (``_bytes_terms``), half a KiB at most, once per time the
+    constraint counts it."""
+    return KIB / 2 * (len(p.const_values) + max(map(len, p.mem_points), default=0))
 
 
 def _kept(p: Problem, start, status: str, bound_s: float, dt: float, size) -> Solution:

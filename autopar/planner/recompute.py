@@ -33,7 +33,7 @@ import time
 
 from autopar.errors import BudgetError, PlanError
 from autopar.plan import Plan, Recompute
-from autopar.planner import prune
+from autopar.planner import problem, prune
 from autopar.planner.budget import START_BEFORE, Clock
 from ir import recompute as rewrite
 from ir import recompute_unrolled as unrolled
@@ -87,7 +87,9 @@ def plan_recomputed(graph, mesh, cost_model, options, error: BudgetError, plan_l
 
         what = f"{len(sites)} scanned loop(s) ({'; '.join(s.where for s in sites)})"
     else:
-        found_site = rewrite.unrolled_site(graph) if unrolled_offered(cost_model) else None
+        # the inlined step offload's candidates read too: traced once per graph
+        found_site = (rewrite.unrolled_site(graph, problem.facts(graph).inlined)
+                      if unrolled_offered(cost_model) else None)
         if found_site is None:
             raise error
         closed, site = found_site
