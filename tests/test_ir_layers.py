@@ -24,7 +24,7 @@ def _gpt(layers: int = 4, remat: bool = False, scan: bool = False) -> ir.Graph:
 
 
 def test_unrolled_gpt_has_four_equal_layers():
-    g = _gpt()
+    g = _gpt(4)
     blocks = [layer for layer in g.layers if layer.name.startswith("GPT/layer_")]
     assert [b.name for b in blocks] == [f"GPT/layer_{i}" for i in range(4)]
     assert len({b.signature for b in blocks}) == 1 and len({len(b.op_ids) for b in blocks}) == 1

@@ -86,7 +86,8 @@ def test_each_policy_is_the_same_step_and_drops_what_it_says(lm, policy):
 
 _XLA_MEMORY = textwrap.dedent("""
     import json, os
-    os.environ["XLA_FLAGS"] = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+    os.environ["XLA_FLAGS"] = ("--xla_cpu_enable_concurrency_optimized_scheduler=false"
+                               " --xla_backend_optimization_level=0")  # as conftest: same buffers
     import jax
     from jax.extend import core as jcore
     import ir

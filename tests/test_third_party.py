@@ -87,7 +87,7 @@ def _assert_same_step(name: str, strategy: str) -> None:
 @pytest.mark.parametrize("name", MODELS)
 def test_autoparallel_matches_unsharded_step(name):
     _assert_same_step(name, "auto")
-    plan = _run(name)[0]
+    plan = _run(name, "auto")[0]          # the cached run above: the same arguments
     assert not plan.solver.status.endswith("(time limit)"), plan.solver.status
 
 
