@@ -292,12 +292,13 @@ class AutoParallel:
                   measure: bool = False) -> _Entry:
         """The entry of ``key``, planned (and built) on first use. ``measure``: ``call``'s
         arguments are arrays on the mesh's devices, so a tuned step (``tune=``) times its
-        candidates on them; an entry planned without (``lower`` of abstract arguments) is
-        planned again, tuned, at the first call that can."""
+        candidates on them; an entry planned without (``lower`` of abstract arguments: its
+        plan's ``tuned`` is empty, where a tuned plan holds at least auto's row) is planned
+        again, tuned, at the first call that can."""
         hit = self._cache.get(key)
         tune = (self._tune is not None and measure and given is None
                 and self._given_plan is None)
-        if hit is None or given is not None or (tune and not hit.tuned):
+        if hit is None or given is not None or (tune and not hit.plan.tuned):
             fn, results = call.function(self.fn, self.donate_argnums)
             traced = distributed.global_args(call.dynamic, self.host_local_argnums)
             if traced is not call.dynamic:
@@ -317,7 +318,7 @@ class AutoParallel:
                 plan = self._plan_for(graph, trace_s, given, user)
             distributed.check_same_plan(plan)
             jitted, in_shardings = codegen.build(graph, plan, self.mesh, self.donate_argnums)
-            hit = _Entry(plan, jitted, in_shardings, graph, results, tuned=tune)
+            hit = _Entry(plan, jitted, in_shardings, graph, results)
             self._cache[key] = hit
             self._executables.pop(key, None)
             if exe is not None and not self.donate_argnums:     # compiled as the step runs it
@@ -516,7 +517,6 @@ class _Entry:
     graph: ir.Graph
     results: arguments.Results
     exe: Any = None
-    tuned: bool = False      # planned by timing candidates (tune=)
 
 
 def _arrays(args) -> bool:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 import re
 import statistics
 import time
@@ -42,7 +43,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import autopar  # noqa: E402
 from autopar.models import hf, zoo  # noqa: E402
-from autopar.tune import rotated  # noqa: E402
+from autopar.tune import interleaved  # noqa: E402
 
 HAND = ("dp", "zero1", "zero2", "zero3", "megatron", "megatron_sp", "fsdp_tp")
 MESHES = ({"data": 8}, {"data": 2, "model": 4})
@@ -172,19 +173,19 @@ _LOCATION = re.compile(r"\s*\d+ \{(file_name_id|function_name_id|file_location_i
 
 def _timed(exes: dict, runs: int) -> dict:
     """Median seconds per executable over ``runs`` interleaved rounds (after a warm-up), the
-    order rotated each round (``autopar.tune.rotated``: the executable timed right after another
-    measures slower on the CPU devices); an executable whose program another already has gets
-    that one's times."""
+    order rotated each round (``autopar.tune.interleaved``, as a tuned step times its
+    candidates: the executable timed right after another measures slower on the CPU devices);
+    an executable whose program another already has gets that one's times."""
     same = _programs(exes)
-    times = {k: [] for k in exes if same[k] == k}
-    for r in range(runs + 1):
-        for k in rotated(list(times), r):   # each round starts one later: no fixed neighbours
-            exe, placed = exes[k]
-            t0 = time.perf_counter()
-            jax.block_until_ready(exe(*placed))
-            if r:
-                times[k].append(time.perf_counter() - t0)
-    return {k: (statistics.median(times[same[k]]), same[k]) for k in exes}
+
+    def run(k):
+        exe, placed = exes[k]
+        t0 = time.perf_counter()
+        jax.block_until_ready(exe(*placed))
+        return time.perf_counter() - t0
+
+    medians = interleaved({k: functools.partial(run, k) for k in exes if same[k] == k}, runs)
+    return {k: (medians[same[k]], same[k]) for k in exes}
 
 
 def run_case(case: Case, sizes: dict, runs: int, hand=HAND, tuned: bool = True) -> list[dict]:
