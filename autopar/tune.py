@@ -12,8 +12,8 @@ A tuned step therefore, on its first call with arrays on the mesh's devices:
 1. plans auto and every hand-written strategy (``request.STARTS``) and the layout the arguments
    are committed to, each as ``autopar.plan(strategy=...)`` plans it, auto held against them
    (``seed_plans``: it is never predicted slower than any);
-2. keeps those predicted within ``within`` of auto's step (``tune=True``:
-   ``validate.TUNE_WITHIN``, 10%);
+2. keeps those predicted within ``within`` of auto's step (``tune=True``: ``band``, how far
+   the cost model's ranking has been measured wrong on the hardware, at least 10%);
 3. lowers each, and compiles each distinct program once (plans of equal lowered text are one);
 4. runs each on the call's own arguments (copies placed in its layout, nothing donated; kept
    placed for the whole timing up to ``RESIDENT_BYTES``, else placed afresh before each run), a
@@ -40,6 +40,7 @@ import jax
 
 from autopar import codegen, distributed
 from autopar.errors import AutoparError
+from autopar.mesh import hardware_for
 from autopar.plan import Plan, TunedCandidate
 from autopar.request import STARTS, plan_graph
 
@@ -51,6 +52,17 @@ ROUNDS = 11
 # each run, so only one candidate's copy of the state is on the devices at a time.
 RESIDENT_BYTES = 2**30
 MARGIN = 0.02      # another plan replaces auto's only when measured at least 2% faster
+# tune=True times the plans predicted within this of auto's step at least; more where the
+# hardware profile has measured its cost model's ranking further off (``band``).
+WITHIN = 0.10
+
+
+def band(hw) -> float:
+    """The fraction of auto's predicted step within which ``tune=True`` times other plans on
+    hardware ``hw``: its profile's ``ranking_error`` (how far a plan predicted slower has been
+    measured faster: 0.25 on the CPU devices, from the zoo) and at least ``WITHIN``. A plan
+    predicted further off than the cost model has been measured wrong is not worth a compile."""
+    return max(WITHIN, float(hw.ranking_error))
 
 
 def candidates(graph, mesh, options: Mapping, *, trace_s: float, user_layout,
@@ -84,13 +96,16 @@ def candidates(graph, mesh, options: Mapping, *, trace_s: float, user_layout,
 
 
 def choose(graph, mesh, options: Mapping, args: tuple, abstract: tuple, *, trace_s: float,
-           user_layout, within: float,
+           user_layout, within: float | bool,
            timer: Callable | None = None) -> tuple[Plan, object | None]:
     """The plan a tuned step runs for ``args`` (arrays on ``mesh``'s devices) and, where it was
-    compiled without donation as the step will be, its executable (else None).
+    compiled without donation as the step will be, its executable (else None). ``within``: the
+    fraction of auto's predicted step within which others are timed, True for ``band``.
 
     ``timer(runs: {name: thunk}, rounds) -> {name: median seconds}`` times the candidates
     (default ``interleaved``); tests pass their own to fix the outcome."""
+    if within is True:      # tune=True: as far as the cost model has been measured wrong
+        within = band(hardware_for(options.get("hardware"), mesh))
     auto, near, left = candidates(graph, mesh, options, trace_s=trace_s,
                                   user_layout=user_layout, within=within)
     named = [("auto", auto), *near]

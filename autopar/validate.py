@@ -74,16 +74,14 @@ def flag(name: str, value: Any) -> bool:
     return value
 
 
-TUNE_WITHIN = 0.10     # tune=True: time the plans predicted within 10% of auto's step
-
-
-def tune(value: Any, strategy: Any, plan: Any) -> float | None:
-    """``tune=``: None when off (False), else the fraction of auto's predicted step within which
-    other plans are timed (True: ``TUNE_WITHIN``). Only auto has runners-up to time."""
+def tune(value: Any, strategy: Any, plan: Any) -> float | bool | None:
+    """``tune=``: None when off (False); True: the hardware's band (``autopar.tune.band``,
+    resolved where the hardware is known); else the fraction of auto's predicted step within
+    which other plans are timed. Only auto has runners-up to time."""
     if value is False or value is None:
         return None
     if value is True:
-        within = TUNE_WITHIN
+        within = True
     else:
         within = _real("tune", value, "True, or the fraction of auto's predicted step within "
                                       "which to time other plans, e.g. tune=0.1")

@@ -42,6 +42,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import autopar  # noqa: E402
+import cost_models  # noqa: E402
+from autopar import tune  # noqa: E402
 from autopar.models import hf, zoo  # noqa: E402
 from autopar.tune import interleaved  # noqa: E402
 
@@ -247,7 +249,8 @@ def report(rows: list[dict], summ: list[dict]) -> str:
         "logical rules, as `user` planned by autopar and as `user-jit`, the user's own "
         "`jax.jit`), auto seeded (`compare`'s rows handed to it) and unseeded "
         "(`autopar.plan`), and auto tuned (`autoparallel(tune=True)`: the plans predicted "
-        "within 10% of auto's timed in the step's own rounds, the fastest kept; its predicted "
+        f"within {tune.band(cost_models.hardware('cpu')):.0%} of auto's (the CPU profile's "
+        "measured ranking error) timed in the step's own rounds, the fastest kept; its predicted "
         "step is the chosen plan's, which may exceed auto's). Predicted by the CPU cost model; "
         "measured on 8 emulated CPU devices in interleaved rounds (medians, the order rotated "
         "each round). Plans that compile to the same program (equal HLO "

@@ -56,6 +56,10 @@ A ``Hardware`` describes one kind of device and how devices are wired:
     ``autopar``'s host offload (``ir.offload``); 0, the default, offers no offload.
     ``host_memory_bytes``: host memory one device may fill with offloaded state (0: not
     bounded).
+  * ``ranking_error``: how far this cost model's ranking of two plans has been measured wrong
+    on this hardware: a plan predicted up to ``1 + ranking_error`` times another's step was
+    measured the faster of the two. ``autoparallel(tune=True)`` times the plans predicted within
+    it of auto's (``autopar.tune.band``); 0, the default, where it was not measured.
   * ``citations``: for each figure, the document (or measurement) it comes from.
 
 Shipped profiles live in ``cost_models/profiles/<name>.json``; ``hardware(name)`` loads one.
@@ -152,6 +156,7 @@ class Hardware:
     shared_compute_devices: int = 1  # devices computing on one shared pool (1: each its own)
     host_bytes_per_s: float = 0.0    # device <-> host memory, per direction (0: no host offload)
     host_memory_bytes: float = 0.0   # host memory per device for offloaded state (0: unbounded)
+    ranking_error: float = 0.0       # a plan predicted up to 1 + this x another's measured faster
     platform: str = ""               # XLA backend compiling for it: "cpu", "gpu", "tpu" or ""
     source: str = ""
     citations: tuple[tuple[str, str], ...] = ()
@@ -329,6 +334,9 @@ def _validate(hw: Hardware) -> None:
         object.__setattr__(hw, field, _check_count(where, field, getattr(hw, field)))
     if _number(where, "host_bytes_per_s", hw.host_bytes_per_s, ">= 0") != 0:
         _check_rate(where, "host_bytes_per_s", hw.host_bytes_per_s)   # 0: no host link
+    if not 0 <= _number(where, "ranking_error", hw.ranking_error, ">= 0") <= 10:
+        raise CostModelError(f"{where}: ranking_error={hw.ranking_error!r} must be in [0, 10] (a "
+                             f"fraction of a plan's predicted step: 0.25 for 25%).")
     for field in _SIZES:
         if _number(where, field, getattr(hw, field), ">= 0") < 0:
             raise CostModelError(f"{where}: {field}={getattr(hw, field)!r} must be >= 0 bytes.")

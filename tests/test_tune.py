@@ -147,9 +147,38 @@ def test_nothing_is_timed_when_no_other_program_is_predicted_near(monkeypatch):
     step(state, batch)
     first = step.plan.tuned[0]
     assert first.strategy == "auto" and first.measured_s is None
-    assert "no other program predicted within 10%" in first.error
+    assert "no other program predicted within 25%" in first.error     # the cpu profile's band
     assert all(r.measured_s is None for r in step.plan.tuned)
     assert "no other plan was near enough" in step.plan.summary()
+
+
+def test_tune_true_times_as_far_as_the_hardware_ranking_was_measured_wrong(monkeypatch):
+    """``tune=True`` times the plans within the profile's ``ranking_error`` of auto's (0.25 on
+    the cpu profile, from the zoo), at least ``tune.WITHIN``; a fraction given is kept."""
+    import dataclasses
+
+    import cost_models
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def spy(*args, within, **kw):
+        seen.append(within)
+        raise Stop
+
+    monkeypatch.setattr(tune, "candidates", spy)
+    cpu = cost_models.hardware("cpu")
+    unmeasured = dataclasses.replace(cpu, name="cpu-unranked", ranking_error=0.0)
+    x = jax.device_put(np.ones((8, 4), np.float32))
+    for hardware, value in ((cpu, True), (unmeasured, True), (cpu, 0.5)):
+        step = autopar.autoparallel(lambda x: x * 2, mesh=_mesh(), hardware=hardware, tune=value)
+        with pytest.raises(Stop):
+            step(x)
+    assert seen == [0.25, tune.WITHIN, 0.5]
+    with pytest.raises(cost_models.CostModelError, match="ranking_error=-0.1 must be in"):
+        dataclasses.replace(cpu, ranking_error=-0.1)
 
 
 def test_interleaved_rounds_rotate_the_order():
