@@ -8,7 +8,9 @@ own rows of every batch. On the first attempt process 1 kills itself (SIGKILL) b
 final parameters to ``--out``/params.npz.
 
 ``agree``: processes that trace different steps, or hold different plans, get an AutoparError
-from the plan check; each writes what it got to ``--out``/agree.<process>.json.
+from the plan check; each writes what it got to ``--out``/agree.<process>.json. Then a tuned
+step (``tune=``) times its candidates for real, each process's times skewed the other way for
+one candidate, and records the plan it chose and its timed rows.
 
 ``pipelined``: each process drives its own stage of an MPMD pipeline (``pipelined``).
 """
@@ -111,6 +113,7 @@ def agree(a) -> None:
                         strategy=strategy, time_limit_s=0.3)
     got["plan"] = _error_of(lambda: make_step(train_step, plan=plan)(state, local_rows(batch)))
     got["global"] = _global_arrays(batch)
+    got["tuned"] = _tuned(train_step, state, batch)
     with open(os.path.join(a.out, f"agree.{info.process_id}.json"), "w") as f:
         json.dump(got, f)
 
@@ -147,6 +150,32 @@ def pipelined(a) -> None:
             out[f"{name}/{jax.tree_util.keystr(path)}"] = np.asarray(x)
     if jax.process_index() == 0:
         np.savez(os.path.join(a.out, "pipelined.npz"), **out)
+
+
+def _tuned(train_step, state, batch) -> dict:
+    """A tuned step on the global batch: every candidate timed for real, then the last one's
+    time halved on process 0 and doubled on process 1, so each process alone would choose
+    differently. What it chose and its timed rows (the same on every process if the times were
+    agreed before choosing)."""
+    from autopar import tune
+
+    real = tune.interleaved
+    skewed = []
+
+    def timer(runs, rounds):
+        medians = real(runs, rounds)
+        skewed.append(list(medians)[-1])
+        medians[skewed[-1]] *= 0.5 if jax.process_index() == 0 else 2.0
+        return medians
+
+    tune.interleaved = timer
+    step = autopar.autoparallel(train_step, mesh={"data": jax.device_count()}, hardware="cpu",
+                                time_limit_s=0.3, tune=10)      # every plan within 11x: timed
+    error = _error_of(lambda: step(state, batch))
+    plan = step.plan if error is None else None
+    return {"error": error, "skewed": skewed,
+            "strategy": plan and plan.strategy,
+            "rows": plan and [[r.strategy, r.measured_s] for r in plan.tuned]}
 
 
 def _error_of(fn) -> str | None:

@@ -203,6 +203,16 @@ def test_processes_that_trace_or_plan_differently_get_a_clear_error(tmp_path):
         assert "the plan differs across processes" in got["plan"]
         assert "plan=autopar.Plan.from_json" in got["plan"]
         assert got["global"] == [True, True, True]
+    # tune= under jax.distributed: each process timed the candidates on its own devices, and
+    # one candidate was skewed 0.5x on process 0 and 2x on process 1; the slowest process's
+    # times decide (distributed.agreed_times), so both chose alike and hold the same rows.
+    tuned = [json.loads((tmp_path / f"agree.{p}.json").read_text())["tuned"] for p in (0, 1)]
+    assert tuned[0]["error"] is None and tuned[1]["error"] is None, tuned
+    assert tuned[0]["skewed"] == tuned[1]["skewed"] and len(tuned[0]["skewed"]) == 1
+    assert tuned[0]["rows"] == tuned[1]["rows"] and tuned[0]["strategy"] == tuned[1]["strategy"]
+    timed = {name: s for name, s in tuned[0]["rows"] if s is not None}
+    assert len(timed) >= 2 and tuned[0]["skewed"][0] in timed
+    assert tuned[0]["strategy"] != tuned[0]["skewed"][0]     # process 1's doubled time counted
 
 
 class _Spans:
