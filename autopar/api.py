@@ -19,7 +19,7 @@ import ir
 from autopar import arguments, codegen, distributed, mesh_search, strategies, validate
 from autopar.errors import AutoparError, PlanError, ShardingError
 from autopar.executable import Compiled, Lowered
-from autopar.mesh import axis_sizes, concrete_mesh, on_mesh, without_mesh
+from autopar.mesh import axis_sizes, caller_axes, concrete_mesh, on_mesh
 from autopar.plan import Plan
 from autopar.request import plan_graph, resolve_deterministic
 
@@ -28,10 +28,11 @@ PLAN_OPTIONS = ("mesh", "hardware", "memory_budget", "strategy", "donate_argnums
 
 
 def _trace(fn: Callable, args, types, donate_argnums) -> tuple[ir.Graph, float]:
-    """Trace from unsharded abstract arguments: no data, and no mesh the caller's arrays carry."""
+    """Trace from unsharded abstract arguments: no data, and no mesh the caller's arrays carry
+    (the caller's context mesh only as Auto axes, for the step's own constraints)."""
     validate.check_donation_in_range(donate_argnums, len(args))
     t0 = time.perf_counter()
-    with without_mesh():
+    with caller_axes():
         graph = ir.trace(fn, *validate.abstract(args, types), donate_argnums=donate_argnums)
     return graph, time.perf_counter() - t0
 
@@ -592,9 +593,10 @@ def autoparallel(fn: Callable | None = None, *, mesh=None, hardware=None,
     ``jax.distributed`` every process calls the step alike; the arguments in
     ``host_local_argnums`` hold this process's rows of the batch (see ``autopar.distributed``).
     ``pipeline=`` (or ``plan=`` a pipelined plan) runs the step pipelined (``autopar.pipeline``).
-    ``tune=True`` (or a fraction, default 0.1) makes the first call of each signature time auto's
-    plan against every hand-written strategy's and the user's layout predicted within that
-    fraction of it, on the call's own arguments, and run the fastest (``autopar.tune``;
+    ``tune=True`` makes the first call of each signature time auto's plan against every
+    hand-written strategy's and the user's layout predicted within the hardware's measured
+    ranking error of it (``autopar.tune.band``: 25% on the CPU profile, at least 10%; or
+    ``tune=`` a fraction), on the call's own arguments, and run the fastest (``autopar.tune``;
     ``Plan.tuned`` holds the times): for machines and models where the cost model's error is
     larger than the gaps between its best plans.
     """

@@ -19,7 +19,10 @@ The traced jaxpr is evaluated again, equation by equation, inside ``jax.jit`` wi
 Pins reach everywhere: ``jit`` calls are entered; ``scan``/``while``/``cond`` bodies, ``remat``
 (its policy kept) and ``custom_jvp``/``custom_vjp`` calls are retraced with their pins in place and
 bound again with every other parameter unchanged. The numbers are the user's own program: only
-layouts change.
+layouts change. The step's own ``with_sharding_constraint`` calls are layouts too: where the
+plan pins the value one constrains (it always does, over device memory), the plan's layout
+replaces the user's (the "user" strategy plans the user's, auto may not:
+``Plan.constraints`` says which are followed), so the program runs what was priced.
 
 Before/after, for a pinned ``dot_general`` whose lhs arrives split on the wrong dim::
 
@@ -42,6 +45,7 @@ from autopar.sharding import to_spec
 from autopar.substitute import DEAD, KernelTable, Pending
 from ir import offload as ir_offload
 from ir import recompute, replay
+from ir.params import constraint_spec
 
 _INLINE = ("jit", "pjit", "closed_call", "core_call")
 # primitive -> params holding the sub-jaxprs to retrace (a tuple param holds several regions).
@@ -135,6 +139,9 @@ def eval_pinned(jaxpr, consts: Sequence, args: Sequence, table: PinTable, path=(
 
 def _eval_eqn(eqn, invals, table: PinTable, here: tuple[int, ...]) -> list:
     prim = eqn.primitive.name
+    if prim == "sharding_constraint" and (here, "out", 0) in table.chains and constraint_spec(
+            eqn.params, len(eqn.invars[0].aval.shape)) is not None:
+        return list(invals)     # the user's own constraint: the plan's pin on it decides
     if here in table.inner and prim in _INLINE and "jaxpr" in eqn.params:
         inner = eqn.params["jaxpr"]
         return eval_pinned(inner.jaxpr, inner.consts, invals, table, here)

@@ -86,6 +86,7 @@ def summary(plan, max_rows: int = 40) -> str:
     header = f"{'input':<64} {'shape':<22} spec"
     lines += mesh_candidate_lines(plan)
     lines += tuned_lines(plan)
+    lines += constraint_lines(plan)
     if plan.notes:
         lines += ["not placed as the strategy intends:"] + [f"  {n}" for n in plan.notes] + [""]
     rows = param_rows(plan)
@@ -119,6 +120,19 @@ def mesh_candidate_lines(plan) -> list[str]:
                     + ("   <- chosen" if k == 0 else
                        f"   ({c.step_time_s / plan.mesh_candidates[0].step_time_s:.2f}x)"))
         lines.append(f"  {shape:<28} {what}")
+    return lines + [""]
+
+
+def constraint_lines(plan) -> list[str]:
+    """The step's own sharding constraints (``Plan.constraints``): how many the plan follows,
+    and each one it does not, with the layout it runs instead."""
+    if not plan.constraints:
+        return []
+    other = [c for c in plan.constraints if not c.followed]
+    lines = [f"the step's own sharding constraints: {len(plan.constraints) - len(other)} of "
+             f"{len(plan.constraints)} followed" + (", not followed (asked -> planned):"
+                                                    if other else "")]
+    lines += [f"  {c.source}: {c.asked} -> {c.planned}" for c in other]
     return lines + [""]
 
 
@@ -269,7 +283,7 @@ def html(plan) -> str:
     if host:
         again += (f"{esc(host[0])}<ul>" + "".join(f"<li>{esc(r.strip())}</li>" for r in host[1:])
                   + "</ul>")
-    for shapes in (mesh_candidate_lines(plan), tuned_lines(plan)):
+    for shapes in (mesh_candidate_lines(plan), tuned_lines(plan), constraint_lines(plan)):
         if shapes:
             again += (f"{esc(shapes[0])}<ul>" + "".join(f"<li>{esc(r.strip())}</li>"
                                                         for r in shapes[1:] if r) + "</ul>")

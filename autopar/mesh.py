@@ -1,6 +1,8 @@
 """Meshes as users give them (``jax.sharding.Mesh``, ``AbstractMesh``, a dict of axis sizes)."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from collections import Counter
 from collections.abc import Mapping
@@ -79,17 +81,48 @@ def _check_distinct_devices(devices: np.ndarray, sizes: dict[str, int]) -> None:
         seen[d.id] = index
 
 
+# Set while autopar itself holds a context mesh (``on_mesh``): a trace made under it is
+# autopar's, and takes no axes from it (``caller_axes``).
+_OWN_MESH = contextvars.ContextVar("autopar_own_mesh", default=False)
+
+
+@contextlib.contextmanager
 def on_mesh(mesh: Mesh):
     """Lower and run under ``mesh`` (Auto axes) as the context mesh, whatever mesh the caller set
     with ``jax.set_mesh``: under an Explicit context mesh jax rejects the plan's Auto-axis values
     ("context mesh should match the aval mesh")."""
-    return _context(mesh)
+    token = _OWN_MESH.set(True)
+    try:
+        with _context(mesh):
+            yield
+    finally:
+        _OWN_MESH.reset(token)
 
 
 def without_mesh():
     """Trace with no context mesh: the caller's ``jax.set_mesh`` would otherwise bake its
     shardings into the traced ops, and the plan (not the context) decides every layout."""
     return _context(None)
+
+
+@contextlib.contextmanager
+def caller_axes():
+    """Trace under the axes of the caller's context mesh (``jax.set_mesh``), all of them Auto,
+    or under none where the caller set none: the step's own sharding constraints are then traced
+    as the caller's ``jax.jit`` would see them (flax's ``nn.with_logical_constraint`` makes one
+    only under a mesh), while no Explicit sharding is baked into the traced types. The plan
+    still decides every layout: codegen runs the plan's in place of each constraint
+    (``autopar.planner.constraints``)."""
+    outer = None if _OWN_MESH.get() else jax.sharding.get_abstract_mesh()
+    with _context(None):
+        if outer is None or outer.empty:
+            yield
+            return
+        auto = jax.sharding.AbstractMesh(tuple(outer.axis_sizes), tuple(outer.axis_names),
+                                         axis_types=(AxisType.Auto,) * len(
+                                             outer.axis_names))
+        with jax.sharding.use_abstract_mesh(auto):
+            yield
 
 
 def _context(mesh: Mesh | None):

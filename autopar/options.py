@@ -45,6 +45,10 @@ class PlannerOptions:
       fixed_inputs: input index -> layout the plan must use (a hand-written strategy's pins).
       op_filter: ``op_filter(op, strategy[, origins])`` returns False for op strategies a
         hand-written strategy rules out.
+      keep_constraints: the step's own ``with_sharding_constraint`` calls are pinned to the
+        layouts they ask for (the "user" strategy: the step as written); otherwise the plan
+        chooses those values' layouts as any other's (``Plan.constraints`` says which it
+        follows).
       hint: group id -> strategy index to start the solver from.
       starts: hand-written strategies auto is held against: each one's own plan is solved on
         auto's problem, the cheapest that fits the budget starts the solver, and nothing slower
@@ -79,6 +83,7 @@ class PlannerOptions:
     time_limit_s: float = 30.0
     fixed_inputs: Mapping[int, Sharding] | None = None
     op_filter: Callable[..., bool] | None = None
+    keep_constraints: bool = False
     hint: Mapping[int, int] | None = None
     starts: tuple[Any, ...] = ()
     seed_plans: tuple[Any, ...] = ()

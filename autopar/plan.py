@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sys
 from typing import Any
 
@@ -27,7 +28,8 @@ from autopar.sharding import Sharding, to_spec
 # 9: pipeline.runtime: "lockstep" or "mpmd" (an 8 plan's pipeline ran lockstep).
 # 10: solver.ruled_out: the faster start the memory budget ruled out (optional on load).
 # 11: tuned: the plans a tuned step timed before it chose (``autoparallel(tune=...)``).
-FORMAT_VERSION = 11
+# 12: constraints: the step's own sharding constraints, and the layouts the plan gives them.
+FORMAT_VERSION = 12
 # Prefix of the strategy names of ops run replicated for want of a rule (planner.rules uses it).
 FALLBACK = "replicated: "
 PIN_SLOTS = ("out", "in", "arg", "res")
@@ -212,6 +214,18 @@ class TunedCandidate:
 
 
 @dataclasses.dataclass(frozen=True)
+class Constraint:
+    """One of the step's own ``with_sharding_constraint`` calls (``autopar.planner.constraints``):
+    its source line, the layout it asks for (``*``: a dim it leaves unconstrained), the layout
+    the plan gives that value (which codegen runs), and whether the two agree."""
+
+    source: str
+    asked: str
+    planned: str
+    followed: bool
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     """A sharding plan for one function and one abstract signature.
 
@@ -247,6 +261,7 @@ class Plan:
     offload: tuple[Offload, ...] = ()       # what lives in host memory between steps (memory)
     mesh_candidates: tuple[MeshCandidate, ...] = ()   # shapes tried for an open mesh= (best first)
     tuned: tuple[TunedCandidate, ...] = ()   # plans timed before choosing (the chosen first)
+    constraints: tuple[Constraint, ...] = ()  # the step's own sharding constraints, as planned
 
     # ---- views ------------------------------------------------------------------------------
     @property
@@ -365,7 +380,9 @@ def _plan_from_dict(d) -> Plan:
         offload=_offloads(d["offload"], len(ins), len(outs)),
         mesh_candidates=tuple(_mesh_candidate(x, k) for k, x in enumerate(
             J.seq(d["mesh_candidates"], "mesh_candidates"))),
-        tuned=tuple(_tuned(x, k) for k, x in enumerate(J.seq(d["tuned"], "tuned"))))
+        tuned=tuple(_tuned(x, k) for k, x in enumerate(J.seq(d["tuned"], "tuned"))),
+        constraints=tuple(_constraint(x, k) for k, x in enumerate(
+            J.seq(d["constraints"], "constraints"))))
 
 
 def _pipeline(x, sizes):
@@ -546,6 +563,20 @@ def _tuned(x, k: int) -> TunedCandidate:
                           None if measured is None else J.number(measured, f"{where}.measured_s"),
                           J.text(d["same_as"], f"{where}.same_as"),
                           J.text(d["error"], f"{where}.error"))
+
+
+def _constraint(x, k: int) -> Constraint:
+    where = f"constraints[{k}]"
+    d = J.fields(x, where, [f.name for f in dataclasses.fields(Constraint)])
+    asked, planned = J.text(d["asked"], f"{where}.asked"), J.text(d["planned"], f"{where}.planned")
+    if not isinstance(d["followed"], bool):
+        raise AutoparError(f"{where}.followed={d['followed']!r} must be true or false")
+    dims = [re.findall(r"\*|R|-|S\([^)]*\)", t) for t in (asked, planned)]
+    if d["followed"] != (len(dims[0]) == len(dims[1])
+                         and all(a in ("*", p) for a, p in zip(*dims))):
+        raise AutoparError(f"{where}: followed={d['followed']} disagrees with asked {asked!r} "
+                           f"and planned {planned!r}")
+    return Constraint(J.text(d["source"], f"{where}.source"), asked, planned, d["followed"])
 
 
 def _spec_entry(x, where: str) -> tuple[str, str, tuple[int, ...]]:

@@ -13,7 +13,8 @@ from autopar import distributed, strategies, validate
 from autopar.mesh import axis_sizes, hardware_for
 from autopar.options import PlannerOptions, Request, checks_enabled, deterministic_default
 from autopar.plan import Plan
-from autopar.planner import make_plan
+from autopar.planner import constraints, make_plan
+from autopar.strategies.user import constraints_only
 
 
 def plan_graph(graph: ir.Graph, mesh, *, trace_s: float = 0.0, **kwargs) -> Plan:
@@ -54,12 +55,15 @@ def make_request(graph: ir.Graph, mesh, *, hardware=None, memory_budget=None, st
     op_filter = getattr(strat, "allows", None)
     budget = hw.memory_bytes if memory_budget is None else budget
     starts = handwritten_starts() if strat is None else ()
+    if strat is None and user_layout is None and constraints.has_constraints(graph):
+        user_layout = constraints_only()    # the step's own constraints: auto's hint
     if strat is None and user_layout is not None:
         starts = (*starts, user_layout)
     if checks_enabled():
         ir.verify(graph)
     opts = PlannerOptions(strategy=name, memory_budget=budget, time_limit_s=time_limit_s,
                           fixed_inputs=fixed, op_filter=op_filter, starts=tuple(starts),
+                          keep_constraints=getattr(strat, "keeps_constraints", False),
                           deterministic=resolve_deterministic(deterministic),
                           kernels=validate.kernels(kernels, hw, mesh), host_inputs=host_inputs,
                           recompute="recompute" in validate.memory_decisions(memory_decisions),

@@ -340,9 +340,15 @@ def plan_applies(plan, graph) -> None:
     layout names an op of this program and divides its output shape."""
     inputs = _input_difference(plan, graph)    # before the fingerprint, which may be edited
     if inputs is not None or plan.graph_fingerprint != graph.fingerprint():
+        here = sum(op.prim == "sharding_constraint" for op in graph.all_ops())
+        context = ("" if inputs is not None or bool(here) == bool(plan.constraints) else
+                   f" (the plan was made for a step with {len(plan.constraints)} sharding "
+                   f"constraint(s), this one has {here}: flax's nn.with_logical_constraint makes "
+                   f"them only under a mesh, so plan and run the step both inside "
+                   f"jax.set_mesh(mesh), or both outside)")
         raise PlanError(f"the loaded plan was made for another program: {_difference(plan, graph)}"
-                        f"; plan again for this step, or call it with the arguments the plan was "
-                        f"made for")
+                        f"{context}; plan again for this step, or call it with the arguments the "
+                        f"plan was made for")
     if plan.recompute:        # its ops are those of the step its recomputation rewrites
         graph = _recomputed(plan, graph)
     if plan.offload:          # ... and its offload (``ir.offload``) streams

@@ -36,7 +36,7 @@ from ir.errors import UnsupportedPrimitiveError
 from ir.flops import FLOP_RULES, NOT_CONST, Cost, fold, op_cost
 from ir.graph import Graph, Op, Region, TensorType
 from ir.layers import find_layers
-from ir.params import reduce_params
+from ir.params import CONSTRAINT, constraint_spec, reduce_params
 
 # primitive -> param holding the jaxpr to inline, and the scope marker (None: no marker).
 INLINE_RULES: dict[str, tuple[str, str | None]] = {
@@ -234,6 +234,8 @@ def _eqn_ids(b: _Builder, eqn: Any, env: dict[Any, int]) -> tuple[tuple[int, ...
 def _plain_op(b: _Builder, eqn: Any, env: dict[Any, int], ctx: _Ctx) -> Op:
     ins, outs = _eqn_ids(b, eqn, env)
     params = reduce_params(eqn.params)
+    if eqn.primitive.name == "sharding_constraint":     # the user's layout, read for the planner
+        params += ((CONSTRAINT, constraint_spec(eqn.params, len(eqn.invars[0].aval.shape))),)
     in_t = [b.values[v] for v in ins]
     out_t = [b.values[v] for v in outs]
     folded, splat = fold(eqn.primitive.name, [b.splats.get(v, NOT_CONST) for v in ins])

@@ -65,3 +65,31 @@ def _other_plain(v: Any) -> Any:
     if hasattr(v, "__dataclass_fields__"):
         return tuple((f, to_plain(getattr(v, f))) for f in v.__dataclass_fields__)
     return str(v)
+
+
+# A user's ``with_sharding_constraint`` (``sharding_constraint``): the layout it asks for, read
+# into the planner's form (one tuple of mesh axis names per dim, None for a dim the user left
+# ``UNCONSTRAINED``), under the key ``CONSTRAINT`` of the op's params.
+CONSTRAINT = "user_spec"
+
+
+def constraint_spec(params: dict[str, Any], rank: int) -> tuple | None:
+    """The layout a ``sharding_constraint`` equation's ``params`` ask for, as
+    ``((axes of dim 0), ...)`` with None for an unconstrained dim; None when it is not a named
+    layout over device memory (a ``GSPMDSharding``, a move to host memory), which the planner
+    then leaves as the user wrote it."""
+    sharding = params.get("sharding")
+    spec = getattr(sharding, "spec", None)
+    if spec is None or getattr(sharding, "memory_kind", None) not in (None, "device"):
+        return None
+    free = set(params.get("unconstrained_dims") or ())
+    dims = []
+    for d in range(rank):
+        entry = spec[d] if d < len(spec) else None
+        if d in free or entry is type(spec).UNCONSTRAINED or str(entry) == "UNCONSTRAINED":
+            dims.append(None)
+        elif entry is None:
+            dims.append(())
+        else:
+            dims.append(tuple(entry) if isinstance(entry, (tuple, list)) else (str(entry),))
+    return tuple(dims)

@@ -19,6 +19,7 @@ from autopar.options import PlannerOptions, Request
 from autopar.plan import Collective, CostBreakdown, Plan, SolverStats
 from autopar.planner import (
     combine,
+    constraints,
     descent,
     ilp,
     kernel_choice,
@@ -269,6 +270,8 @@ def _pinned(prob: problem.Problem, strat, allowed) -> tuple[str, dict[int, set[i
         fixed = _allowed(prob, strat.fix_inputs(prob.graph, sizes))
         if getattr(strat, "allows", None) is not None:
             _filtered(prob, strat.allows, fixed)
+        if getattr(strat, "keeps_constraints", False):
+            constraints.restrict(prob, fixed)
     except (ShardingError, PlanError):
         return None
     return getattr(strat, "name", "start"), {**fixed, **allowed}
@@ -467,7 +470,7 @@ def _foldable(graph: Graph, options: PlannerOptions):
     nothing pins inputs, filters ops, hints groups or chooses kernels by the full graph's
     indices."""
     if (not options.fold or options.fixed_inputs or options.op_filter is not None
-            or options.hint or options.kernels != "never"):
+            or options.keep_constraints or options.hint or options.kernels != "never"):
         return None
     return fold(graph)
 
@@ -485,6 +488,8 @@ def _make_plan(graph: Graph, mesh: Mapping[str, int], cost_model, options: Plann
     allowed = _allowed_in_time(prob, options, clock)
     if options.op_filter is not None:
         _filtered(prob, options.op_filter, allowed)
+    if options.keep_constraints:      # the user's strategy: the step's constraints as written
+        constraints.restrict(prob, allowed)
     prob = prob.untied(allowed)
     hint, hint_name, seeds = options.hint, "HINT", []
     if clock.spent(SEARCH_BEFORE):
@@ -860,4 +865,5 @@ def assemble(prob: problem.Problem, choice, cm, hardware_name: str, strategy: st
     return Plan(tuple(prob.mesh.items()), hardware_name, strategy, g.fingerprint(),
                 g.input_paths, g.output_paths, tuple(g.values[v].shape for v in g.inputs),
                 in_layout, out_layout, pins.pins(prob, choice), choices, tuple(colls), cost, stats,
-                in_tree=g.in_tree, out_tree=g.out_tree)
+                in_tree=g.in_tree, out_tree=g.out_tree,
+                constraints=constraints.followed(prob, choice))

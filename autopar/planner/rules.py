@@ -156,6 +156,10 @@ ELEMENTWISE = (
     "population_count", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh",
     "lgamma", "digamma", "igamma", "bessel_i0e", "bessel_i1e", "conj", "optimization_barrier",
     "device_put",   # a move between memory spaces (ir.offload): the value keeps its layout
+    # the user's own ``with_sharding_constraint``: the value as it is, in the layout the plan
+    # chooses; codegen enforces the plan's (the "user" strategy pins the user's: the
+    # ``user_spec`` that ``ir`` read off the equation)
+    "sharding_constraint",
 )
 _WEAK_PRODUCERS = {"broadcast_in_dim", "iota", None}
 

@@ -16,9 +16,12 @@ layouts the arguments are committed to (``jax.Array``s on a ``NamedSharding``, o
 ``ShapeDtypeStruct``s carrying one); ``strategy="user"`` does this for the arguments of the
 call.
 
-Only the inputs are pinned, as for every hand-written strategy (``autopar.strategies``): the
-planner fills in every activation under the same cost model, so the row is the user's layout
-with the planner's best activation layouts. Auto is held against it (``autopar.compare`` hands
+The inputs are pinned, and so are the values the step's own ``with_sharding_constraint`` calls
+constrain (flax's ``nn.with_logical_constraint`` makes them under a mesh): the planner fills in
+every other activation under the same cost model, so the row is the user's layout, the step as
+written, with the planner's best layouts where the user left them open. A step whose only
+layout is its constraints (arguments not committed) has ``constraints_only()`` as its user
+layout. Auto is held against it (``autopar.compare`` hands
 it to auto; ``autopar.plan``/``autoparallel`` hold auto against the arguments' committed layouts
 when they have any), takes it as a start, and is not bound by it.
 """
@@ -36,7 +39,7 @@ from autopar.errors import ShardingError
 from autopar.sharding import Sharding
 from ir import Graph
 
-__all__ = ["FROM_ARGUMENTS", "UserLayout", "from_arrays", "user"]
+__all__ = ["FROM_ARGUMENTS", "UserLayout", "constraints_only", "from_arrays", "user"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +49,9 @@ class UserLayout:
     in_shardings: Any
     rules: tuple = ()
     name: str = "user"
+    # the step's own with_sharding_constraint calls are part of the user's layout: planned as
+    # written (``autopar.planner.constraints``)
+    keeps_constraints = True
 
     def fix_inputs(self, graph: Graph, mesh: Mapping[str, int]) -> dict[int, Sharding]:
         """Input index -> layout for every input the user's layout names (None: left open)."""
@@ -93,6 +99,12 @@ def resolve(strategy, args) -> Any:
                             "jax.device_put them onto your layout first, or pass "
                             "strategy=autopar.strategies.user(in_shardings)")
     return found
+
+
+def constraints_only(name: str = "user") -> UserLayout:
+    """The user's layout of a step whose arguments carry none: the step's own sharding
+    constraints, every input left to the planner."""
+    return UserLayout(None, (), name)
 
 
 def user(in_shardings: Any, *, rules=None, name: str = "user") -> UserLayout:
