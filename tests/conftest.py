@@ -35,18 +35,28 @@ def mesh_2x4():
     return jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
 
 
+# Files whose tests share nothing in the worker's process: each runs a subprocess (a benchmark's
+# --quick mode), a notebook's kernel or a docs page in a fresh namespace. Scheduled test by test.
+ONE_BY_ONE = frozenset(f"tests/test_{name}.py" for name in ("benchmarks_quick", "docs",
+                                                            "notebooks"))
+
+
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """``--dist loadfile`` (``make test``) with a file that imports another test file kept on
-    that file's worker: test_compare reads test_strategies' cached ``autopar.compare`` run
-    (eight strategies planned, compiled and timed), which a second worker would repeat."""
+    """``--dist loadfile`` (``make test``), two changes. A file that imports another test file
+    runs on that file's worker: test_compare reads test_strategies' cached ``autopar.compare``
+    run (eight strategies planned, compiled and timed), which a second worker would repeat.
+    The tests of ``ONE_BY_ONE`` are units of their own: xdist hands out the units with the
+    most tests first, so these come last, in pieces of under a minute on a quiet host, and even
+    out the workers' ends (whole, the benchmarks' file is about 5 minutes on one worker)."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
     class SharedFileScheduling(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return _home(nodeid.split("::", 1)[0])
+            path = nodeid.split("::", 1)[0]
+            return nodeid if path in ONE_BY_ONE else _home(path)
 
     return SharedFileScheduling(config, log)
 
