@@ -4,7 +4,8 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-# Test workers: one per core (pytest-xdist), files kept whole so module fixtures are built once.
+# Test workers: one per core (pytest-xdist), files kept whole so module fixtures are built once
+# (but for files whose tests share nothing: tests/conftest.py's scheduler).
 JOBS ?= auto
 
 .PHONY: demo test lint setup clean

@@ -180,8 +180,11 @@ def test_nnx_scan_model_recomputes_and_matches():
 def test_budget_below_full_recomputation_says_so():
     small = dataclasses.replace(CFG, layers=2, seq=32)
     step, state, batch = gpt.abstract(small, 8)
+    # time_limit_s bounds each of the error's smallest-budget solves (up to seven rounds on
+    # the deterministic clock: most of this test's time at 2 s); that advice is not what this
+    # test checks. At 0.5 s the error is the same BudgetError, its least budget 12% higher
     with pytest.raises(autopar.BudgetError, match="Recomputing the saved values"):
-        autopar.plan(step, state, batch, mesh=_mesh(), hardware="cpu", time_limit_s=2,
+        autopar.plan(step, state, batch, mesh=_mesh(), hardware="cpu", time_limit_s=0.5,
                      memory_budget=2 ** 16, memory_decisions=("recompute",))
 
 
