@@ -36,7 +36,7 @@ FLOW_PAIRS_MAX = 400
 
 
 class Layouts(Family):
-    """The layouts family (module docstring). ``allowed``: root -> the strategies it may run;
+    """The layouts family (module docstring). ``allowed``: group -> the strategies it may run;
     ``launches``: ``combine.launch_terms`` of the combiner's launches, each ``launch_s``;
     ``clock``: raises ``OutOfTime`` while the edges are built once its budget is spent;
     ``priced``: False for a model of memory alone (``ilp.min_memory``): no costs, no edges."""
