@@ -141,14 +141,15 @@ def test_memory_lower_bound_is_below_every_plan_it_allows():
 
 def _solver_kib(prob, choice) -> int:
     """The largest of the solver's memory constraints' left sides (KiB) under ``choice``."""
-    from autopar.planner import ilp
+    from autopar.planner.families import Model
+    from autopar.planner.families.layouts import Layouts
 
-    mdl = ilp._Model(prob, None)
-    always = mdl._bytes_terms(prob.const_values)
+    mdl = Model(prob)
+    always = Layouts.bytes_terms(mdl, prob.const_values)
     out = 0
     for live in prob.mem_points or [[]]:
         terms = dict(always)
-        for key, c in mdl._bytes_terms(live).items():
+        for key, c in Layouts.bytes_terms(mdl, live).items():
             terms[key] = terms.get(key, 0) + c
         out = max(out, sum(c for (r, i), c in terms.items() if choice[r] == i))
     return out

@@ -1,24 +1,24 @@
-"""The sharding ILP, solved with OR-tools CP-SAT.
+"""The sharding ILP, solved with OR-tools CP-SAT, assembled from decision families.
 
-Variables
-  x[g, i] ∈ {0,1}   group g (see ``problem.py``) runs its strategy i; Σ_i x[g, i] = 1  (``pick:g``).
-                    Tied groups (repeated layers) share the variables of their representative.
-  y[e, o, r] ∈ {0,1} edge e moves its value from distinct source layout o to needed layout r.
-                    Σ_r y[e,o,r] = Σ_{i: layout_i = o} x[src, i]          (``flow-out:e:o``)
-                    Σ_o y[e,o,r] = Σ_{j: need_j = r} x[dst, j]            (``flow-in:e:r``)
-                    (an edge with one source or one needed layout needs no y: its cost is linear)
-  c[e] ≥ 0          instead of y, for an edge with over FLOW_PAIRS_MAX layout pairs (big-M):
-                    c[e] ≥ Σ_i cost(layout_i, r)·x[src,i] - M_r·(1 - Σ_{j: need_j = r} x[dst,j])
-                                                                        (``edge:e``)
+Each family (``planner/families``: its protocol in ``families/__init__.py``) brings its
+variables, named constraints, memory terms, objective terms, a start and a read-back:
 
-Objective  min Σ_g Σ_i (compute_s + comm_s)[g,i]·x[g,i]
-               + Σ_e Σ_{o,r} mult_e·reshard_s(o→r)·y[e,o,r] + Σ_e c[e]
+  layouts   ``families/layouts.py``: one-hot x[g, i] per decision group, resharding edges
+            (flows, shared moves, big-M edges), the combiner's launches, ``allowed`` pins;
+  kernels   ``families/kernels.py``: a fused kernel or XLA per kernel site (``kernels="auto"``
+            or ``"always"``).
 
-Memory     for each check point p of the schedule (``mem:p``):
-           Σ_{v always live or live at p} bytes_v(i)·x[g(v), i] ≤ budget
+Objective  min Σ over the families of their time terms (integer nanoseconds).
 
-Costs are scaled to integer nanoseconds and bytes to KiB. One worker and a deterministic time
-limit keep the answer the same from run to run.
+Memory     for each check point p of the schedule (``memory:p``), and each copy cut
+           (``memory:cut:k``, added by ``make_plan`` when a plan's full estimate exceeds the
+           budget): Σ over the families of their KiB at p ≤ budget.
+
+``_build`` makes the model: per family in order ``variables`` then ``constraints``, then the
+memory constraints, then the objective terms; ``_solve_model`` adds every family's start and
+reads the choice back from the layouts. ``solve(..., families=)`` appends more families (a test
+or a new decision) to the two above. One worker and a deterministic time limit keep the answer
+the same from run to run.
 """
 from __future__ import annotations
 
@@ -32,21 +32,24 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from autopar.errors import BudgetError, PlanError
-from autopar.planner import combine, kernel_choice
-from autopar.planner.budget import BUDGET_FACTOR, SEARCH_BEFORE, Clock
+from autopar.planner import combine
+from autopar.planner.budget import SEARCH_BEFORE, Clock
+from autopar.planner.families import (
+    KIB,
+    PS,
+    Model,
+    OutOfTime,
+    cut_point,
+    memory_expr,
+    memory_points,
+    ns,
+)
+from autopar.planner.families.kernels import Kernels
+from autopar.planner.families.layouts import Layouts
 from autopar.planner.problem import Problem, flow_pairs, restrict, value_bytes
 
-# Integer units of the model. CP-SAT's LP works in doubles: with picoseconds a large model's
-# objective passed 2^53, presolve discarded a feasible hint and the bound rose above a known
-# solution. Nanoseconds and KiB keep every sum exact.
-PS = 1e9
-KIB = 1024.0
-# Edges with more (source layout, needed layout) pairs than this use the big-M form.
-FLOW_PAIRS_MAX = 400
 # Memory budgets above this many bytes cannot bind; capping keeps the KiB bound inside int64.
 MAX_BUDGET = 2.0**62
-# One objective term's cap (2**50 ns is 13 days): even 8192 terms at the cap sum inside int64.
-MAX_NS = 2.0**50
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,268 +69,6 @@ class Solution:
             return 0.0
         return max(0.0, (self.objective_s - self.bound_s) / self.objective_s)
 
-
-class _Model:
-    def __init__(self, p: Problem, cost_model):
-        self.p, self.cm = p, cost_model
-        self.m = cp_model.CpModel()
-        self.x: dict[int, list] = {}
-        self.obj: list = []
-        self.flows: list = []   # (edge, y vars) for completing hints
-        self.edge_costs: list = []  # (c_e, edge, scaled costs) of big-M edges, for hints
-        self.shares: list = []      # (edges, u vars) of shared edge sets, for hints
-        self.copies: list = []      # (c, before, after vars, ...) of copy cuts, for hints
-        self.launch_sets: dict = {}  # (level, axes) -> z var: one launch per merged set
-        self.launch_uses: list = []  # (root, strategy, keys) behind the z vars, for hints
-        self.root = {g.id: self._root(g.id) for g in p.groups}
-        for g in p.groups:
-            if self.root[g.id] == g.id:
-                self.x[g.id] = [self.m.NewBoolVar(f"x{g.id}_{i}") for i in range(g.n)]
-                self.m.AddExactlyOne(self.x[g.id]).WithName(f"pick:{g.id}")
-
-    def _root(self, g: int) -> int:
-        return self.p.root(g)
-
-    def xs(self, g: int) -> list:
-        return self.x[self.root[g]]
-
-    def reshard(self, v: int, src, dst) -> float:
-        return self.p.reshard_s(v, src, dst)
-
-    def add_group_costs(self) -> None:
-        """One term per root strategy: tied groups' costs are summed first."""
-        for r, cost in self.p.root_costs().items():
-            self.obj += [(_ns(c), x) for c, x in zip(cost, self.x[r]) if c > 0]
-
-    def add_launches(self, terms, launch_s: float) -> None:
-        """XLA's all-reduce combiner (``combine.launch_terms``): each top-level all-reduce is
-        charged without its launch, and each merge set it joins, ``z[level, axes]`` (at least
-        every strategy whose all-reduces join it: ``launch:...``), one launch per execution."""
-        for r, per_i in terms.items():
-            for i, (n, keys) in enumerate(per_i):
-                if not n:
-                    continue
-                x = self.x[r][i]
-                self.obj.append((-_ns(launch_s * n), x))
-                for key in sorted(keys):    # a set's order follows string hashes: sorted,
-                    z = self.launch_sets.get(key)   # the model is the same in every process
-                    if z is None:
-                        z = self.launch_sets[key] = self.m.NewBoolVar(f"z{len(self.launch_sets)}")
-                        self.obj.append((_ns(launch_s * key[-1]), z))   # once per execution
-                    self.m.AddImplication(x, z).WithName(f"launch:{r}:{i}")
-                self.launch_uses.append((r, i, keys))
-
-    def add_edges(self, clock: Clock | None = None) -> None:
-        """Edge sets (a value and its readers, ``Problem.edge_sets``) that repeat between the same
-        tied groups with the same layouts arrive as one set carrying the sum of their
-        multipliers (``Problem.merged_edge_sets``), so the model does not grow with depth.
-        Raises _OutOfTime when ``clock``'s budget is spent (the model is then discarded)."""
-        for k, es in enumerate(self.p.merged_edge_sets()):
-            if clock is not None and clock.spent(BUDGET_FACTOR):
-                raise _OutOfTime
-            if len(es) == 1:
-                self.add_edge(k, es[0])
-            else:
-                self.add_edge_set(k, es)
-
-    def add_edge_set(self, k: int, es) -> None:
-        """One value read by several groups: ``u[o, r]`` is 1 when the value, made in layout
-        ``o``, is moved to layout ``r`` for at least one reader, and carries that move's cost
-        once: u[o, r] >= y[e, o, r] for every edge e (``share:k``)."""
-        e0 = es[0]
-        have = self.p.groups[e0.src].shard[e0.value]
-        outs = _distinct(have)
-        needs = _distinct([n for e in es for n in e.need])
-        cost = {(o, r): e0.mult * self.reshard(e0.value, o, r) for o in outs for r in needs}
-        cost = {key: c for key, c in cost.items() if c > 0}
-        if not cost:
-            return
-        shared = []
-        for j, e in enumerate(es):
-            pairs = len(outs) * len(_distinct(e.need))
-            if self.root[e.src] == self.root[e.dst] or len(cost) > FLOW_PAIRS_MAX or (
-                    pairs > FLOW_PAIRS_MAX):
-                self.add_edge(f"{k}.{j}", e)     # no sharing: each reader pays its move
-            else:
-                shared.append(e)
-        if not shared:
-            return
-        u = {key: self.m.NewBoolVar(f"u{k}") for key in cost}
-        self.shares.append((shared, u))
-        for j, e in enumerate(shared):
-            for key, ind in self._indicators(f"{k}.{j}", e, have, outs).items():
-                if key in u:
-                    self.m.Add(u[key] >= ind).WithName(f"share:{k}")
-        self.obj += [(_ns(cost[key]), var) for key, var in u.items()]
-
-    def _indicators(self, k, e, have, outs) -> dict:
-        """(o, r) -> a 0/1 expression: edge ``e`` moves its value from ``o`` to ``r``."""
-        xs, xd = self.xs(e.src), self.xs(e.dst)
-        needs = _distinct(e.need)
-        if len(outs) == 1:
-            return {(outs[0], r): sum(x for x, n in zip(xd, e.need) if n == r) for r in needs}
-        if len(needs) == 1:
-            return {(o, needs[0]): sum(x for x, h in zip(xs, have) if h == o) for o in outs}
-        return self._flows(k, e, have, outs, needs)
-
-    def _flows(self, k, e, have, outs, needs) -> dict:
-        """y[o, r] with Σ_r y = [src picks o] and Σ_o y = [dst picks r]."""
-        xs, xd = self.xs(e.src), self.xs(e.dst)
-        y = {(o, r): self.m.NewBoolVar(f"y{k}") for o in outs for r in needs}
-        self.flows.append((e, y))
-        for o in outs:
-            self.m.Add(sum(y[o, r] for r in needs) == sum(x for x, h in zip(xs, have) if h == o)
-                       ).WithName(f"flow-out:{k}")
-        for r in needs:
-            self.m.Add(sum(y[o, r] for o in outs) == sum(x for x, n in zip(xd, e.need) if n == r)
-                       ).WithName(f"flow-in:{k}")
-        return y
-
-    def add_edge(self, k: int, e) -> None:
-        have = self.p.groups[e.src].shard[e.value]
-        xs, xd = self.xs(e.src), self.xs(e.dst)
-        if self.root[e.src] == self.root[e.dst]:
-            for i, x in enumerate(xs):
-                c = e.mult * self.reshard(e.value, have[i], e.need[i])
-                if c > 0:
-                    self.obj.append((_ns(c), x))
-            return
-        outs, needs = _distinct(have), _distinct(e.need)
-        cost = {(o, r): e.mult * self.reshard(e.value, o, r) for o in outs for r in needs}
-        if not any(c > 0 for c in cost.values()):
-            return
-        if len(outs) == 1 or len(needs) == 1:
-            for i, x in enumerate(xs if len(needs) == 1 else xd):
-                c = cost[(have[i], e.need[0])] if len(needs) == 1 else cost[(have[0], e.need[i])]
-                if c > 0:
-                    self.obj.append((_ns(c), x))
-            return
-        if len(outs) * len(needs) > FLOW_PAIRS_MAX:
-            self.add_edge_big_m(k, e, have, outs, needs, cost)
-            return
-        y = self._flows(k, e, have, outs, needs)
-        self.obj += [(_ns(c), y[key]) for key, c in cost.items() if c > 0]
-
-    def add_edge_big_m(self, k: int, e, have, outs, needs, cost) -> None:
-        """A large edge without pair variables: one cost variable c_e and, per needed layout r,
-        c_e >= Σ_i cost(layout_i, r)·x[src,i] - max_o cost(o, r)·(1 - z_r)  (``edge:k:r``).
-        Weaker in relaxation than the flow form, but linear in size."""
-        xs, xd = self.xs(e.src), self.xs(e.dst)
-        scaled = {key: _ns(c) for key, c in cost.items()}
-        top = max(scaled.values())
-        c_e = self.m.NewIntVar(0, top, f"c{k}")
-        self.edge_costs.append((c_e, e, scaled))
-        for r in needs:
-            z = sum(x for x, n in zip(xd, e.need) if n == r)
-            big = max(scaled[(o, r)] for o in outs)
-            if big == 0:
-                continue
-            lhs = sum(scaled[(h, r)] * x for x, h in zip(xs, have) if scaled[(h, r)])
-            self.m.Add(c_e >= lhs - big + big * z).WithName(f"edge:{k}")
-        self.obj.append((1, c_e))
-
-    def memory_exprs(self) -> list:
-        """One linear expression of per-device bytes per check point."""
-        always = self._bytes_terms(self.p.const_values)
-        exprs = []
-        for live in self.p.mem_points or [[]]:
-            terms = dict(always)
-            for key, c in self._bytes_terms(live).items():
-                terms[key] = terms.get(key, 0) + c
-            exprs.append(sum(c * self.xs(g)[i] for (g, i), c in terms.items() if c))
-        return exprs
-
-    def add_cut(self, k: int, cut, limit: int) -> None:
-        """``memory.CopyCut`` ``cut``: its live values plus each possible copy's bytes times a
-        0-1 variable c within ``limit`` KiB (``cut:k``). c >= [source makes another layout] +
-        before + after - 2, where before (after) >= [reader needs the layout] for each reader
-        at or before (after) the position (``copy:k``): minimising memory keeps them at 0
-        unless the plan makes the copy."""
-        terms = self._bytes_terms(self.p.const_values)
-        for key, c in self._bytes_terms(cut.live).items():
-            terms[key] = terms.get(key, 0) + c
-        expr = sum(c * self.xs(g)[i] for (g, i), c in terms.items() if c)
-        for size, src, other, before, after in cut.copies:
-            c, lo, hi = (self.m.NewBoolVar(f"copy{k}") for _ in range(3))
-            self.copies.append((c, lo, hi, src, other, before, after))
-            for var, readers in ((lo, before), (hi, after)):
-                for d, needs in readers:
-                    self.m.Add(var >= sum(self.xs(d)[j] for j in needs)).WithName(f"copy:{k}")
-            self.m.Add(c >= sum(self.xs(src)[i] for i in other) + lo + hi - 2
-                       ).WithName(f"copy:{k}")
-            expr += math.ceil(size / KIB) * c
-        self.m.Add(expr <= limit).WithName(f"cut:{k}")
-
-    def _bytes_terms(self, values) -> dict[tuple[int, int], int]:
-        """Per (root, strategy): KiB of ``values`` under it. The values of a repeated layer
-        repeat (root, layouts) pairs: each distinct pair is rounded once and counted (integer
-        sums: the same totals in any order), roots in the order the values first name them."""
-        counts: dict[tuple[int, int], int] = {}
-        arrays: dict[int, np.ndarray] = {}
-        for v, n in Counter(values).items():   # a folded graph repeats its twins' values
-            g = self.p.group_of_value.get(v)
-            if g is None:
-                continue
-            b = value_bytes(self.p, v)     # memoised: one array per (type, layouts)
-            kib = arrays.get(id(b))
-            if kib is None:
-                kib = arrays[id(b)] = np.rint(b / KIB).astype(np.int64)
-            key = (self.root[g], id(b))
-            counts[key] = counts.get(key, 0) + n
-        per_root: dict[int, np.ndarray] = {}
-        for (g, b), n in counts.items():
-            add = n * arrays[b]
-            per_root[g] = per_root[g] + add if g in per_root else add
-        return {(g, i): int(b) for g, arr in per_root.items() for i, b in enumerate(arr)}
-
-    def restrict(self, allowed: Mapping[int, set[int]]) -> None:
-        for g, ok in allowed.items():
-            for i, x in enumerate(self.xs(g)):
-                if i not in ok:
-                    self.m.Add(x == 0).WithName(f"fixed:{g}:{i}")
-
-    def hint(self, choice: Mapping[int, int]) -> None:
-        """A complete starting solution: x from ``choice``, every flow y implied by it."""
-        pick = {g: choice.get(g, 0) for g in self.x}
-        for g, xs in self.x.items():
-            for i, x in enumerate(xs):
-                self.m.AddHint(x, i == pick[g])
-        for e, y in self.flows:
-            o = self.p.groups[e.src].shard[e.value][pick[self.root[e.src]]]
-            r = e.need[pick[self.root[e.dst]]]
-            for (oo, rr), var in y.items():
-                self.m.AddHint(var, oo == o and rr == r)
-        for c_e, e, scaled in self.edge_costs:
-            o = self.p.groups[e.src].shard[e.value][pick[self.root[e.src]]]
-            self.m.AddHint(c_e, scaled[(o, e.need[pick[self.root[e.dst]]])])
-        for es, u in self.shares:
-            o = self.p.groups[es[0].src].shard[es[0].value][pick[self.root[es[0].src]]]
-            moved = {e.need[pick[self.root[e.dst]]] for e in es}
-            for (oo, rr), var in u.items():
-                self.m.AddHint(var, oo == o and rr in moved)
-        for c, lo, hi, src, other, before, after in self.copies:
-            lo_on = any(pick[self.root[d]] in needs for d, needs in before)
-            hi_on = any(pick[self.root[d]] in needs for d, needs in after)
-            self.m.AddHint(lo, lo_on)
-            self.m.AddHint(hi, hi_on)
-            self.m.AddHint(c, lo_on and hi_on and pick[self.root[src]] in other)
-        used = {key for r, i, keys in self.launch_uses if pick[r] == i for key in keys}
-        for key, z in self.launch_sets.items():
-            self.m.AddHint(z, key in used)
-        kernel_choice.hint(self, pick, self.p.kernel_mode)
-
-
-def _ns(seconds: float) -> int:
-    """A cost in the model's integer nanoseconds, capped at MAX_NS so that no sum of terms can
-    leave int64 (a cost that large already rules its strategy out)."""
-    return int(round(min(seconds * PS, MAX_NS)))
-
-
-def _distinct(layouts) -> list:
-    seen = {}
-    for s in layouts:
-        seen.setdefault(s, None)
-    return list(seen)
 
 
 def _solver(time_limit_s: float, wall_s: float = math.inf, num_vars: int = 0,
@@ -383,7 +124,7 @@ def solve(p: Problem, cost_model, memory_budget: float | None = None, time_limit
           allowed: Mapping[int, set[int]] | None = None,
           hint: Mapping[int, int] | None = None, clock: Clock | None = None,
           hint_name: str = "HINT", seeds=(), cuts=(), score=None, explain: bool = True,
-          beat_s: float | None = None) -> Solution:
+          beat_s: float | None = None, families=()) -> Solution:
     """The best plan CP-SAT finds from the descent start (see the module docstring); ``clock``
     (``planner.budget``) cuts the model build and the search at the call's wall-clock budget,
     and a plan kept without the ILP is labelled by where it came from (``hint_name`` for
@@ -398,7 +139,9 @@ def solve(p: Problem, cost_model, memory_budget: float | None = None, time_limit
     objective of a plan already in hand (``kept_s`` of it): once CP-SAT's bound shows that no
     solution of a solve of the whole model (not a candidate round's) comes in below it, the
     solve stops, with the best solution it has found (status FEASIBLE), or, where it has none,
-    raises ``CannotBeat``."""
+    raises ``CannotBeat``. ``families``: makers (problem -> ``families.Family``) of decision
+    families the model takes after the layouts' and the kernels', called for each model built
+    (a candidate round's problem has the candidates as its strategies)."""
     clock = clock or Clock(time.perf_counter(), time_limit_s)
     if memory_budget is not None and (memory_lower_bound(p, allowed or {})
                                       > min(memory_budget, MAX_BUDGET) + _rounding_bytes(p)):
@@ -415,7 +158,7 @@ def solve(p: Problem, cost_model, memory_budget: float | None = None, time_limit
         clock.note(f"time limit: returning the {name.lower()} plan without the ILP")
         return _kept(p, start, f"{name} (time limit)", 0.0, 0.0, (0, 0))
     run = _Run(cost_model, memory_budget, time_limit_s, clock, name, fits, tuple(cuts),
-               _launches(p, start, cost_model), score, explain, beat_s)
+               _launches(p, start, cost_model), score, explain, beat_s, tuple(families))
     if flow_pairs(p) <= FULL_MODEL_PAIRS:
         return _solve_model(p, allowed, start, run)
     return _solve_candidates(p, allowed, start, seeds, run)
@@ -436,6 +179,7 @@ class _Run:
     score: Callable | None = None   # choice -> the plan's predicted step (else the objective)
     explain: bool = True  # an infeasible budget's error seeks the smallest budget that fits
     beat_s: float | None = None   # stop once the bound shows no solution below this (seconds)
+    families: tuple = ()  # makers of families after the layouts' and the kernels' (``solve``)
 
 
 def _score(run: _Run, sol: Solution) -> float:
@@ -552,14 +296,18 @@ def _candidates(r: int, cost, start, seeds, allowed, width: int = CANDIDATES) ->
 
 def _solve_model(p: Problem, allowed, start, run: _Run) -> Solution:
     clock, name = run.clock, run.name
+    layouts = Layouts(allowed, run.launches, run.cost_model.hw.collective_launch_s,
+                      clock if run.fits else None)
+    kernels = (Kernels(p.kernel_sites, p.kernel_mode),) if p.kernel_sites else ()
+    families = (layouts, *kernels, *(make(p) for make in run.families))
     try:
-        mdl = _build(p, run.cost_model, run.memory_budget, allowed, clock if run.fits else None,
-                     run.cuts)
-        mdl.add_launches(run.launches, run.cost_model.hw.collective_launch_s)
-    except _OutOfTime:
+        mdl = _build(p, families, run.memory_budget, run.cuts)
+    except OutOfTime:
         clock.note(f"time limit while building the ILP: returning the {name.lower()} plan")
         return _kept(p, start, f"{name} (time limit)", 0.0, 0.0, (0, 0))
-    mdl.hint(start)
+    pick = {g: start.get(g, 0) for g in mdl.x}     # a complete start: every family's hints
+    for family in families:
+        family.start(mdl, pick)
     mdl.m.Minimize(sum(c * x for c, x in mdl.obj))
     size = (len(mdl.m.Proto().variables), len(mdl.m.Proto().constraints))
     solver = _solver(run.time_limit_s, clock.solver_wall_s(), size[0], repair=bool(run.cuts))
@@ -577,8 +325,7 @@ def _solve_model(p: Problem, allowed, start, run: _Run) -> Solution:
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise _no_plan(p, run.cost_model, run.memory_budget, allowed, solver, status, dt, clock,
                        mdl, run.explain)
-    picked = {r: next(i for i, x in enumerate(xs) if solver.Value(x)) for r, xs in mdl.x.items()}
-    choice = tuple(picked[p.root(g.id)] for g in p.groups)
+    choice = layouts.read_back(mdl, solver)
     return Solution(choice, solver.ObjectiveValue() / PS, solver.BestObjectiveBound() / PS,
                     solver.StatusName(status), dt, *size)
 
@@ -596,7 +343,7 @@ def _stop_above(solver: cp_model.CpSolver, beat_s: float | None, terms: int) -> 
     fired: list = []
     if beat_s is None or not math.isfinite(beat_s):
         return fired
-    cutoff = _ns(beat_s) + terms
+    cutoff = ns(beat_s) + terms
 
     def check(bound: float) -> None:
         if bound >= cutoff and not fired:
@@ -641,31 +388,27 @@ def _start(p: Problem, cost_model, memory_budget, allowed, hint, clock: Clock,
     return start, "DESCENT"
 
 
-class _OutOfTime(Exception):
-    """The wall-clock budget ran out while the ILP was being built."""
-
-
-def _build(p: Problem, cost_model, memory_budget, allowed, clock: Clock | None,
-           cuts=()) -> _Model:
-    mdl = _Model(p, cost_model)
-    mdl.add_group_costs()
-    mdl.add_edges(clock)
-    if allowed:
-        mdl.restrict(allowed)
-    if p.kernel_sites:
-        kernel_choice.add_to_model(mdl, p.kernel_sites, p.kernel_mode)
+def _build(p: Problem, families, memory_budget: float | None = None, cuts=()) -> Model:
+    """The model of ``families`` (in order: each one's variables, then its constraints; the
+    memory constraints within ``memory_budget`` at each memory point, the copy cuts ``cuts``
+    last; then each one's objective terms). Raises OutOfTime when a family's build runs out
+    of the wall-clock budget."""
+    mdl = Model(p)
+    for family in families:
+        family.variables(mdl)
+        family.constraints(mdl)
     if memory_budget is not None:
         limit = int(min(memory_budget, MAX_BUDGET) / KIB)
-        for k, expr in enumerate(mdl.memory_exprs()):
-            mdl.m.Add(expr <= limit).WithName(f"mem:{k}")
-        for k, cut in enumerate(cuts):
-            mdl.add_cut(k, cut, limit)
+        for point in memory_points(p, cuts):
+            mdl.m.Add(memory_expr(mdl, families, point) <= limit).WithName(f"memory:{point.name}")
+    for family in families:
+        family.objective(mdl)
     return mdl
 
 
 def _rounding_bytes(p: Problem) -> float:
     """How far below its bytes a memory constraint of the model can count: each value's bytes
-    are rounded to the KiB (``_bytes_terms``), half a KiB at most, once per time the
+    are rounded to the KiB (``Layouts.bytes_terms``), half a KiB at most, once per time the
     constraint counts it."""
     return KIB / 2 * (len(p.const_values) + max(map(len, p.mem_points), default=0))
 
@@ -711,12 +454,12 @@ def min_memory(p: Problem, cost_model, allowed=None, time_limit_s: float = 10.0,
     made with it fits (``make_plan`` falls back to this choice when its own does not)."""
     from autopar.planner import memory
 
-    mdl = _Model(p, cost_model)
-    if allowed:
-        mdl.restrict(allowed)
-    peak = mdl.m.NewIntVar(0, 2 ** 60, "peak")
-    for expr in mdl.memory_exprs():
-        mdl.m.Add(peak >= expr)
+    layouts = Layouts(allowed, priced=False)
+    families = (layouts,)
+    mdl = _build(p, families)
+    peak = mdl.m.NewIntVar(0, 2 ** 60, "memory:peak")
+    for point in memory_points(p):
+        mdl.m.Add(peak >= memory_expr(mdl, families, point)).WithName(f"memory:{point.name}")
     mdl.m.Minimize(peak)
     best = None
     end = time.perf_counter() + wall_s     # wall_s bounds all rounds together
@@ -731,15 +474,14 @@ def min_memory(p: Problem, cost_model, allowed=None, time_limit_s: float = 10.0,
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             raise AssertionError(f"min-memory model: {solver.StatusName(status)} "
                                  f"{mdl.m.Validate()}")
-        picked = {r: next(i for i, x in enumerate(xs) if solver.Value(x))
-                  for r, xs in mdl.x.items()}
-        choice = tuple(picked[p.root(g.id)] for g in p.groups)
+        choice = layouts.read_back(mdl, solver)
         est = memory.estimate(p, choice)
         found = (choice, max(float(solver.ObjectiveValue()) * KIB, float(math.ceil(est.peak))))
         best = found if best is None or found[1] < best[1] else best
         if est.peak <= solver.ObjectiveValue() * KIB:
             break
-        mdl.add_cut(k, memory.cut_at(p, est.peak_position), peak)
+        point = cut_point(k, memory.cut_at(p, est.peak_position))
+        mdl.m.Add(memory_expr(mdl, families, point) <= peak).WithName(f"memory:{point.name}")
     return best
 
 

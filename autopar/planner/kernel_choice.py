@@ -1,28 +1,13 @@
 """Kernel or XLA: the ILP decides, per site and layout, and the plan records what it chose.
 
-Each site ``s`` (``kernel_sites``) adds to the sharding ILP (``ilp.py``, notation there), for
-``kernels="auto"``:
-
-  y[s, o] ∈ {0,1}  the kernel replaces the site's ops, in option o (a layout of its interface
-                   values); Σ_o y[s, o] <= 1, and k[s] = Σ_o y[s, o] says "kernel".
-  Layouts          y[s, o] <= Σ_{i: layout_i(v) = o's layout of v} x[g(v), i]
-                   for every interface value v                          (``kernel-layout:s:o``)
-  XLA time saved   S[s] <= Σ_g Σ_i X[g, i] x[g, i],  S[s] <= X_max k[s]  (``kernel-saved:s``)
-  Objective        += Σ_o T_o y[s, o] - S[s]
-
-``T_o`` is the kernel's time in option o (compute and collectives), ``X[g, i]`` the replaced
-ops' time (compute and collectives) in group g's strategy i. Given the layouts the optimum is
+The ILP's variables, constraints and objective terms of the kernel sites (``kernel_sites``) are
+the kernels family's (``families/kernels.py``, with the math). Given the layouts, its optimum is
 exactly "kernel where its time is below the ops' it replaces", which is how ``choose`` reads the
-solution back. Resharding edges into and inside the replaced ops stay in the objective (the
-kernel reads the values in the same layouts, so those edges are mostly free), and the memory
-constraints ignore what the kernel saves (the probabilities of attention, the logits): the
-planner's peak memory stays an upper bound.
+solution back; ``prepare`` finds the sites before the ILP, ``finish`` records the chosen kernels
+(``attach``) and the matches left to XLA, with why, in the plan.
 
-With ``kernels="always"`` the kernels' times are 0 and leaving a site to XLA costs
-``ALWAYS_PENALTY_NS`` (one second, more than any resharding a layout change costs), so the ILP
-takes layouts a kernel can take wherever there are some, and ``choose`` takes a kernel at every
-site whose layouts fit one of its options, faster or not: a mode for testing the kernels and
-forcing them.
+With ``kernels="always"`` ``choose`` takes a kernel at every site whose layouts fit one of its
+options, faster or not: a mode for testing the kernels and forcing them.
 """
 from __future__ import annotations
 
@@ -31,9 +16,8 @@ from collections.abc import Sequence
 
 from autopar.plan import Collective, KernelUse, Plan
 from autopar.planner import problem
+from autopar.planner.families import ns
 from autopar.planner.kernel_sites import Option, Site
-
-ALWAYS_PENALTY_NS = 10**9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,69 +26,6 @@ class Chosen:
     option: Option
     saved_compute_s: float
     saved_comm_s: float
-
-
-def _ns(seconds: float) -> int:
-    from autopar.planner.ilp import _ns as ilp_ns
-
-    return ilp_ns(seconds)
-
-
-def _picks(mdl, g: int, v: int, layout) -> list:
-    """The variables of group ``g``'s strategies that lay ``v`` out as ``layout``."""
-    return [x for x, s in zip(mdl.xs(g), mdl.p.groups[g].shard[v]) if s == layout]
-
-
-def add_to_model(mdl, sites: Sequence[Site], mode: str) -> None:
-    """The variables, constraints and objective terms of the module docstring, on ``mdl``
-    (``ilp._Model``); for ``mode`` "always" the kernels' times are 0 and each site left to XLA
-    is penalised. Their handles go to
-    ``mdl.kernel_vars`` for ``hint``."""
-    mdl.kernel_vars = []
-    p, m = mdl.p, mdl.m
-    for n, site in enumerate(sites):
-        ys = [m.NewBoolVar(f"kernel{n}_{j}") for j in range(len(site.options))]
-        m.AddAtMostOne(ys)
-        for j, (o, y) in enumerate(zip(site.options, ys)):
-            for v, layout in o.layouts:
-                ok = _picks(mdl, p.group_of_value[v], v, layout)
-                m.Add(y <= sum(ok)).WithName(f"kernel-layout:{n}:{j}")
-        times = [_ns(o.time_s) if mode != "always" else 0 for o in site.options]
-        mdl.obj += [(t, y) for t, y in zip(times, ys) if t]
-        xla = None
-        if mode == "always":          # a penalty for leaving the site to XLA
-            xla = m.NewBoolVar(f"kernel{n}_xla")
-            m.Add(xla + sum(ys) == 1).WithName(f"kernel-always:{n}")
-            mdl.obj.append((ALWAYS_PENALTY_NS, xla))
-        terms = [(_ns(cs + ms), x) for g, (comp, comm) in site.savings.items()
-                 for cs, ms, x in zip(comp, comm, mdl.xs(g))]
-        most = _most(site)
-        s = m.NewIntVar(0, most, f"kernel_saved{n}")
-        m.Add(s <= sum(t * x for t, x in terms if t)).WithName(f"kernel-saved:{n}")
-        m.Add(s <= most * sum(ys)).WithName(f"kernel-saved:{n}")
-        mdl.obj.append((-1, s))
-        mdl.kernel_vars.append((site, ys, s, xla))
-
-
-def _most(site: Site) -> int:
-    """The most the replaced ops can cost, in the ILP's nanoseconds."""
-    return sum(max((_ns(a + b) for a, b in zip(comp, comm)), default=0)
-               for comp, comm in site.savings.values())
-
-
-def hint(mdl, pick: dict[int, int], mode: str) -> None:
-    """Hints for the kernel variables that complete ``pick`` (root group -> strategy): each
-    site takes its kernel exactly where ``choose`` would."""
-    choice = [pick[mdl.root[g.id]] for g in mdl.p.groups]
-    for site, ys, s, xla in getattr(mdl, "kernel_vars", ()):
-        got = _decide(mdl.p, site, choice, mode)
-        for o, y in zip(site.options, ys):
-            mdl.m.AddHint(y, got is not None and got.option == o)
-        if xla is not None:
-            mdl.m.AddHint(xla, got is None)
-        saved = sum(_ns(comp[choice[g]] + comm[choice[g]])
-                    for g, (comp, comm) in site.savings.items())
-        mdl.m.AddHint(s, min(saved, _most(site)) if got is not None else 0)
 
 
 def _compatible(prob: problem.Problem, site: Site, choice: Sequence[int]) -> Option | None:
@@ -118,12 +39,13 @@ def _compatible(prob: problem.Problem, site: Site, choice: Sequence[int]) -> Opt
     return option
 
 
-def _decide(prob: problem.Problem, site: Site, choice: Sequence[int], mode: str) -> Chosen | None:
+def decide(prob: problem.Problem, site: Site, choice: Sequence[int], mode: str) -> Chosen | None:
+    """The kernel site ``site`` runs under ``choice`` (``choose``), or None: XLA's ops."""
     option = _compatible(prob, site, choice)
     if option is None:
         return None
     comp, comm = site.saved_s(choice)
-    if mode != "always" and _ns(option.time_s) >= _ns(comp + comm):
+    if mode != "always" and ns(option.time_s) >= ns(comp + comm):
         return None
     return Chosen(site, option, comp, comm)
 
@@ -132,7 +54,7 @@ def choose(prob: problem.Problem, sites: Sequence[Site], choice: Sequence[int],
            mode: str) -> list[Chosen]:
     """The kernels the plan ``choice`` (group -> strategy) runs: every site whose layouts fit
     one of its options and (unless ``mode`` is "always") whose kernel is faster."""
-    return [c for s in sites if (c := _decide(prob, s, choice, mode)) is not None]
+    return [c for s in sites if (c := decide(prob, s, choice, mode)) is not None]
 
 
 # ---- into the plan ----------------------------------------------------------------------------

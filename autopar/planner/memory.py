@@ -120,13 +120,14 @@ in place. The forward readers of those broadcasts make their results in other la
 backward reductions, so no CSE merges them (``_unshared_broadcasts``; 0.99). ``cut_at`` (the
 ILP's copy cuts) still counts a copy from its first reader.
 
-The ILP's memory constraint (``ilp.memory_exprs``) is the linear part of this model: it checks
-the live values at the heaviest points of the schedule (every broadcast buffer included, so it
-errs on the safe side for small reductions). Resharded copies exist only for some pairs of two
-groups' choices, so they enter lazily: when a solution's full estimate exceeds the budget,
-``make_plan`` adds a ``CopyCut`` at its peak (the values live there and, per copy any plan
-could hold there, a 0-1 variable that the source's and readers' choices force on) and solves
-again, a few rounds at most; it says so when no round fits.
+The ILP's memory constraint (the layouts family's ``memory`` terms, ``families/layouts.py``)
+is the linear part of this model: it checks the live values at the heaviest points of the
+schedule (every broadcast buffer included, so it errs on the safe side for small reductions).
+Resharded copies exist only for some pairs of two groups' choices, so they enter lazily: when
+a solution's full estimate exceeds the budget, ``make_plan`` adds a ``CopyCut`` at its peak
+(the values live there and, per copy any plan could hold there, a 0-1 variable that the
+source's and readers' choices force on) and solves again, a few rounds at most; it says so
+when no round fits.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Build the planning problem from an ``ir.Graph``: decision groups, resharding edges, memory.
 
-Notation (used by ``ilp.py`` too):
+Notation (used by ``ilp.py`` and ``families/layouts.py`` too):
   g        a *group*: one decision op (dot_general, an input, ...) plus every op merged into it
            because it can only follow its operand (``rules.Follow``). ``x[g, i]`` = 1 when the
            group runs under its i-th strategy.
