@@ -573,11 +573,18 @@ def _within_budget(prob, sol, cost_model, options, allowed, clock, rounds=None,
                    margins=None, seek_least: bool = True):
     """The solver's memory constraints see resharded copies only through cuts added lazily
     (``planner.memory``): while the chosen plan's full estimate exceeds the budget, add a
-    ``CopyCut`` at its peak and solve again (from the plan so far), ``COPY_CUT_ROUNDS`` times
-    at most (or ``rounds``). Should the plan still break the budget, the budget shapes the
-    solve: ``MARGIN_ROUNDS`` (or ``margins``) more solves, each under the solver's limit less
-    what the plan so far holds beyond the budget (the copies no cut caught, a folded graph's
-    gap, which the estimate sees and the solver's memory terms do not). Keeps the first
+    ``CopyCut`` at its peak and solve again, ``COPY_CUT_ROUNDS`` times at most (or ``rounds``).
+    The first round starts from the descent from the plan (as the plain solve did); each later
+    one from the plan so far, which every cut but the new one already holds: the descent, blind
+    to copies, walked it back to plans the cuts rule out, and CP-SAT first spent its search
+    repairing that start (transformers' Llama-7B at two sequences a device, ``selective``: its
+    second round's peak is at the first cut's position again, whose cut undercounts the
+    estimate there by 1 GiB; from the plan so far, with no second copy of the cut, which the
+    plan meets, so CP-SAT does not repair it: 4.8 s of CPU -> 1.0 s, the same plan). Should
+    the plan still break the budget, the budget shapes the solve: ``MARGIN_ROUNDS`` (or
+    ``margins``) more solves, each under the solver's limit less what the plan so far holds
+    beyond the budget (the copies no cut caught, a folded graph's gap, which the estimate sees
+    and the solver's memory terms do not). Keeps the first
     solution that fits, else (``least``) the plan of least memory if it fits, else the lowest
     estimated peak (``_check_budget`` then refuses it; ``seek_least=False``: not sought).
     Returns (the solution, its estimated peak, ``ilp.min_memory``'s answer if it was sought;
@@ -592,15 +599,15 @@ def _within_budget(prob, sol, cost_model, options, allowed, clock, rounds=None,
         if est.peak <= budget or clock.spent(SEARCH_BEFORE):
             break
         if k < cut_rounds:
-            cuts.append(memory.cut_at(prob, est.peak_position))
+            cuts += _new_cut(prob, cuts, est.peak_position)
         else:
             limit -= est.peak - budget      # what the plan so far holds beyond the budget
             if limit <= 0:
                 break
-        try:
+        try:      # after the first round, from the plan so far (_within_budget's note)
             sol = ilp.solve(prob, cost_model, limit, options.time_limit_s, allowed,
                             _as_map(sol.choice), clock=clock, hint_name="FIRST SOLUTION",
-                            cuts=cuts, explain=False)
+                            cuts=cuts, explain=False, descend=k == 0)
         except PlanError:
             break
         est = memory.estimate(prob, sol.choice)
@@ -614,6 +621,15 @@ def _within_budget(prob, sol, cost_model, options, allowed, clock, rounds=None,
         kept = ilp.kept_choice(prob, least[0], "MIN MEMORY")
         return kept, memory.estimate(prob, kept.choice).peak, least
     return best[1], best[0], least
+
+
+def _new_cut(prob, cuts: list, position: int) -> list:
+    """``[memory.cut_at(prob, position)]``, or none where ``cuts`` has one at ``position``
+    already: a cut is its position's, and the same one twice only doubles its rows (the
+    round then searches around the plan so far under the cuts it has)."""
+    if any(c.position == position for c in cuts):
+        return []
+    return [memory.cut_at(prob, position)]
 
 
 def _as_map(choice) -> dict[int, int]:
