@@ -330,7 +330,8 @@ def make_plan(request: Request, *, trace_s: float = 0.0) -> Plan:
     """
     graph, mesh, cost_model = request.graph, dict(request.mesh), request.cost_model
     options = request.options
-    # the call's clock, for the error's advice alone (each plan below keeps its own)
+    # the call's clock: the error's advice, and the memory decisions' search once a plan is
+    # in hand (each plan below keeps its own)
     began = Clock(time.perf_counter() - trace_s, options.time_limit_s, options.deterministic)
     open_ = options.op_filter is None and options.memory_budget is not None
     may_r = open_ and options.recompute and recompute.has_sites(graph, cost_model)
@@ -407,8 +408,9 @@ def _memory_decisions(graph, mesh, cost_model, options, error: BudgetError, may_
     tries = [(recompute.plan_recomputed, _plan_layouts)] if may_r else []
     tries += [(offload.plan_offloaded, _plan_layouts)] if may_o else []
     both = [(recompute.plan_recomputed, layouts_then_offload)] if may_r and may_o else []
-    # one time limit for the whole search (planner.budget: SEARCH_CLOCK)
-    clock = Clock(time.perf_counter(), options.time_limit_s, options.deterministic)
+    # the call's time limit: a plan in hand stops the search once the call has spent it
+    # (planner.budget)
+    clock = began
     skipped = []
     for decide, plan_one in tries + both:
         if found and plan_one is layouts_then_offload:
