@@ -333,7 +333,8 @@ def make_plan(request: Request, *, trace_s: float = 0.0) -> Plan:
     """
     graph, mesh, cost_model = request.graph, dict(request.mesh), request.cost_model
     options = request.options
-    # the call's clock, for the error's advice alone (each plan below keeps its own)
+    # the call's clock: the error's advice, and the memory decisions' search once a plan is
+    # in hand (each plan below keeps its own)
     began = Clock(time.perf_counter() - trace_s, options.time_limit_s, options.deterministic)
     open_ = options.op_filter is None and options.memory_budget is not None
     may_r = open_ and options.recompute and recompute.has_sites(graph, cost_model)
@@ -344,7 +345,8 @@ def make_plan(request: Request, *, trace_s: float = 0.0) -> Plan:
                              options.replace(explain_budget=False) if may_r or may_o
                              else options, trace_s=trace_s)
     except BudgetError as e:
-        may_o = may_o and offload.offerable(graph, cost_model)
+        if not may_r:       # with recomputation offered, read where offload is tried
+            may_o = may_o and offload.offerable(graph, cost_model)
         if not (may_r or may_o):
             if e.least_bytes is None and options.explain_budget:   # the advice, after all
                 if began.spent():
@@ -391,7 +393,11 @@ def _memory_decisions(graph, mesh, cost_model, options, error: BudgetError, may_
                       may_o: bool, began: Clock) -> Plan:
     """The fastest plan that fits where the plain step does not: its loops' saved values
     recomputed, or its state offloaded; where neither fits alone, each recomputation policy
-    with its state offloaded too (tried last: each pairing plans the step up to three times)."""
+    with its state offloaded too (tried last: each pairing plans the step up to three times).
+    ``may_o``: offload may apply; whether the step has state to offload (a walk of its inlined
+    step: 0.6 s of CPU on transformers' Llama-7B) is read only where offload is tried."""
+    offers = functools.cache(lambda: offload.offerable(graph, cost_model))
+
     def layouts_then_offload(g, mesh, cost_model, opts, *, trace_s=0.0):
         try:
             return _plan_layouts(g, mesh, cost_model, opts.replace(explain_budget=False),
@@ -405,8 +411,9 @@ def _memory_decisions(graph, mesh, cost_model, options, error: BudgetError, may_
     tries = [(recompute.plan_recomputed, _plan_layouts)] if may_r else []
     tries += [(offload.plan_offloaded, _plan_layouts)] if may_o else []
     both = [(recompute.plan_recomputed, layouts_then_offload)] if may_r and may_o else []
-    # one time limit for the whole search (planner.budget: SEARCH_CLOCK)
-    clock = Clock(time.perf_counter(), options.time_limit_s, options.deterministic)
+    # the call's time limit: a plan in hand stops the search once the call has spent it
+    # (planner.budget)
+    clock = began
     skipped = []
     for decide, plan_one in tries + both:
         if found and plan_one is layouts_then_offload:
@@ -416,6 +423,8 @@ def _memory_decisions(graph, mesh, cost_model, options, error: BudgetError, may_
                            f"decisions' search had spent its time limit "
                            f"({clock.elapsed_s():.1f} s of time_limit_s={clock.limit_s:g}) with "
                            f"a plan in hand")
+            continue
+        if (decide is offload.plan_offloaded or plan_one is layouts_then_offload) and not offers():
             continue
         best_s = min((p.cost.step_time_s for p in found), default=None)
         try:      # with offload after each policy its step's bound does not hold: none used
@@ -578,11 +587,18 @@ def _within_budget(prob, sol, cost_model, options, allowed, clock, rounds=None,
                    margins=None, seek_least: bool = True):
     """The solver's memory constraints see resharded copies only through cuts added lazily
     (``planner.memory``): while the chosen plan's full estimate exceeds the budget, add a
-    ``CopyCut`` at its peak and solve again (from the plan so far), ``COPY_CUT_ROUNDS`` times
-    at most (or ``rounds``). Should the plan still break the budget, the budget shapes the
-    solve: ``MARGIN_ROUNDS`` (or ``margins``) more solves, each under the solver's limit less
-    what the plan so far holds beyond the budget (the copies no cut caught, a folded graph's
-    gap, which the estimate sees and the solver's memory terms do not). Keeps the first
+    ``CopyCut`` at its peak and solve again, ``COPY_CUT_ROUNDS`` times at most (or ``rounds``).
+    The first round starts from the descent from the plan (as the plain solve did); each later
+    one from the plan so far, which every cut but the new one already holds: the descent, blind
+    to copies, walked it back to plans the cuts rule out, and CP-SAT first spent its search
+    repairing that start (transformers' Llama-7B at two sequences a device, ``selective``: its
+    second round's peak is at the first cut's position again, whose cut undercounts the
+    estimate there by 1 GiB; from the plan so far, with no second copy of the cut, which the
+    plan meets, so CP-SAT does not repair it: 4.8 s of CPU -> 1.0 s, the same plan). Should
+    the plan still break the budget, the budget shapes the solve: ``MARGIN_ROUNDS`` (or
+    ``margins``) more solves, each under the solver's limit less what the plan so far holds
+    beyond the budget (the copies no cut caught, a folded graph's gap, which the estimate sees
+    and the solver's memory terms do not). Keeps the first
     solution that fits, else (``least``) the plan of least memory if it fits, else the lowest
     estimated peak (``_check_budget`` then refuses it; ``seek_least=False``: not sought).
     Returns (the solution, its estimated peak, ``ilp.min_memory``'s answer if it was sought;
@@ -597,15 +613,15 @@ def _within_budget(prob, sol, cost_model, options, allowed, clock, rounds=None,
         if est.peak <= budget or clock.spent(SEARCH_BEFORE):
             break
         if k < cut_rounds:
-            cuts.append(memory.cut_at(prob, est.peak_position))
+            cuts += _new_cut(prob, cuts, est.peak_position)
         else:
             limit -= est.peak - budget      # what the plan so far holds beyond the budget
             if limit <= 0:
                 break
-        try:
+        try:      # after the first round, from the plan so far (_within_budget's note)
             sol = ilp.solve(prob, cost_model, limit, options.time_limit_s, allowed,
                             _as_map(sol.choice), clock=clock, hint_name="FIRST SOLUTION",
-                            cuts=cuts, explain=False)
+                            cuts=cuts, explain=False, descend=k == 0)
         except PlanError:
             break
         est = memory.estimate(prob, sol.choice)
@@ -619,6 +635,15 @@ def _within_budget(prob, sol, cost_model, options, allowed, clock, rounds=None,
         kept = ilp.kept_choice(prob, least[0], "MIN MEMORY")
         return kept, memory.estimate(prob, kept.choice).peak, least
     return best[1], best[0], least
+
+
+def _new_cut(prob, cuts: list, position: int) -> list:
+    """``[memory.cut_at(prob, position)]``, or none where ``cuts`` has one at ``position``
+    already: a cut is its position's, and the same one twice only doubles its rows (the
+    round then searches around the plan so far under the cuts it has)."""
+    if any(c.position == position for c in cuts):
+        return []
+    return [memory.cut_at(prob, position)]
 
 
 def _as_map(choice) -> dict[int, int]:

@@ -28,16 +28,19 @@ under any load, however long that takes. ``AUTOPAR_DETERMINISTIC=1`` makes that 
 test suite sets it, as its golden plans must not depend on the machine's load).
 
 Where no plan fits the memory budget, the memory decisions (``planner.recompute``'s policies,
-``planner.offload``'s sets) are searched on a clock of their own, started when the plain plan
-failed. Until a rewritten step fits, each is planned in a whole limit of its own (a shared one
-left a tight step's first fitting policy unfitted on a loaded machine). Once a plan is in hand
-(or, for Mist's trade, ``planner._traded``, from the start), the later steps are planned with
-the search's time already spent, and none is started after START_BEFORE * L (a heuristic cut,
-written in the plan's notes). A rewritten step whose bound proves it cannot beat the plan in
-hand is skipped unplanned (``planner.prune``). So a call whose step breaks its budget returns
-in about (2 + k) * BUDGET_FACTOR * L, k the rewritten steps planned before one fits (0 where
-the first policy tried fits; where nothing fits, every policy, offload set and pairing of the
-two), plus what the rewrites take (a few seconds on a 7B model).
+``planner.offload``'s sets) are searched on the call's clock. Until a rewritten step fits,
+each is planned in a whole limit of its own (a shared one left a tight step's first fitting
+policy unfitted on a loaded machine). Once a plan is in hand (or, for Mist's trade,
+``planner._traded``, from the start), the later steps are planned with the call's time (the
+trade: the search's) already spent, and none is started after START_BEFORE * L (a heuristic
+cut, written in the plan's notes; counted from the plain plan's failure, it let transformers'
+Llama-7B at two sequences a device, ``selective`` in hand at the end of a 10 s call, plan
+``save_dots`` too, to lose, in about 5 s more). A rewritten step whose bound proves it
+cannot beat the plan in hand is skipped unplanned (``planner.prune``). So a call whose step
+breaks its budget returns in about (2 + k) * BUDGET_FACTOR * L, k the rewritten steps planned
+before one fits (0 where the first policy tried fits; where nothing fits, every policy,
+offload set and pairing of the two), plus what the rewrites take (a few seconds on a 7B
+model).
 
 Progress goes to the ``"autopar"`` logger: INFO while the call is young, WARNING (which Python
 prints on stderr when logging is not configured) once it has run PROGRESS_AFTER_S seconds, and

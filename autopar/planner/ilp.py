@@ -99,9 +99,10 @@ def _solver(time_limit_s: float, wall_s: float = math.inf, num_vars: int = 0,
     # GPT-39B and the search ended at 3x its cost; without presolve the hint is the first
     # solution and the ILP can only improve on it.
     s.parameters.cp_model_presolve = False
-    # A cut round (``repair``) starts from the plan its cut rules out: CP-SAT then searches
-    # near that hint first instead of from scratch (transformers' Llama-7B at one sequence a
-    # device, 7.4k variables, one cut: the same optimum in 6 s instead of 22 s).
+    # A cut round's first solve (``repair``) starts from the plan its cut rules out: CP-SAT
+    # then searches near that hint first instead of from scratch (transformers' Llama-7B at one
+    # sequence a device, 7.4k variables, one cut: the same optimum in 6 s instead of 22 s); a
+    # hint that breaks no row is not repaired (``_solve_model``).
     s.parameters.repair_hint = repair
     if repair:
         # ... and with CP-SAT's own LP settings: the copy cut's rows make the eager level-2 LP
@@ -109,6 +110,10 @@ def _solver(time_limit_s: float, wall_s: float = math.inf, num_vars: int = 0,
         # level 1, the same optimum; 4.7 s without the hint's repair)
         s.parameters.linearization_level = 1
         s.parameters.add_lp_constraints_lazily = True
+        # ... and no conflicts spent on the repair phase alone: CP-SAT's default (10) ran it to
+        # a poor first solution before the search proper (Llama-7B, the same optima in
+        # deterministic time: one sequence a device 2.1 -> 1.4, two 4.3 -> 1.8)
+        s.parameters.hint_conflict_limit = 0
     return s
 
 
@@ -124,7 +129,7 @@ def solve(p: Problem, cost_model, memory_budget: float | None = None, time_limit
           allowed: Mapping[int, set[int]] | None = None,
           hint: Mapping[int, int] | None = None, clock: Clock | None = None,
           hint_name: str = "HINT", seeds=(), cuts=(), score=None, explain: bool = True,
-          beat_s: float | None = None, families=()) -> Solution:
+          beat_s: float | None = None, families=(), descend: bool = True) -> Solution:
     """The best plan CP-SAT finds from the descent start (see the module docstring); ``clock``
     (``planner.budget``) cuts the model build and the search at the call's wall-clock budget,
     and a plan kept without the ILP is labelled by where it came from (``hint_name`` for
@@ -141,7 +146,9 @@ def solve(p: Problem, cost_model, memory_budget: float | None = None, time_limit
     solve stops, with the best solution it has found (status FEASIBLE), or, where it has none,
     raises ``CannotBeat``. ``families``: makers (problem -> ``families.Family``) of decision
     families the model takes after the layouts' and the kernels', called for each model built
-    (a candidate round's problem has the candidates as its strategies)."""
+    (a candidate round's problem has the candidates as its strategies). ``descend=False``: start
+    from ``hint`` itself, not the descent from it (a cut round's hint, which the descent, blind
+    to copies, would walk back over the budget)."""
     clock = clock or Clock(time.perf_counter(), time_limit_s)
     if memory_budget is not None and (memory_lower_bound(p, allowed or {})
                                       > min(memory_budget, MAX_BUDGET) + _rounding_bytes(p)):
@@ -152,7 +159,8 @@ def solve(p: Problem, cost_model, memory_budget: float | None = None, time_limit
         # would have cut short before)
         raise _memory_error(p, cost_model, memory_budget, allowed, clock,
                             explain and not clock.spent())
-    start, name = _start(p, cost_model, memory_budget, allowed, hint, clock, hint_name)
+    start, name = _start(p, cost_model, memory_budget, allowed, hint, clock, hint_name,
+                         descend)
     fits = memory_budget is None or memory_of(p, _as_tuple(p, start)) <= memory_budget
     if clock.spent(SEARCH_BEFORE) and fits:
         clock.note(f"time limit: returning the {name.lower()} plan without the ILP")
@@ -311,6 +319,11 @@ def _solve_model(p: Problem, allowed, start, run: _Run) -> Solution:
     mdl.m.Minimize(sum(c * x for c, x in mdl.obj))
     size = (len(mdl.m.Proto().variables), len(mdl.m.Proto().constraints))
     solver = _solver(run.time_limit_s, clock.solver_wall_s(), size[0], repair=bool(run.cuts))
+    if solver.parameters.repair_hint and _hint_holds(mdl.m):
+        # a later cut round's hint, the plan so far, may break no row: CP-SAT's repair then
+        # only slows its search (Llama-7B at two sequences a device, ``selective``'s second
+        # round: 2.9 s of CPU with the repair, 0.9 s without, the same optimum)
+        solver.parameters.repair_hint = False
     stopped = _stop_above(solver, run.beat_s, len(mdl.obj))
     t0 = time.perf_counter()
     status = solver.Solve(mdl.m)
@@ -328,6 +341,46 @@ def _solve_model(p: Problem, allowed, start, run: _Run) -> Solution:
     choice = layouts.read_back(mdl, solver)
     return Solution(choice, solver.ObjectiveValue() / PS, solver.BestObjectiveBound() / PS,
                     solver.StatusName(status), dt, *size)
+
+
+def _hint_holds(model: cp_model.CpModel) -> bool:
+    """Whether ``model``'s solution hint is complete and meets every constraint (linear, and
+    the Boolean kinds the planner's models use; any other kind: not known, so False)."""
+    proto = model.Proto()
+    val = dict(zip(proto.solution_hint.vars, proto.solution_hint.values))
+    if len(val) != len(proto.variables):
+        return False
+
+    def lit(v: int) -> int:
+        return val[v] if v >= 0 else 1 - val[-v - 1]
+
+    def within(x: int, domain) -> bool:
+        d = list(domain)
+        return any(lo <= x <= hi for lo, hi in zip(d[::2], d[1::2]))
+
+    if not all(within(val[k], var.domain) for k, var in enumerate(proto.variables)):
+        return False
+    for c in proto.constraints:
+        if not all(lit(v) for v in c.enforcement_literal):
+            continue
+        if c.has_linear():
+            terms = c.linear
+            total = sum(k * (val[v] if v >= 0 else -val[-v - 1])
+                        for v, k in zip(terms.vars, terms.coeffs))
+            ok = within(total, terms.domain)
+        elif c.has_exactly_one():
+            ok = sum(map(lit, c.exactly_one.literals)) == 1
+        elif c.has_at_most_one():
+            ok = sum(map(lit, c.at_most_one.literals)) <= 1
+        elif c.has_bool_or():
+            ok = any(map(lit, c.bool_or.literals))
+        elif c.has_bool_and():
+            ok = all(map(lit, c.bool_and.literals))
+        else:
+            ok = False
+        if not ok:
+            return False
+    return True
 
 
 class CannotBeat(PlanError):
@@ -368,13 +421,13 @@ def _launches(p: Problem, start, cost_model) -> dict:
 
 
 def _start(p: Problem, cost_model, memory_budget, allowed, hint, clock: Clock,
-           hint_name: str) -> tuple[dict[int, int], str]:
-    """(start, its name): the descent plan from ``hint``; ``hint`` itself when the budget is
-    spent (descent's edge matrices cost about as much as building the problem) or when only it
-    fits the memory."""
+           hint_name: str, descend_: bool = True) -> tuple[dict[int, int], str]:
+    """(start, its name): the descent plan from ``hint``; ``hint`` itself when asked
+    (``descend_`` false), when the budget is spent (descent's edge matrices cost about as much
+    as building the problem) or when only it fits the memory."""
     from autopar.planner.descent import OutOfTime, descend
 
-    if hint and clock.spent(SEARCH_BEFORE):
+    if hint and (not descend_ or clock.spent(SEARCH_BEFORE)):
         return dict(hint), hint_name
     try:     # with a hint to fall back on, the descent stops when the budget runs out
         start = descend(p, cost_model, dict(hint) if hint else None, allowed=allowed,
