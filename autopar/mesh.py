@@ -81,9 +81,10 @@ def _check_distinct_devices(devices: np.ndarray, sizes: dict[str, int]) -> None:
         seen[d.id] = index
 
 
-# Set while autopar itself holds a context mesh (``on_mesh``): a trace made under it is
-# autopar's, and takes no axes from it (``caller_axes``).
-_OWN_MESH = contextvars.ContextVar("autopar_own_mesh", default=False)
+# While autopar itself holds a context mesh (``on_mesh``): the caller's context mesh as it was
+# when autopar set its own, the one a trace takes its axes from (``caller_axes``).
+_OUTSIDE = object()
+_CALLER_MESH = contextvars.ContextVar("autopar_caller_mesh", default=_OUTSIDE)
 
 
 @contextlib.contextmanager
@@ -91,12 +92,18 @@ def on_mesh(mesh: Mesh):
     """Lower and run under ``mesh`` (Auto axes) as the context mesh, whatever mesh the caller set
     with ``jax.set_mesh``: under an Explicit context mesh jax rejects the plan's Auto-axis values
     ("context mesh should match the aval mesh")."""
-    token = _OWN_MESH.set(True)
+    token = _CALLER_MESH.set(_callers())
     try:
         with _context(mesh):
             yield
     finally:
-        _OWN_MESH.reset(token)
+        _CALLER_MESH.reset(token)
+
+
+def _callers():
+    """The caller's context mesh: the one in force, unless autopar set it (``on_mesh``)."""
+    held = _CALLER_MESH.get()
+    return jax.sharding.get_abstract_mesh() if held is _OUTSIDE else held
 
 
 def without_mesh():
@@ -113,7 +120,7 @@ def caller_axes():
     only under a mesh), while no Explicit sharding is baked into the traced types. The plan
     still decides every layout: codegen runs the plan's in place of each constraint
     (``autopar.planner.constraints``)."""
-    outer = None if _OWN_MESH.get() else jax.sharding.get_abstract_mesh()
+    outer = _callers()
     with _context(None):
         if outer is None or outer.empty:
             yield

@@ -122,3 +122,21 @@ def test_flax_logical_constraints_are_traced_under_the_callers_mesh():
     with pytest.raises(PlanError, match=r"made for a step with \d+ sharding constraint\(s\), "
                                         r"this one has 0.*both inside jax.set_mesh"):
         autopar.autoparallel(fn, mesh=MESH, plan=inside)(*held)
+
+
+def test_a_step_built_from_a_plan_inside_the_mesh_traces_as_the_plan_did():
+    """autopar lowers under its own context mesh; the trace still takes the caller's axes, so a
+    plan made inside ``jax.set_mesh`` applies to the step lowered there, flax's constraints
+    included."""
+    cfg = zoo.Config(layers=1, width=32, ff=64, heads=4, batch=8)
+    fn, *args = zoo.linen_lm(cfg)
+    held = jax.device_put(tuple(args), zoo.linen_user_layout(cfg, MESH))
+    with jax.set_mesh(MESH):
+        plan = autopar.plan(fn, *held, mesh=MESH, hardware="cpu", time_limit_s=5)
+        step = autopar.autoparallel(fn, mesh=MESH, plan=plan)
+        step.lower(*held).compile()
+        out = step(*held)
+    assert plan.constraints and step.plan.constraints == plan.constraints
+    want = jax.jit(fn)(*held)
+    numerics.assert_same_step(out[0], want[0], lr=cfg.lr, got_loss=out[2], want_loss=want[2],
+                              got_mu=out[1][0].mu, want_mu=want[1][0].mu)
