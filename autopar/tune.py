@@ -11,7 +11,9 @@ A tuned step therefore, on its first call with arrays on the mesh's devices:
 
 1. plans auto and every hand-written strategy (``request.STARTS``) and the layout the arguments
    are committed to, each as ``autopar.plan(strategy=...)`` plans it, auto held against them
-   (``seed_plans``: it is never predicted slower than any);
+   (``seed_plans``: it is never predicted slower than any); the committed layout is also a
+   candidate as the user's own ``jax.jit`` runs it (``xla_layouts``: no pins, XLA's
+   propagation lays out the activations), which the cost model does not price;
 2. keeps those predicted within ``within`` of auto's step (``tune=True``: ``band``, how far
    the cost model's ranking has been measured wrong on the hardware, at least 10%);
 3. lowers each, and compiles each distinct program once (plans of equal lowered text are one);
@@ -85,6 +87,7 @@ def candidates(graph, mesh, options: Mapping, *, trace_s: float, user_layout,
                 left.append(TunedCandidate(name, 0.0, None, "", "not planned: " + _line(e)))
     auto = plan_graph(graph, mesh, strategy="auto", trace_s=trace_s, user_layout=user_layout,
                       seed_plans=tuple(p for _, p in hand), **opts)
+    hand += [(XLA_LAYOUTS, xla_layouts(p)) for n, p in hand if n == "user"]
     bar = auto.cost.step_time_s * (1.0 + within)
     near = [(n, p) for n, p in hand if p.cost.step_time_s <= bar]
     auto_s = auto.cost.step_time_s
@@ -93,6 +96,24 @@ def candidates(graph, mesh, options: Mapping, *, trace_s: float, user_layout,
                             f"step (over {1 + within:.2f}x)")
              for n, p in hand if p.cost.step_time_s > bar]
     return auto, near, left
+
+
+# The user's own program as their jax.jit runs it: the user's layout of the inputs (and of
+# the step's constraints), every other layout left to XLA's sharding propagation.
+XLA_LAYOUTS = "user-xla"
+
+
+def xla_layouts(user: Plan) -> Plan:
+    """``user``'s plan with no pins: codegen then lays out the inputs and outputs as the user's
+    layout does and keeps the step's own sharding constraints, and XLA's sharding propagation
+    chooses every other layout, as under the user's own ``jax.jit(in_shardings=...)``. A
+    candidate the cost model cannot price (it does not model XLA's propagation): its figures
+    are the user plan's, and its notes say so."""
+    note = ("XLA's sharding propagation lays out every activation (no pins: the inputs in the "
+            "user's layout, the step's own constraints kept, as under the user's jax.jit); the "
+            "predicted figures are those of the user's layout planned by autopar, whose "
+            "activation layouts this program does not pin")
+    return dataclasses.replace(user, strategy=XLA_LAYOUTS, pins=(), notes=(*user.notes, note))
 
 
 def choose(graph, mesh, options: Mapping, args: tuple, abstract: tuple, *, trace_s: float,

@@ -93,6 +93,26 @@ def test_a_tuned_step_runs_the_plan_measured_fastest(user_won):
     assert autopar.Plan.from_json(plan.to_json()).tuned == plan.tuned
 
 
+def test_the_users_own_jit_program_is_a_candidate_and_runs_as_jax_jit_would():
+    """With committed arguments, the user's layout is also timed as the user's ``jax.jit`` runs
+    it (``tune.xla_layouts``: no pins, XLA's propagation lays out the activations); when it is
+    measured fastest the step runs it, computing the unsharded step, and its summary says its
+    prediction is not of this program."""
+    mesh = _mesh()
+    fn, args, held = _linen(mesh)
+    timer, seen = _fake_times(tune.XLA_LAYOUTS, 0.10)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tune, "interleaved", timer)
+        step = autopar.autoparallel(fn, mesh=mesh, hardware="cpu", tune=WITHIN, time_limit_s=5)
+        out = step(*held)
+    plan = step.plan
+    assert tune.XLA_LAYOUTS in seen[0] and plan.strategy == tune.XLA_LAYOUTS
+    assert plan.pins == () and "XLA's sharding propagation" in plan.summary()
+    user = next(r for r in plan.tuned if r.strategy == "user")
+    assert plan.tuned[0].step_time_s == user.step_time_s      # priced as the user's plan
+    _check_numerics(fn, args, out)
+
+
 def test_lowered_without_arrays_then_tuned_at_the_first_call(user_won):
     """``lower`` of abstract arguments cannot time anything: the first call with arrays plans
     again, tuned, so tune= never passes silently."""
