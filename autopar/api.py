@@ -226,8 +226,10 @@ AUTOPARALLEL_OPTIONS = PLAN_OPTIONS + ("plan",)
 class AutoParallel:
     """A training step that plans, compiles and runs itself sharded (``@autopar.autoparallel``).
 
-    Traces, lowers and runs under its own Auto-axis mesh, so a caller inside
-    ``jax.set_mesh(...)`` (Explicit axes) gets the same executable as one outside it.
+    Lowers and runs under its own Auto-axis mesh, so a caller inside ``jax.set_mesh(...)``
+    (Explicit axes) gets the same executable as one outside it, except that the step is traced
+    under that mesh's axes (as Auto): constraints the step makes only under a mesh (flax's
+    ``nn.with_logical_constraint``) are then part of it (``autopar.planner.constraints``).
     """
 
     def __init__(self, fn: Callable, *, mesh, hardware=None, memory_budget=None,
