@@ -340,7 +340,9 @@ def plan_applies(plan, graph) -> None:
     layout names an op of this program and divides its output shape."""
     inputs = _input_difference(plan, graph)    # before the fingerprint, which may be edited
     if inputs is not None or plan.graph_fingerprint != graph.fingerprint():
-        here = sum(op.prim == "sharding_constraint" for op in graph.all_ops())
+        from autopar.planner import constraints
+
+        here = constraints.count(graph)
         context = ("" if inputs is not None or bool(here) == bool(plan.constraints) else
                    f" (the plan was made for a step with {len(plan.constraints)} sharding "
                    f"constraint(s), this one has {here}: flax's nn.with_logical_constraint makes "

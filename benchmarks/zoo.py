@@ -46,7 +46,6 @@ import autopar  # noqa: E402
 import cost_models  # noqa: E402
 from autopar import tune  # noqa: E402
 from autopar.models import hf, zoo  # noqa: E402
-from autopar.tune import interleaved  # noqa: E402
 
 HAND = ("dp", "zero1", "zero2", "zero3", "megatron", "megatron_sp", "fsdp_tp")
 MESHES = ({"data": 8}, {"data": 2, "model": 4})
@@ -187,7 +186,7 @@ def _timed(exes: dict, runs: int) -> dict:
         jax.block_until_ready(exe(*placed))
         return time.perf_counter() - t0
 
-    medians = interleaved({k: functools.partial(run, k) for k in exes if same[k] == k}, runs)
+    medians = tune.interleaved({k: functools.partial(run, k) for k in exes if same[k] == k}, runs)
     return {k: (medians[same[k]], same[k]) for k in exes}
 
 

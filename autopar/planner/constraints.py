@@ -35,9 +35,19 @@ def _sites(prob: problem.Problem):
                 yield op, g, op.param(CONSTRAINT)
 
 
+def _readable(op) -> bool:
+    return op.prim == PRIM and op.param(CONSTRAINT) is not None
+
+
 def has_constraints(graph) -> bool:
     """Whether ``graph``'s step holds a sharding constraint the planner can read."""
-    return any(op.prim == PRIM and op.param(CONSTRAINT) is not None for op in graph.all_ops())
+    return any(map(_readable, graph.all_ops()))
+
+
+def count(graph) -> int:
+    """How many sharding constraints the planner can read ``graph``'s step holds (a forward
+    constraint and its transpose in the backward pass are two)."""
+    return sum(map(_readable, graph.all_ops()))
 
 
 def follows(asked, have: Sharding) -> bool:
